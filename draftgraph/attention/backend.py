@@ -1,0 +1,128 @@
+"""Attention backends: build metadata from raw inputs and run attention over the KV pool.
+
+A backend declares what it can do:
+  in_graph_metadata  its metadata builders are graph-capturable (no host sync, no allocation),
+                     so a CUDA graph replay derives metadata itself from the raw inputs;
+  draft_step_update  it can advance draft-chain metadata in place between steps in a graph.
+The graph runner rebuilds metadata eagerly before each replay for a backend without
+`in_graph_metadata` and logs that once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from draftgraph.attention.metadata import FULL, SLIDING, MetadataBuffers, build_metadata
+from draftgraph.runtime.kv_cache import KVPool
+
+
+class Phase(enum.Enum):
+    EXTEND = "extend"  # prefill / chunked prefill
+    DECODE = "decode"
+    VERIFY = "verify"
+    DRAFT_CHAIN = "draft_chain"
+    DRAFT_BLOCK = "draft_block"
+
+
+@dataclass
+class ForwardBatch:
+    """The raw inputs of one forward plus the metadata buffers derived from them."""
+
+    phase: Phase
+    input_ids: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64, KV length after this forward
+    extend_lens: torch.Tensor  # [bs] int64, new tokens per request
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    meta: MetadataBuffers
+    # host copies, known to the scheduler anyway; used by eager backends only
+    extend_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def bs(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.meta.positions[: self.num_tokens]
+
+
+class AttentionBackend:
+    name = "base"
+    in_graph_metadata = False
+    draft_step_update = False
+
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, sliding_window: int | None,
+                 scale: float) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.sliding_window = sliding_window
+        self.scale = scale
+
+    def build_metadata(self, fb: ForwardBatch) -> None:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                sliding: bool, fb: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchBackend(AttentionBackend):
+    """Reference backend: torch metadata builders and per-request SDPA. Eager only."""
+
+    name = "torch"
+
+    def build_metadata(self, fb: ForwardBatch) -> None:
+        build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens, fb.out_cache_loc,
+                       self.req_to_token, fb.meta)
+        self._host = None
+
+    def _host_offsets(self, fb: ForwardBatch) -> dict:
+        # One device->host read per forward, shared by every layer.
+        if getattr(self, "_host", None) is None or self._host[0] is not fb:
+            bs = fb.bs
+            offs = {"qo": fb.meta.qo_indptr[: bs + 1].tolist()}
+            for kind, lists in fb.meta.lists.items():
+                offs[kind] = (lists.kv_indptr[: bs + 1].tolist(), lists.kv_start[:bs].tolist())
+            self._host = (fb, offs)
+        return self._host[1]
+
+    def forward(self, q, k, v, layer_id, sliding, fb):
+        k_cache = self.kv_pool.k_buffers[layer_id]
+        v_cache = self.kv_pool.v_buffers[layer_id]
+        k_cache[fb.out_cache_loc] = k.to(k_cache.dtype)
+        v_cache[fb.out_cache_loc] = v.to(v_cache.dtype)
+        kind = SLIDING if sliding else FULL
+        lists = fb.meta.lists[kind]
+        offs = self._host_offsets(fb)
+        qo = offs["qo"]
+        kv_indptr, kv_start = offs[kind]
+        out = torch.empty_like(q)
+        positions = fb.positions
+        for r in range(fb.bs):
+            q0, q1 = qo[r], qo[r + 1]
+            if q1 == q0:
+                continue
+            idx = lists.kv_indices[kv_indptr[r] : kv_indptr[r + 1]]
+            kr = k_cache[idx].transpose(0, 1)  # [Hkv, S, D]
+            vr = v_cache[idx].transpose(0, 1)
+            qr = q[q0:q1].transpose(0, 1)  # [Hq, L, D]
+            mask = None
+            if q1 - q0 > 1 or lists.window is not None:
+                qpos = positions[q0:q1, None]
+                kpos = kv_start[r] + torch.arange(idx.shape[0], device=q.device)[None, :]
+                mask = kpos <= qpos
+                if lists.window is not None:
+                    mask &= qpos - kpos < lists.window
+            o = F.scaled_dot_product_attention(qr, kr.to(q.dtype), vr.to(q.dtype),
+                                               attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[q0:q1] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,152 @@
+"""Attention metadata from raw inputs: the reference (plain torch) builders.
+
+Raw inputs of one forward (all int64, on the model's device):
+  req_pool_indices [bs]          row of `req_to_token` owned by each request
+  seq_lens         [bs]          KV length of each request *after* this forward
+  extend_lens      [bs]          new tokens of each request in this forward (decode: 1)
+  out_cache_loc    [num_tokens]  KV slot each new token is written to
+
+Derived, written into caller-owned buffers (`MetadataBuffers`):
+  qo_indptr  [bs + 1]            CSR offsets of each request's query tokens
+  positions  [num_tokens]        absolute position of each new token
+  token_req  [num_tokens]        batch row of each new token
+  req_to_token[req, pos] = out_cache_loc   (the KV write slots, recorded in the table)
+  per layer kind (full, sliding window W):
+    kv_indptr  [bs + 1]          counts written into kv_indptr[1:], scanned in place
+    kv_indices [capacity]        KV slots of the visible context, request after request
+    kv_start   [bs]              position of each request's first listed KV slot
+
+A sliding layer with window W lets a query at position p see positions p - W + 1 .. p, so a
+request's list starts at max(0, first_query_position - W + 1); the attention kernel masks the
+rest per query row. Entries past a buffer's live part are left as they are and never read
+(a builder never sweeps the whole capacity).
+
+The Triton twins in `draftgraph.kernels.metadata` must produce exactly these values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FULL = "full"
+SLIDING = "sliding"
+
+
+@dataclass
+class KVIndexLists:
+    """CSR list of visible KV slots for one layer kind."""
+
+    kv_indptr: torch.Tensor  # [max_bs + 1] int64
+    kv_indices: torch.Tensor  # [capacity] int64, -1 where empty
+    kv_start: torch.Tensor  # [max_bs] int64
+    window: int | None  # None for full attention
+
+
+class MetadataBuffers:
+    """Persistent metadata buffers sized for the largest batch they will ever describe.
+
+    NOTE: the tensors are allocated once and only written in place afterwards, so CUDA graphs
+    may capture their addresses.
+    """
+
+    def __init__(
+        self,
+        max_bs: int,
+        max_num_tokens: int,
+        kv_capacity: int,
+        sliding_window: int | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        dev = torch.device(device)
+        self.max_bs = max_bs
+        self.max_num_tokens = max_num_tokens
+        self.kv_capacity = kv_capacity
+        self.qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self.token_req = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self.lists: dict[str, KVIndexLists] = {FULL: self._lists(dev, kv_capacity, None)}
+        if sliding_window:
+            cap = min(kv_capacity, max_bs * (sliding_window + max_num_tokens))
+            self.lists[SLIDING] = self._lists(dev, cap, sliding_window)
+
+    def _lists(self, dev: torch.device, capacity: int, window: int | None) -> KVIndexLists:
+        return KVIndexLists(
+            kv_indptr=torch.zeros(self.max_bs + 1, dtype=torch.int64, device=dev),
+            kv_indices=torch.full((capacity,), -1, dtype=torch.int64, device=dev),
+            kv_start=torch.zeros(self.max_bs, dtype=torch.int64, device=dev),
+            window=window,
+        )
+
+    def all_tensors(self) -> list[torch.Tensor]:
+        out = [self.qo_indptr, self.positions, self.token_req]
+        for lists in self.lists.values():
+            out += [lists.kv_indptr, lists.kv_indices, lists.kv_start]
+        return out
+
+
+def build_positions_and_slots(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    bufs: MetadataBuffers,
+) -> None:
+    """qo_indptr, positions, token_req; record out_cache_loc in req_to_token."""
+    bs = req_pool_indices.shape[0]
+    num_tokens = out_cache_loc.shape[0]
+    bufs.qo_indptr[0] = 0
+    torch.cumsum(extend_lens, 0, out=bufs.qo_indptr[1 : bs + 1])
+    token_req = torch.repeat_interleave(
+        torch.arange(bs, device=seq_lens.device), extend_lens, output_size=num_tokens
+    )
+    offset_in_req = torch.arange(num_tokens, device=seq_lens.device) - bufs.qo_indptr[token_req]
+    positions = (seq_lens - extend_lens)[token_req] + offset_in_req
+    bufs.token_req[:num_tokens] = token_req
+    bufs.positions[:num_tokens] = positions
+    req_to_token[req_pool_indices[token_req], positions] = out_cache_loc
+
+
+def build_kv_index_lists(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    lists: KVIndexLists,
+) -> None:
+    """kv_indptr / kv_indices / kv_start for one layer kind (full or sliding window)."""
+    bs = req_pool_indices.shape[0]
+    if lists.window is None:
+        start = torch.zeros_like(seq_lens)
+    else:
+        start = (seq_lens - extend_lens - lists.window + 1).clamp_min(0)
+    counts = seq_lens - start
+    lists.kv_start[:bs] = start
+    lists.kv_indptr[0] = 0
+    torch.cumsum(counts, 0, out=lists.kv_indptr[1 : bs + 1])
+    total = int(lists.kv_indptr[bs])
+    if total > lists.kv_indices.shape[0]:
+        raise RuntimeError(
+            f"kv_indices capacity {lists.kv_indices.shape[0]} < {total} visible KV entries"
+        )
+    row = torch.repeat_interleave(torch.arange(bs, device=seq_lens.device), counts,
+                                  output_size=total)
+    col = torch.arange(total, device=seq_lens.device) - lists.kv_indptr[row] + start[row]
+    lists.kv_indices[:total] = req_to_token[req_pool_indices[row], col]
+
+
+def build_metadata(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    bufs: MetadataBuffers,
+) -> None:
+    """All metadata of one forward, in dependency order (slots before index lists)."""
+    build_positions_and_slots(req_pool_indices, seq_lens, extend_lens, out_cache_loc,
+                              req_to_token, bufs)
+    for lists in bufs.lists.values():
+        build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, req_to_token, lists)
