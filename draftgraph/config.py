@@ -1,0 +1,94 @@
+"""Engine configuration: one dataclass per concern, validated when built.
+
+Errors name the command-line flag to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class CacheConfig:
+    page_size: int = 1
+    kv_cache_tokens: int | None = None  # None: sized from free memory (GPU) or a CPU default
+    gpu_memory_utilization: float = 0.85
+
+    def __post_init__(self) -> None:
+        _need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
+        _need(self.kv_cache_tokens is None or self.kv_cache_tokens >= 16,
+              f"--kv-cache-tokens must be >= 16, got {self.kv_cache_tokens}")
+        _need(0 < self.gpu_memory_utilization <= 1,
+              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 32  # requests decoded together
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_waiting: int = 1024  # queued requests before new ones are refused
+    max_model_len: int | None = None  # None: the model's context, capped at 8192
+
+    def __post_init__(self) -> None:
+        _need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _need(self.max_num_batched_tokens >= 16,
+              f"--max-num-batched-tokens must be >= 16, got {self.max_num_batched_tokens}")
+        _need(self.max_model_len is None or self.max_model_len >= 2,
+              f"--max-model-len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass
+class SpecConfig:
+    method: str | None = None  # None | "ngram"
+    num_draft_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    adaptive: bool = True  # shrink the draft length when acceptance is low
+
+    def __post_init__(self) -> None:
+        _need(self.method in (None, "ngram"),
+              f"--speculative must be one of: ngram (got {self.method!r})")
+        _need(1 <= self.num_draft_tokens <= 16,
+              f"--num-draft-tokens must be in 1..16, got {self.num_draft_tokens}")
+        _need(1 <= self.ngram_min <= self.ngram_max,
+              f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"
+    device: str | None = None  # None: cuda if available
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    use_graphs: bool = True  # CUDA graphs on GPU; ignored on CPU
+    attention_backend: str | None = None  # None: triton on GPU, torch on CPU
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        _need(self.device.split(":")[0] in ("cpu", "cuda"),
+              f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda was given but no CUDA GPU is visible; use --device cpu")
+        if self.dtype is None:
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        _need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, "
+              f"got {self.dtype!r}")
+        _need(self.attention_backend in (None, "torch", "triton"),
+              f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

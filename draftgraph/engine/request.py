@@ -1,0 +1,110 @@
+"""A request's life: tokens, KV ownership, stop conditions and what it has streamed so far."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from draftgraph.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step reports about one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    new_token_ids: list[int]  # tokens added by this step
+    text: str  # all output text so far (without held-back stop-string prefixes)
+    delta_text: str  # text added by this step
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[float] | None = None  # per output token, from the target model
+    new_logprobs: list[float] | None = None
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 seed: int, eos_token_ids: set[int], detokenizer=None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.stop_token_ids = set(params.stop_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        # KV state
+        self.req_pool_idx = 0  # row in req_to_token; 0 = none
+        self.pages: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # streaming state
+        self.detokenizer = detokenizer
+        self.text = ""  # full detokenized output, stop string cut off when finished
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+        # speculative statistics
+        self.verify_steps = 0
+        self.accepted_draft_tokens = 0
+        self.proposed_draft_tokens = 0
+        self.accepted_per_pos: list[int] = []
+        # timing
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        # tokens still to compute before sampling resumes; afterwards each step feeds the
+        # last sampled token (a preempted request recomputes its output tokens too)
+        target = self.num_tokens - (1 if self.output_token_ids else 0)
+        return self.num_computed_tokens < target
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()
+
+    def metrics(self) -> dict:
+        end = self.finish_time or time.perf_counter()
+        out = {
+            "prompt_tokens": len(self.prompt_token_ids),
+            "completion_tokens": len(self.output_token_ids),
+            "seconds": end - self.arrival_time,
+            "ttft": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
+        }
+        if self.verify_steps:
+            out.update(
+                verify_steps=self.verify_steps,
+                accepted_tokens=self.accepted_draft_tokens,
+                draft_tokens=self.proposed_draft_tokens,
+                accept_len_mean=(self.accepted_draft_tokens + self.verify_steps)
+                / self.verify_steps,
+                acceptance_rate_per_pos=[a / self.verify_steps for a in self.accepted_per_pos],
+            )
+        return out

@@ -1,0 +1,136 @@
+"""Continuous batching with chunked prefill under a token budget.
+
+Every step builds one flat batch: each running request in decode contributes its last token
+(plus drafts when speculating), then prefilling requests contribute prompt chunks while the
+token budget lasts, then waiting requests are admitted. When the KV pool runs dry, the most
+recently admitted request is preempted (its KV freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from draftgraph.config import SchedulerConfig
+from draftgraph.engine.request import Request, Status
+from draftgraph.runtime.kv_cache import OutOfKVSlots, PagedAllocator, ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_new_tokens: int  # tokens of the sequence fed this step (prefill chunk or 1)
+    draft_tokens: list[int] = field(default_factory=list)  # verify step: drafts after them
+    out_cache_loc: list[int] = field(default_factory=list)
+
+    @property
+    def extend_len(self) -> int:
+        return self.num_new_tokens + len(self.draft_tokens)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: PagedAllocator,
+                 req_pool: ReqToTokenPool) -> None:
+        self.cfg = cfg
+        self.allocator = allocator
+        self.req_pool = req_pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def release(self, req: Request) -> None:
+        """Give back the request's KV slots and table row (finished, aborted or failed)."""
+        self.allocator.free(req.pages)
+        if req.req_pool_idx:
+            self.req_pool.free(req.req_pool_idx)
+            req.req_pool_idx = 0
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def _preempt(self, victim: Request) -> None:
+        logger.info("KV pool full: preempting request %s (recomputed later)", victim.request_id)
+        self.allocator.free(victim.pages)
+        self.req_pool.free(victim.req_pool_idx)
+        victim.req_pool_idx = 0
+        victim.num_computed_tokens = 0
+        victim.status = Status.WAITING
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+
+    def _alloc(self, sr: ScheduledRequest, scheduled: list[ScheduledRequest]) -> bool:
+        """KV slots for sr; preempts the newest other running request when out of slots."""
+        req = sr.req
+        while True:
+            try:
+                sr.out_cache_loc = self.allocator.extend(req.pages, req.num_computed_tokens,
+                                                         sr.extend_len)
+                return True
+            except OutOfKVSlots:
+                victims = [r for r in reversed(self.running)
+                           if r is not req and all(s.req is not r for s in scheduled)]
+                if not victims:
+                    return False
+                self._preempt(victims[0])
+
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> list[ScheduledRequest]:
+        """Pick this step's work. `drafts` maps request ids in decode to their draft tokens."""
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        # 1. decoding requests: one token each (plus drafts)
+        for req in list(self.running):
+            if req.is_prefilling or req not in self.running:
+                continue
+            sr = ScheduledRequest(req, 1, list((drafts or {}).get(req.request_id, [])))
+            if sr.extend_len > budget and scheduled:
+                break
+            if not self._alloc(sr, scheduled):
+                self._preempt(req)
+                continue
+            budget -= sr.extend_len
+            scheduled.append(sr)
+        # 2. running requests still prefilling, then newly admitted ones
+        for req in [r for r in self.running if r.is_prefilling]:
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted by an earlier chunk of this step
+                continue
+            sr = self._prefill_chunk(req, budget, scheduled)
+            if sr:
+                budget -= sr.extend_len
+                scheduled.append(sr)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            remaining = req.num_tokens - req.num_computed_tokens
+            reserve = sum(1 for r in self.running if not r.is_prefilling)
+            if self.allocator.num_free_slots < min(remaining, budget) + reserve:
+                break
+            self.waiting.popleft()
+            req.req_pool_idx = self.req_pool.alloc()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            sr = self._prefill_chunk(req, budget, scheduled)
+            if sr is None:
+                break
+            budget -= sr.extend_len
+            scheduled.append(sr)
+        return scheduled
+
+    def _prefill_chunk(self, req: Request, budget: int,
+                       scheduled: list[ScheduledRequest]) -> ScheduledRequest | None:
+        target = req.num_tokens - (1 if req.output_token_ids else 0)
+        n = min(target - req.num_computed_tokens, budget)
+        sr = ScheduledRequest(req, n)
+        if n <= 0 or not self._alloc(sr, scheduled):
+            return None
+        return sr

@@ -1,0 +1,43 @@
+"""A tiny random Llama (built with transformers, loaded into draftgraph) for fast engine tests."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.llama import LlamaForCausalLM
+
+
+def tiny_hf_model(seed: int = 0, vocab: int = 128, sliding_window: int | None = None):
+    from transformers import LlamaConfig, MistralConfig, MistralForCausalLM
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if sliding_window:
+        cfg = MistralConfig(sliding_window=sliding_window, **kw)
+        return MistralForCausalLM(cfg).eval()
+    return HFLlama(LlamaConfig(**kw)).eval()
+
+
+def tiny_loaded(hf):
+    cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
+    model = LlamaForCausalLM(cfg)
+    model.load_weights(hf.state_dict().items())
+    return types.SimpleNamespace(model=model.eval(), config=cfg, tokenizer=None, source="tiny")
+
+
+def tiny_engine(hf, max_num_seqs: int = 8, budget: int = 64, kv_tokens: int = 2048,
+                page_size: int = 1, spec: SpecConfig | None = None) -> LLMEngine:
+    config = EngineConfig(
+        model="tiny", device="cpu",
+        cache=CacheConfig(page_size=page_size, kv_cache_tokens=kv_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        spec=spec or SpecConfig(),
+    )
+    return LLMEngine(config, loaded=tiny_loaded(hf))

@@ -1,0 +1,162 @@
+"""Engine behaviour on a tiny random model: exact greedy decoding, batching invariance under
+chunked prefill, KV accounting, preemption, stops and errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _tiny import tiny_engine, tiny_hf_model
+
+from draftgraph.engine.engine import EngineError
+from draftgraph.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    lens = (5, 30, 12, 40, 7, 22, 3, 17)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lens]
+
+
+def _teacher_forced_argmax(hf, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([seq])).logits[0]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_greedy_tokens_are_the_reference_argmax_at_every_position(sliding_window, prompts):
+    hf = tiny_hf_model(seed=3, sliding_window=sliding_window)
+    engine = tiny_engine(hf, budget=16)
+    outs = engine.generate(prompts[:4], GREEDY)
+    for p, out in zip(prompts[:4], outs, strict=True):
+        seq = p + out.token_ids
+        logits = _teacher_forced_argmax(hf, seq)
+        for i in range(len(p) - 1, len(seq) - 1):
+            top2 = logits[i].topk(2).values
+            if (top2[0] - top2[1]) < 1e-4:
+                break  # a near-tie: the rest of the sequence may legitimately differ
+            assert seq[i + 1] == int(logits[i].argmax()), f"position {i}"
+
+
+def test_batch_of_8_with_chunked_prefill_equals_each_prompt_alone(hf, prompts):
+    alone = []
+    for p in prompts:
+        engine = tiny_engine(hf, budget=512)
+        alone.append(engine.generate([p], GREEDY)[0].token_ids)
+    engine = tiny_engine(hf, budget=16)  # 16-token budget splits the long prompts
+    batched = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in batched] == alone
+    assert all(len(t) == 24 for t in alone)
+
+
+def test_page_size_4_gives_the_same_tokens(hf, prompts):
+    ref = tiny_engine(hf).generate(prompts[:4], GREEDY)
+    paged = tiny_engine(hf, page_size=4).generate(prompts[:4], GREEDY)
+    assert [o.token_ids for o in paged] == [o.token_ids for o in ref]
+
+
+def test_preemption_when_kv_runs_out_keeps_outputs_identical(hf, prompts):
+    ref = tiny_engine(hf).generate(prompts, GREEDY)
+    small = tiny_engine(hf, kv_tokens=120, budget=32)  # far less than 8 requests need
+    outs = small.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert small.num_free_kv_slots() == small.runner.allocator.usable_slots
+
+
+def test_every_kv_slot_is_free_after_adds_finishes_and_aborts(hf):
+    rng = random.Random(0)
+    engine = tiny_engine(hf, max_num_seqs=4, budget=24, kv_tokens=400, page_size=2)
+    usable = engine.runner.allocator.usable_slots
+    live: list[str] = []
+    finished = aborted = 0
+    for _step in range(300):
+        if rng.random() < 0.3:
+            p = [rng.randrange(128) for _ in range(rng.randint(1, 40))]
+            sp = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0, 1.0]),
+                                ignore_eos=True)
+            live.append(engine.add_request(p, sp))
+        if live and rng.random() < 0.1:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for out in engine.step():
+            if out.finished:
+                finished += out.finish_reason == "length"
+                aborted += out.finish_reason == "abort"
+                if out.request_id in live:
+                    live.remove(out.request_id)
+    for rid in live:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert finished > 5 and aborted > 0
+    assert engine.num_free_kv_slots() == usable
+    assert engine.runner.req_pool.num_free == engine.runner.req_pool.max_reqs
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(hf, prompts):
+    sp = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=20, seed=1234,
+                        ignore_eos=True)
+    alone = tiny_engine(hf).generate([prompts[1]], sp)[0].token_ids
+    batch = tiny_engine(hf, budget=16).generate(prompts, [GREEDY] + [sp] + [GREEDY] * 6)
+    assert batch[1].token_ids == alone
+    other = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=20, seed=99,
+                           ignore_eos=True)
+    assert tiny_engine(hf).generate([prompts[1]], other)[0].token_ids != alone
+
+
+def test_stop_token_ids_and_max_tokens_finish_requests(hf, prompts):
+    ref = tiny_engine(hf).generate([prompts[0]], GREEDY)[0].token_ids
+    stop_tok = ref[5]
+    first = ref.index(stop_tok)
+    sp = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_tok])
+    out = tiny_engine(hf).generate([prompts[0]], sp)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ref[: first + 1]
+    out = tiny_engine(hf).generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.finish_reason == "length" and out.token_ids == ref[:3]
+
+
+def test_bad_requests_raise_actionable_errors(hf):
+    engine = tiny_engine(hf)
+    with pytest.raises(EngineError, match="--max-model-len"):
+        engine.add_request([1] * 600, GREEDY)
+    with pytest.raises(EngineError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(EngineError, match=r"\[0, 128\)"):
+        engine.add_request([5, 500], GREEDY)
+    with pytest.raises(EngineError, match="token ids"):
+        engine.add_request("text needs a tokenizer", GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    assert not engine.has_unfinished()
+
+
+def test_a_failing_forward_fails_its_requests_and_the_engine_keeps_serving(hf, prompts,
+                                                                           monkeypatch):
+    engine = tiny_engine(hf)
+    real_forward = engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(sb):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_forward(sb)
+
+    monkeypatch.setattr(engine.runner, "forward", flaky)
+    outs = engine.generate(prompts[:2], GREEDY)
+    assert {o.finish_reason for o in outs} == {"error"}
+    assert "boom" in outs[0].error
+    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    ok = engine.generate([prompts[0]], GREEDY)[0]
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 24
