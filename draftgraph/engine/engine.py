@@ -60,11 +60,6 @@ class LLMEngine:
                                   self.device, config.torch_dtype, backend,
                                   extra_tokens_per_req=k)
         self.scheduler = Scheduler(sched_cfg, self.runner.allocator, self.runner.req_pool)
-        self.proposer = None
-        if spec.method == "ngram":
-            from draftgraph.spec.speculator import NgramSpeculator
-
-            self.proposer = NgramSpeculator(spec)
         self.requests: dict[str, Request] = {}
         self._inbox: deque = deque()
         self._lock = threading.Lock()
@@ -75,6 +70,13 @@ class LLMEngine:
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                       "accepted_per_pos": [0] * max(k, 1), "prompt_tokens": 0,
                       "generation_tokens": 0}
+        self.proposer = None
+        if spec.method == "ngram":
+            from draftgraph.spec.speculator import NgramSpeculator
+
+            self.proposer = NgramSpeculator(spec)
+            self.proposer.stats = self.stats
+            self.proposer.max_model_len = self.max_model_len
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
@@ -159,6 +161,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish(reason)
         self.scheduler.release(req)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         self.requests.pop(req.request_id, None)
 
     # ---- the step ---------------------------------------------------------------------
