@@ -1,0 +1,186 @@
+"""Speculative acceptance on the device: greedy chain acceptance and rejection sampling.
+
+Layout of one verify step, per request: the target reads 1 + k tokens (the last accepted token,
+then k draft tokens padded to the configured k) and returns logits `[bs, k + 1, vocab]`; row j
+is the target's distribution for the token after input j. `num_draft_tokens [bs]` says how many
+of the k drafts are active (0..k). Output token j of a request sits at sequence position
+`positions + j`, where `positions` is the position of the first draft token; every random
+number is drawn at the position of the token it decides.
+
+Every function here is static-shape in (bs, k, vocab) and never reads a value back to the
+host, so it can run inside the verify CUDA graph as well as on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.engine.sampling import (
+    STREAM_ACCEPT,
+    STREAM_RESIDUAL,
+    STREAM_SAMPLE,
+    sample_from_probs,
+    uniform_noise,
+)
+
+__all__ = ["greedy_accept", "rejection_sample", "first_stop_index"]
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True per row. mask [bs, k] bool -> [bs] int64."""
+    return ((~mask).to(torch.int64).cumsum(dim=1) == 0).sum(dim=1)
+
+
+def _active(num_draft_tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """[bs, k] bool: draft slot i is active for the request."""
+    slots = torch.arange(k, device=num_draft_tokens.device)
+    return slots[None, :] < num_draft_tokens[:, None]
+
+
+def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor,
+          final_token: torch.Tensor) -> torch.Tensor:
+    """The emitted run: accepted drafts, then the final token, then -1.
+
+    draft_tokens [bs, k]; num_accepted, final_token [bs] int64 -> [bs, k + 1] int64.
+    """
+    bs, k = draft_tokens.shape
+    slots = torch.arange(k + 1, device=draft_tokens.device)[None, :]
+    padded = torch.cat([draft_tokens, draft_tokens.new_full((bs, 1), -1)], dim=1)
+    out = torch.where(slots < num_accepted[:, None], padded, -1)
+    return torch.where(slots == num_accepted[:, None], final_token[:, None], out)
+
+
+def _greedy_from_argmax(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
+                        target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_accept given the target's argmax tokens [bs, k + 1] int64."""
+    k = draft_tokens.shape[1]
+    match = (draft_tokens == target_argmax[:, :k]) & _active(num_draft_tokens, k)  # [bs, k]
+    num_accepted = _leading_true(match)  # [bs] int64
+    final_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [bs] int64
+    return _emit(draft_tokens, num_accepted, final_token), num_accepted + 1
+
+
+def greedy_accept(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
+                  target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the longest prefix of active drafts equal to the target's argmax.
+
+    draft_tokens [bs, k] int64; num_draft_tokens [bs] int64 in 0..k;
+    target_logits [bs, k + 1, vocab] fp32.
+    Returns output_tokens [bs, k + 1] int64 (the first accept_lens entries valid, the rest -1)
+    and accept_lens [bs] int64 = accepted drafts + 1 (the target's token at the first mismatch,
+    or the bonus token after the last active draft).
+    """
+    return _greedy_from_argmax(draft_tokens, num_draft_tokens, target_logits.argmax(dim=-1))
+
+
+def _accept_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                  target_probs: torch.Tensor) -> torch.Tensor:
+    """[bs, k] fp32: min(1, p_target(x) / p_draft(x)) for each draft token x.
+
+    A point-mass draft (draft_probs None) has p_draft(x) = 1, so this is p_target(x).
+    """
+    k = draft_tokens.shape[1]
+    p_target = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)  # [bs, k]
+    if draft_probs is None:
+        return p_target.clamp(0.0, 1.0)
+    p_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)  # [bs, k]
+    # p_draft(x) = 0 cannot happen for a token drawn from the draft; accept iff p_target > 0
+    ratio = p_target / torch.where(p_draft > 0, p_draft, 1.0)
+    ratio = torch.where(p_draft > 0, ratio, (p_target > 0).to(ratio.dtype))
+    return ratio.clamp(0.0, 1.0)
+
+
+def _residual_probs(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p_target - p_draft)) [n, vocab]; p_target where that is all zero.
+
+    target_row, draft_row [n, vocab] fp32 (draft_row a one-hot for a point-mass draft).
+    """
+    residual = (target_row - draft_row).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)  # [n, 1]
+    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_row)
+
+
+def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
+                     draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                     seeds: torch.Tensor, positions: torch.Tensor,
+                     greedy_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), seeded and sync-free.
+
+    draft_tokens [bs, k] int64; num_draft_tokens [bs] int64 in 0..k;
+    draft_probs [bs, k, vocab] fp32, the distributions the drafts were drawn from, or None for a
+    deterministic (point-mass) draft such as n-gram lookup;
+    target_probs [bs, k + 1, vocab] fp32, already processed (temperature, top-k, top-p);
+    seeds [bs] int64; positions [bs] int64, the position of the first draft token;
+    greedy_mask [bs] bool, rows with temperature 0: these get exactly greedy_accept's result.
+
+    Draft i is accepted with probability min(1, p_target(x) / p_draft(x)), the uniform drawn at
+    position positions + i on STREAM_ACCEPT. At the first rejection the token is drawn from
+    normalize(max(0, p_target - p_draft)) on STREAM_RESIDUAL; when all active drafts are
+    accepted the bonus token is drawn from target_probs[:, num_draft_tokens] on STREAM_SAMPLE.
+    Returns (output_tokens [bs, k + 1] int64, -1 past accept_lens; accept_lens [bs] int64).
+    """
+    bs, k = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    device = draft_tokens.device
+    slots = torch.arange(k, device=device)
+
+    # acceptance of each draft: u < min(1, p/q), u at the draft's own position
+    draft_positions = positions[:, None] + slots[None, :]  # [bs, k] int64
+    u = uniform_noise(seeds[:, None].expand(bs, k).reshape(-1), draft_positions.reshape(-1),
+                      STREAM_ACCEPT, 1).view(bs, k)  # [bs, k] fp32
+    accepted = (u < _accept_probs(draft_tokens, draft_probs, target_probs))
+    accepted &= _active(num_draft_tokens, k)  # [bs, k] bool
+    num_accepted = _leading_true(accepted)  # [bs] int64
+    rejected = num_accepted < num_draft_tokens  # [bs] bool
+
+    # the final token is drawn at slot num_accepted: from the residual if that draft was
+    # rejected, else (all active drafts accepted) the bonus token from the target
+    final_positions = positions + num_accepted  # [bs] int64
+    gather_row = num_accepted[:, None, None].expand(bs, 1, vocab)
+    target_row = target_probs.gather(1, gather_row).squeeze(1)  # [bs, vocab]
+    row_in_draft = num_accepted.clamp_max(max(k - 1, 0))[:, None]  # [bs, 1]
+    if k == 0:
+        draft_row = torch.zeros_like(target_row)
+    elif draft_probs is None:
+        draft_token = draft_tokens.gather(1, row_in_draft).squeeze(1)  # [bs] int64
+        draft_row = torch.nn.functional.one_hot(draft_token, vocab).to(target_row.dtype)
+    else:
+        draft_row = draft_probs.gather(1, row_in_draft[..., None].expand(bs, 1, vocab))
+        draft_row = draft_row.squeeze(1)  # [bs, vocab]
+    residual_token = sample_from_probs(_residual_probs(target_row, draft_row), seeds,
+                                       final_positions, STREAM_RESIDUAL)  # [bs] int64
+    bonus_token = sample_from_probs(target_row, seeds, final_positions, STREAM_SAMPLE)
+    final_token = torch.where(rejected, residual_token, bonus_token)  # [bs] int64
+
+    output_tokens = _emit(draft_tokens, num_accepted, final_token)
+    accept_lens = num_accepted + 1
+    greedy_tokens, greedy_lens = _greedy_from_argmax(draft_tokens, num_draft_tokens,
+                                                     target_probs.argmax(dim=-1))
+    output_tokens = torch.where(greedy_mask[:, None], greedy_tokens, output_tokens)
+    accept_lens = torch.where(greedy_mask, greedy_lens, accept_lens)
+    return output_tokens, accept_lens
+
+
+def first_stop_index(output_tokens: torch.Tensor, accept_lens: torch.Tensor,
+                     stop_token_ids: torch.Tensor,
+                     remaining: torch.Tensor | None = None) -> torch.Tensor:
+    """accept_lens cut at the first stop token (kept) and at the max_tokens budget.
+
+    output_tokens [bs, k + 1] int64; accept_lens [bs] int64;
+    stop_token_ids [S] int64 shared by the batch (e.g. the EOS ids), or [bs, S] per request,
+    padded with -1 (a row of -1 stops on nothing, e.g. for ignore_eos);
+    remaining [bs] int64: tokens the request may still emit (max_tokens - generated), or None.
+    Returns the truncated accept_lens [bs] int64; output_tokens is left as it is.
+    """
+    width = output_tokens.shape[1]
+    slots = torch.arange(width, device=output_tokens.device)[None, :]  # [1, k + 1]
+    if stop_token_ids.dim() == 1:
+        stop_token_ids = stop_token_ids[None, :]
+    valid = slots < accept_lens[:, None]  # [bs, k + 1] bool
+    is_stop = (output_tokens[:, :, None] == stop_token_ids[:, None, :]).any(dim=-1)
+    is_stop &= valid & (output_tokens >= 0)
+    stop_lens = torch.where(is_stop, slots + 1, width).amin(dim=1)  # [bs] int64
+    lens = torch.minimum(accept_lens, stop_lens)
+    if remaining is not None:
+        lens = torch.minimum(lens, remaining.clamp_min(0))
+    return lens
