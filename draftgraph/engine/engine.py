@@ -59,6 +59,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.cache, sched_cfg, self.max_model_len,
                                   self.device, config.torch_dtype, backend,
                                   extra_tokens_per_req=k)
+        if self.device.type == "cuda" and config.use_graphs:
+            self.runner.init_graphs()
         self.scheduler = Scheduler(sched_cfg, self.runner.allocator, self.runner.req_pool)
         self.requests: dict[str, Request] = {}
         self._inbox: deque = deque()
@@ -159,6 +161,9 @@ class LLMEngine:
                     outputs.append(self._output(req, []))
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.detokenizer is not None and reason in ("length", "stop") and \
+                not req.stop_string_hit:
+            req.text += req.detokenizer.flush()  # an unfinished character at the very end
         req.finish(reason)
         self.scheduler.release(req)
         if self.proposer is not None:
@@ -209,10 +214,21 @@ class LLMEngine:
             all_decode &= len(toks) == 1 and samples
         if all_decode:
             sb.phase = Phase.DECODE
+            if self.runner.graphs is not None:
+                return self._replay_decode(scheduled, sb)
         elif any(sr.draft_tokens for sr in scheduled):
             sb.phase = Phase.VERIFY
         logits = self.runner.forward(sb)  # always runs: prefill chunks write KV
         return self._sample(rows, logits if sb.logit_indices else None)
+
+    def _replay_decode(self, scheduled: list[ScheduledRequest], sb: StepBatch):
+        reqs = [sr.req for sr in scheduled]
+        graphs = self.runner.graphs
+        graphs.replay(sb.input_ids, sb.req_pool_indices, sb.seq_lens, sb.out_cache_loc,
+                      [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
+                      [r.params.top_k for r in reqs], [r.seed for r in reqs])
+        tokens, logprobs = graphs.result(len(reqs))
+        return [([t], [lp]) for t, lp in zip(tokens, logprobs, strict=True)]
 
     def _sample(self, rows, logits) -> list[tuple[list[int], list[float]]]:
         out: list[tuple[list[int], list[float]]] = []
@@ -289,6 +305,7 @@ class LLMEngine:
                 hits = [i for s in p.stop if (i := req.text.find(s, tail_start)) >= 0]
                 if hits:
                     req.text = req.text[: min(hits)]
+                    req.stop_string_hit = True
                     return "stop"
         if len(req.output_token_ids) >= p.max_tokens:
             return "length"

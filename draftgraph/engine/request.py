@@ -54,6 +54,7 @@ class Request:
         # streaming state
         self.detokenizer = detokenizer
         self.text = ""  # full detokenized output, stop string cut off when finished
+        self.stop_string_hit = False
         self.num_sent_chars = 0
         self.num_sent_tokens = 0
         # speculative statistics

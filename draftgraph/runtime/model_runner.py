@@ -46,9 +46,8 @@ def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_c
         from draftgraph.attention.triton_backend import TritonBackend
 
         return TritonBackend(kv_pool, req_to_token, model_cfg.sliding_window, scale,
-                             max_bs=max_bs, max_num_tokens=max_num_tokens,
-                             num_q_heads=model_cfg.num_attention_heads,
-                             head_dim=model_cfg.head_dim, dtype=dtype, device=device)
+                             max_bs=max_bs, num_q_heads=model_cfg.num_attention_heads,
+                             device=device)
     raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
 
 
@@ -80,6 +79,15 @@ class ModelRunner:
         logger.info("KV cache: %d slots (%.1f MiB), page size %d, backend %s",
                     self.allocator.usable_slots, self.kv_pool.bytes() / 2**20,
                     cache_cfg.page_size, self.backend.name)
+
+        self.graphs = None
+
+    def init_graphs(self, metadata_in_graph: bool | None = None) -> None:
+        """Capture decode graphs for every batch bucket up to max_num_seqs (CUDA only)."""
+        from draftgraph.runtime.graph_runner import DecodeGraphRunner
+
+        self.graphs = DecodeGraphRunner(self, self.max_num_seqs, metadata_in_graph)
+        self.graphs.capture()
 
     def _kv_slots(self, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
                   max_model_len: int) -> int:

@@ -1,0 +1,130 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF) through our loader gives the logits
+transformers gives for the same file, at every position; our GGUF tokenizer encodes like
+transformers' and renders the SmolLM2 chat template."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+PARITY_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def ours(default_model):
+    return default_model
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_gguf_path):
+    """transformers' own GGUF loading (dequantise + reverse Q/K permutation), fp32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
+
+    directory, name = os.path.split(default_gguf_path)
+    if is_accelerate_available():
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                     dtype=torch.float32)
+    else:  # from_pretrained(gguf_file=...) needs accelerate; the conversion itself does not
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = load_gguf_checkpoint(default_gguf_path, return_tensors=True,
+                                     model_to_load=model)["tensors"]
+        result = model.load_state_dict(state, strict=False)
+        assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+        model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(default_gguf_path):
+    from transformers import AutoTokenizer
+
+    directory, name = os.path.split(default_gguf_path)
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+def chat(tok, text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}])
+
+
+PROMPTS = {
+    "raw_short": lambda tok: tok.encode("The capital of France is"),
+    "raw_code": lambda tok: tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n"),
+    "chat": lambda tok: chat(tok, "Write a haiku about GPUs."),
+    "chat_long": lambda tok: chat(tok, "Explain speculative decoding in LLM inference: a "
+                                       "small draft model proposes tokens, the target model "
+                                       "verifies them in one forward pass. " * 3),
+}
+
+
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_default_model_logits_match_transformers_at_every_position(ours, hf_model, prefill,
+                                                                   prompt):
+    ids = PROMPTS[prompt](ours.tokenizer)
+    logits = prefill(ours.model, ours.config, ids)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    assert logits.shape == ref.shape == (len(ids), 49152)
+    diff = (logits - ref).abs().max(dim=-1).values  # per position
+    assert diff.max().item() < PARITY_ATOL, f"max |diff| per position: {diff.tolist()}"
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+def test_default_model_config_from_gguf_metadata(ours):
+    c = ours.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+            c.intermediate_size, c.vocab_size, c.head_dim) == (30, 576, 9, 3, 1536, 49152, 64)
+    assert c.tie_word_embeddings and ours.model.lm_head is None
+    assert c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
+    assert c.rope_scaling is None and c.sliding_window is None
+    assert c.bos_token_id == 1 and c.eos_token_ids == [2]
+
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnew lines\n\n",
+    "Numbers 12345 and 3.14159, dates 2024-06-01",
+    "Unicode: café naïve 日本語のテキスト 😀🚀 ñ",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>",
+    "def f(x):\n    return x ** 2  # comment",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_encodes_like_transformers(ours, hf_tokenizer, text):
+    ids = ours.tokenizer.encode(text)
+    assert ids == hf_tokenizer.encode(text)
+    assert ours.tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_gguf_tokenizer_keeps_special_tokens_whole(ours):
+    tok = ours.tokenizer
+    assert tok.encode("<|im_start|>user<|im_end|>") == [1, *tok.encode("user"), 2]
+    assert tok.decode([1, *tok.encode("hi"), 2]) == "hi"  # specials skipped by default
+
+
+def test_smollm2_chat_template_renders_im_start_structure(ours):
+    tok = ours.tokenizer
+    assert tok.has_chat_template
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    text = tok.render_chat(msgs)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                    "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.apply_chat_template(msgs)
+    assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    # no system message: the template adds SmolLM's default one
+    assert tok.render_chat([{"role": "user", "content": "Hi!"}]).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert not tok.render_chat(msgs, add_generation_prompt=False).endswith("assistant\n")
+
+
+def test_smollm2_stops_on_im_end(ours):
+    tok = ours.tokenizer
+    assert tok.convert_ids_to_tokens([2]) == ["<|im_end|>"]
+    assert 2 in tok.eos_token_ids and tok.bos_token_id == 1 and tok.vocab_size == 49152
