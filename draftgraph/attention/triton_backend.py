@@ -1,0 +1,111 @@
+"""Triton attention backend: metadata built on the device, attention over CSR KV lists.
+
+Capabilities: in_graph_metadata (every builder is capturable: no host read, no allocation,
+grids from static sizes); no in-place draft-step update yet.
+
+`forward` stores the new K/V, then runs split-KV decode attention for Phase.DECODE and the
+variable-length extend kernel for every other phase. Nothing is read back to the host, so a
+whole forward can be captured in a CUDA graph.
+
+NOTE: the split-KV scratch is allocated once, sized for `max_bs` rows x `num_q_heads`; its
+addresses never change. Without `num_q_heads` it is allocated by the first decode forward,
+which must then run eagerly (graph runners warm up before capture); a decode batch that does
+not fit is an error, never a reallocation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.attention.backend import AttentionBackend, ForwardBatch, Phase
+from draftgraph.attention.metadata import FULL, SLIDING
+from draftgraph.kernels import attention as attn_kernels
+from draftgraph.kernels import metadata as meta_kernels
+from draftgraph.kernels.kv_store import store_kv
+from draftgraph.runtime.kv_cache import KVPool
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    in_graph_metadata = True
+    draft_step_update = False
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token: torch.Tensor,
+        sliding_window: int | None,
+        scale: float,
+        *,
+        max_bs: int = 256,
+        num_q_heads: int | None = None,
+        max_kv_splits: int = 16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(kv_pool, req_to_token, sliding_window, scale)
+        k0 = kv_pool.k_buffers[0]
+        self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
+        self.max_bs = max_bs
+        self.max_kv_splits = max_kv_splits
+        self.device = torch.device(device) if device is not None else k0.device
+        self.num_q_heads = num_q_heads
+        self.mid_o: torch.Tensor | None = None
+        self.mid_lse: torch.Tensor | None = None
+        if num_q_heads is not None:
+            self._alloc_scratch(num_q_heads)
+
+    def _alloc_scratch(self, num_q_heads: int) -> None:
+        # split-KV partials of decode attention: normalised acc and log2-sum-exp per split
+        self.num_q_heads = num_q_heads
+        self.mid_o = torch.empty(self.max_bs, num_q_heads, self.max_kv_splits, self.head_dim,
+                                 dtype=torch.float32, device=self.device)  # [max_bs, Hq, S, D]
+        self.mid_lse = torch.empty(self.max_bs, num_q_heads, self.max_kv_splits,
+                                   dtype=torch.float32, device=self.device)  # [max_bs, Hq, S]
+
+    def build_metadata(self, fb: ForwardBatch) -> None:
+        meta_kernels.build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
+                                    fb.out_cache_loc, self.req_to_token, fb.meta)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                sliding: bool, fb: ForwardBatch) -> torch.Tensor:
+        k_cache = self.kv_pool.k_buffers[layer_id]
+        v_cache = self.kv_pool.v_buffers[layer_id]
+        store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
+        return self.attend(q, layer_id, sliding, fb)
+
+    def attend(self, q: torch.Tensor, layer_id: int, sliding: bool,
+               fb: ForwardBatch) -> torch.Tensor:
+        """Attention only: the new tokens' K/V are already in the pool (e.g. written by
+        `kernels.elementwise.rope_and_store_kv`, which saves the store launch)."""
+        k_cache = self.kv_pool.k_buffers[layer_id]
+        v_cache = self.kv_pool.v_buffers[layer_id]
+        lists = fb.meta.lists[SLIDING if sliding else FULL]
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+        if fb.phase is Phase.DECODE:
+            bs = fb.bs
+            if self.mid_o is None:
+                if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("TritonBackend: pass num_q_heads= (or run one eager "
+                                       "decode forward) before capturing a decode graph")
+                self._alloc_scratch(q.shape[1])
+            if bs > self.max_bs or q.shape[1] > self.num_q_heads:
+                raise ValueError(
+                    f"decode batch of {bs} rows x {q.shape[1]} query heads does not fit the "
+                    f"backend's scratch ({self.max_bs} x {self.num_q_heads}); build "
+                    f"TritonBackend with max_bs= and num_q_heads= large enough"
+                )
+            num_splits = attn_kernels.decode_num_splits(bs, self.num_kv_heads,
+                                                        self.max_kv_splits)
+            attn_kernels.decode_attention(
+                q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start,
+                fb.positions, lists.window, self.scale, out, self.mid_o, self.mid_lse,
+                num_splits=num_splits,
+            )
+        else:
+            attn_kernels.extend_attention(
+                q, k_cache, v_cache, fb.meta.qo_indptr, lists.kv_indptr, lists.kv_indices,
+                lists.kv_start, fb.positions, lists.window, self.scale, out, fb.bs,
+            )
+        return out

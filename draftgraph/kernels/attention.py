@@ -1,0 +1,363 @@
+"""Attention over the KV pool through CSR index lists (kv_indptr / kv_indices / kv_start).
+
+Visibility is the same as `TorchBackend`: key j of request r sits at position
+kpos = kv_start[r] + j and is visible to a query at position qpos iff kpos <= qpos and, for a
+sliding window W, qpos - kpos < W. A query row that sees no key gets zeros.
+
+Both kernels are GQA-aware: a program owns one KV head and all the query heads of its group,
+so each K/V tile is read once per KV head. Grids come from static sizes only (batch size,
+number of query tokens), loops from runtime lengths, so both are CUDA-graph capturable.
+
+- `decode_attention`: one query per request, split-KV (flash-decoding). Grid
+  (bs, num_kv_heads, num_splits) writes partial (acc / sum, log-sum-exp) per split into
+  caller-owned scratch; a reduce kernel (bs, num_q_heads) combines them. num_splits == 1 writes
+  the output directly (no reduce launch).
+- `extend_attention`: variable query lengths (qo_indptr): prefill, chunked prefill, verify.
+  A tile holds TOKENS_PER_TILE query tokens x GROUP heads as its rows. Grid
+  (cdiv(T, TOKENS_PER_TILE) + bs, num_kv_heads) bounds the number of tiles; each program finds
+  its (request, tile) from qo_indptr and exits when it has none. The KV loop is clipped to the
+  keys the tile can see (causal end, window start).
+
+Softmax runs in base 2 with fp32 statistics and accumulation.
+"""
+
+import math
+
+import torch
+
+from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = -1.0e30  # running-max start: finite, so exp2(m_old - m_new) never sees inf - inf
+
+
+@triton.jit
+def _attend_tile(
+    q_tile, qpos, row_mask, m_i, l_i, acc,
+    k_cache, v_cache, kv_indices_row, kv_start, kv_hi_mask_len, n0,
+    hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2, window,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # One online-softmax step over keys n0 .. n0 + BLOCK_N of a row's list (< kv_hi_mask_len).
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_mask = offs_n < kv_hi_mask_len
+    d_mask = offs_d < HEAD_DIM
+    slot = tl.load(kv_indices_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+    k = tl.load(k_cache + slot[None, :] * stride_ks + hkv * stride_kh + offs_d[:, None],
+                mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * sm_scale_log2  # [rows, BLOCK_N]
+    kpos = kv_start + offs_n
+    visible = n_mask[None, :] & (kpos[None, :] <= qpos[:, None]) & row_mask[:, None]
+    if SLIDING:
+        visible = visible & (qpos[:, None] - kpos[None, :] < window)
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache + slot[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q, k_cache, v_cache, o, kv_indptr, kv_indices, kv_start, positions, mid_o, mid_lse,
+    sm_scale_log2, window,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    row0 = tl.load(kv_indptr + r)
+    kv_len = tl.load(kv_indptr + r + 1) - row0
+    # each split takes a BLOCK_N-aligned chunk; short rows leave the later splits empty
+    split_len = (kv_len + NUM_SPLITS * BLOCK_N - 1) // (NUM_SPLITS * BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(kv_len, lo + split_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    head = hkv * GROUP + offs_h
+    q_tile = tl.load(q + r * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q_tile = q_tile.to(k_cache.dtype.element_ty)  # [BLOCK_H, BLOCK_D]
+    qpos = tl.zeros([BLOCK_H], dtype=tl.int64) + tl.load(positions + r)
+    kv_first = tl.load(kv_start + r)
+
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + _NEG_BIG
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q_tile, qpos, h_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0, kv_first,
+            hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2, window,
+            HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
+        )
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    mask = h_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(o + r * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o.dtype.element_ty), mask=mask)
+    else:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(mid_o + r * stride_mo_b + head[:, None] * stride_mo_h + split * stride_mo_s
+                 + offs_d[None, :], out, mask=mask)
+        tl.store(mid_lse + r * stride_ml_b + head * stride_ml_h + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o, mid_lse, o,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse + r * stride_ml_b + h * stride_ml_h + offs_s)  # [NUM_SPLITS]
+    live = lse > float("-inf")
+    m = tl.max(tl.where(live, lse, _NEG_BIG), axis=0)
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    part = tl.load(mid_o + r * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s
+                   + offs_d[None, :], mask=live[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(o + r * stride_ot + h * stride_oh + offs_d, out.to(o.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _extend_kernel(
+    q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices, kv_start, positions, bs,
+    sm_scale_log2, window,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hkv = tl.program_id(1)
+    # find this program's (request, tile): tiles are numbered request after request
+    zero = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
+    tiles_before = zero
+    r = zero
+    tile = zero
+    found = zero
+    for b in range(0, bs, SCAN_BLOCK):
+        offs = b + tl.arange(0, SCAN_BLOCK)
+        mask = offs < bs
+        q_lo = tl.load(qo_indptr + offs, mask=mask, other=0)
+        q_hi = tl.load(qo_indptr + offs + 1, mask=mask, other=0)
+        num_tiles = (q_hi - q_lo + TOKENS_PER_TILE - 1) // TOKENS_PER_TILE
+        incl = tl.cumsum(num_tiles, axis=0) + tiles_before
+        excl = incl - num_tiles
+        hit = mask & (excl <= pid) & (pid < incl)
+        r += tl.sum(tl.where(hit, offs, 0), axis=0)
+        tile += tl.sum(tl.where(hit, pid - excl, 0), axis=0)
+        found += tl.sum(hit.to(tl.int64), axis=0)
+        tiles_before += tl.sum(num_tiles, axis=0)
+    if found == 0:
+        return
+
+    q_start = tl.load(qo_indptr + r)
+    q_len = tl.load(qo_indptr + r + 1) - q_start
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = tile * TOKENS_PER_TILE + offs_m // GROUP  # token within the request
+    head = hkv * GROUP + offs_m % GROUP
+    row_mask = (offs_m < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    d_mask = offs_d < HEAD_DIM
+    t = q_start + tok
+    q_tile = tl.load(q + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q_tile = q_tile.to(k_cache.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+    qpos = tl.load(positions + t, mask=row_mask, other=0)
+
+    row0 = tl.load(kv_indptr + r)
+    kv_len = tl.load(kv_indptr + r + 1) - row0
+    kv_first = tl.load(kv_start + r)
+    # keys this tile can see: up to its last query position; for a window, from its first
+    hi = tl.minimum(kv_len, tl.max(tl.where(row_mask, qpos, -1), axis=0) - kv_first + 1)
+    if SLIDING:
+        min_qpos = tl.min(tl.where(row_mask, qpos, 1 << 62), axis=0)
+        lo = tl.maximum(min_qpos - window + 1 - kv_first, 0) // BLOCK_N * BLOCK_N
+    else:
+        lo = zero
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG_BIG
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q_tile, qpos, row_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0,
+            kv_first, hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2,
+            window, HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
+        )
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(o.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+# ---- host wrappers -----------------------------------------------------------------------
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads for {num_kv_heads} KV heads")
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1, "attention needs a contiguous head_dim"
+    return num_q_heads, num_kv_heads, head_dim
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 models stay exact (no TF32 rounding of q.k and p.v)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_num_splits(bs: int, num_kv_heads: int, max_splits: int = 32,
+                      target_programs: int = 256) -> int:
+    """Splits per row for decode: enough programs to fill the GPU at small batch. A power of
+    two <= max_splits; fixed by shapes only, so a captured graph keeps its launch config."""
+    want = max(1, target_programs // max(1, bs * num_kv_heads))
+    return min(next_pow2(want), 1 << (max(1, max_splits).bit_length() - 1))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_start: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+    num_splits: int = 1,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """One query per request. q, out [bs, Hq, D]; positions [bs] (the query positions).
+
+    With num_splits > 1 (a power of two), mid_o [>= bs, Hq, >= num_splits, D] fp32 and
+    mid_lse [>= bs, Hq, >= num_splits] fp32 are caller-owned scratch."""
+    bs = q.shape[0]
+    num_q_heads, num_kv_heads, head_dim = _check(q, k_cache)
+    if bs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    assert num_splits == next_pow2(num_splits), "num_splits must be a power of two"
+    if num_splits > 1:
+        assert mid_o is not None and mid_lse is not None, "split-KV needs scratch"
+        mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
+    else:
+        mid_o, mid_lse = out, out  # unused
+        mo_strides, ml_strides = (0, 0, 0), (0, 0)
+    block_d = next_pow2(head_dim)
+    _decode_split_kernel[(bs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, kv_indptr, kv_indices, kv_start, positions, mid_o, mid_lse,
+        scale * _LOG2E, window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        *mo_strides, *ml_strides,
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        SLIDING=window is not None, DOT_PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(bs, num_q_heads)](
+            mid_o, mid_lse, out, *mo_strides, *ml_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=2,
+        )
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_start: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+    bs: int,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Variable-length queries, causal by position. q, out [T, Hq, D]; positions [T];
+    qo_indptr [bs + 1]; the KV lists already hold the new tokens' slots."""
+    num_tokens = q.shape[0]
+    num_q_heads, num_kv_heads, head_dim = _check(q, k_cache)
+    if num_tokens == 0 or bs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    block_m = max(block_m, next_pow2(group))
+    tokens_per_tile = block_m // group
+    max_tiles = cdiv(num_tokens, tokens_per_tile) + bs
+    _extend_kernel[(max_tiles, num_kv_heads)](
+        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, kv_start, positions, bs,
+        scale * _LOG2E, window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_TILE=tokens_per_tile,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SCAN_BLOCK=128,
+        SLIDING=window is not None, DOT_PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_start: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Torch twin of both kernels (decode: qo_indptr = arange(bs + 1)), per request in fp32.
+    Rows that see no key are zero."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k_cache.shape[1]
+    qo, kvp, starts = qo_indptr.tolist(), kv_indptr.tolist(), kv_start.tolist()
+    for r in range(len(qo) - 1):
+        q0, q1 = qo[r], qo[r + 1]
+        if q1 == q0:
+            continue
+        idx = kv_indices[kvp[r] : kvp[r + 1]]
+        kr = k_cache[idx].float().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, S, D]
+        vr = v_cache[idx].float().repeat_interleave(group, 1).transpose(0, 1)
+        qr = q[q0:q1].float().transpose(0, 1)  # [Hq, L, D]
+        qpos = positions[q0:q1, None]
+        kpos = starts[r] + torch.arange(idx.shape[0], device=q.device)[None, :]
+        visible = kpos <= qpos
+        if window is not None:
+            visible &= qpos - kpos < window
+        scores = (qr @ kr.transpose(1, 2)) * scale
+        scores = scores.masked_fill(~visible, -math.inf)
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)  # all-masked rows -> 0
+        out[q0:q1] = (probs @ vr).transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,109 @@
+"""Decode (split-KV) and extend attention kernels vs the per-request torch twin."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU: run the kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton kernels need the triton package")
+
+from draftgraph.attention.metadata import MetadataBuffers, build_metadata  # noqa: E402
+from draftgraph.kernels import attention as attn  # noqa: E402
+from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
+
+if compiled_for_cpu_missing(attn._extend_kernel):
+    pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "
+                "(set it in the environment to run them on CPU)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HQ, HKV, D = 6, 2, 64  # GQA group of 3
+NUM_SLOTS = 1024
+SCALE = D**-0.5
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def setup(seq_lens, extend_lens, window, dtype, seed=0):
+    """KV cache with random contents and the reference metadata of one batch."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, num_tokens = len(seq_lens), sum(extend_lens)
+    k_cache = torch.randn(NUM_SLOTS, HKV, D, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(NUM_SLOTS, HKV, D, generator=gen).to(DEVICE, dtype)
+    req_to_token = torch.randperm(NUM_SLOTS, generator=gen)[: bs * 200].view(bs, 200).to(DEVICE)
+    bufs = MetadataBuffers(bs, max(num_tokens, 1), 2048, window, DEVICE)
+    req_pool_indices = torch.arange(bs, device=DEVICE)
+    seq_t = torch.tensor(seq_lens, device=DEVICE)
+    ext_t = torch.tensor(extend_lens, device=DEVICE)
+    out_cache_loc = torch.stack([req_to_token[r, s - e + i] for r, (s, e)
+                                 in enumerate(zip(seq_lens, extend_lens, strict=True))
+                                 for i in range(e)]) if num_tokens else torch.zeros(0).long()
+    build_metadata(req_pool_indices, seq_t, ext_t, out_cache_loc.to(DEVICE), req_to_token, bufs)
+    q = torch.randn(num_tokens, HQ, D, generator=gen).to(DEVICE, dtype)
+    lists = bufs.lists["sliding" if window else "full"]
+    return q, k_cache, v_cache, bufs, lists
+
+
+def reference(q, k_cache, v_cache, bufs, lists, bs):
+    nt = q.shape[0]
+    return attn.attention_ref(q, k_cache, v_cache, bufs.qo_indptr[: bs + 1],
+                              lists.kv_indptr[: bs + 1], lists.kv_indices, lists.kv_start[:bs],
+                              bufs.positions[:nt], lists.window, SCALE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_extend_attention_matches_reference(dtype, window):
+    # prefill longer than a tile, an empty request, a one-token request, a verify-like chunk
+    seq_lens, extend_lens = [30, 4, 1, 70], [30, 0, 1, 4]
+    q, k_cache, v_cache, bufs, lists = setup(seq_lens, extend_lens, window, dtype)
+    bs = len(seq_lens)
+    out = torch.full_like(q, float("nan"))
+    attn.extend_attention(q, k_cache, v_cache, bufs.qo_indptr, lists.kv_indptr, lists.kv_indices,
+                          lists.kv_start, bufs.positions, lists.window, SCALE, out, bs)
+    expect = reference(q, k_cache, v_cache, bufs, lists, bs)
+    torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_attention_matches_reference(dtype, window, num_splits):
+    # one-token context, a short one, one longer than every split's chunk
+    seq_lens = [1, 9, 150]
+    bs = len(seq_lens)
+    q, k_cache, v_cache, bufs, lists = setup(seq_lens, [1] * bs, window, dtype, seed=1)
+    mid_o = torch.empty(bs, HQ, 4, D, dtype=torch.float32, device=DEVICE)
+    mid_lse = torch.empty(bs, HQ, 4, dtype=torch.float32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    attn.decode_attention(q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start,
+                          bufs.positions, lists.window, SCALE, out, mid_o, mid_lse, num_splits)
+    expect = reference(q, k_cache, v_cache, bufs, lists, bs)
+    torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_attention_empty_list_gives_zeros():
+    # hand-made lists: row 1 sees nothing (count 0), row 0 sees three keys
+    q, k_cache, v_cache, bufs, lists = setup([3, 3], [1, 1], None, torch.float32, seed=2)
+    kv_indptr = torch.tensor([0, 3, 3], device=DEVICE)
+    kv_indices = torch.tensor([5, 9, 11], device=DEVICE)
+    kv_start = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor([2, 2], device=DEVICE)
+    mid_o = torch.empty(2, HQ, 2, D, device=DEVICE)
+    mid_lse = torch.empty(2, HQ, 2, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    attn.decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_start, positions, None,
+                          SCALE, out, mid_o, mid_lse, num_splits=2)
+    qo_indptr = torch.arange(3, device=DEVICE)
+    expect = attn.attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_start,
+                                positions, None, SCALE)
+    assert (out[1] == 0).all()
+    torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_num_splits_is_a_power_of_two_within_scratch():
+    for bs in (1, 2, 3, 64, 256):
+        for max_splits in (1, 12, 16):
+            n = attn.decode_num_splits(bs, 3, max_splits)
+            assert n & (n - 1) == 0 and 1 <= n <= max_splits
+    assert attn.decode_num_splits(1, 3, 16) == 16  # batch 1 spreads the row over the GPU

@@ -1,0 +1,102 @@
+"""TritonBackend runs the tiny model to the same logits as TorchBackend (interpreter on CPU)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU: run the kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton kernels need the triton package")
+
+from draftgraph.attention.backend import ForwardBatch, Phase, TorchBackend  # noqa: E402
+from draftgraph.attention.metadata import MetadataBuffers  # noqa: E402
+from draftgraph.attention.triton_backend import TritonBackend  # noqa: E402
+from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
+from draftgraph.kernels.metadata import _kv_compact_kernel  # noqa: E402
+from draftgraph.models.config import ModelConfig  # noqa: E402
+from draftgraph.models.llama import LlamaForCausalLM  # noqa: E402
+from draftgraph.runtime.kv_cache import KVPool, ReqToTokenPool  # noqa: E402
+
+if compiled_for_cpu_missing(_kv_compact_kernel):
+    pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "
+                "(set it in the environment to run them on CPU)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_BS, MAX_TOKENS, NUM_SLOTS = 4, 16, 64
+
+
+def tiny_model(sliding_window):
+    torch.manual_seed(0)
+    layer_types = ["sliding_attention", "full_attention"] if sliding_window else []
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=64, sliding_window=sliding_window,
+                      layer_types=layer_types)
+    return cfg, LlamaForCausalLM(cfg).to(DEVICE).eval()
+
+
+class Runner:
+    """One backend with its own KV pool, request table and metadata buffers."""
+
+    def __init__(self, cls, cfg, **kwargs):
+        self.pool = KVPool(cfg.num_hidden_layers, NUM_SLOTS, cfg.num_key_value_heads,
+                           cfg.head_dim, torch.float32, DEVICE)
+        self.req_to_token = ReqToTokenPool(MAX_BS, 32, DEVICE).req_to_token
+        self.backend = cls(self.pool, self.req_to_token, cfg.sliding_window,
+                           cfg.head_dim**-0.5, **kwargs)
+        self.meta = MetadataBuffers(MAX_BS, MAX_TOKENS, NUM_SLOTS, cfg.sliding_window, DEVICE)
+
+    def step(self, model, phase, ids, req_pool_indices, seq_lens, extend_lens, out_cache_loc):
+        fb = ForwardBatch(phase, ids, req_pool_indices, seq_lens, extend_lens, out_cache_loc,
+                          self.meta)
+        self.backend.build_metadata(fb)
+        with torch.no_grad():
+            return model.compute_logits(model(ids, fb, self.backend))
+
+
+def steps():
+    """Two requests (table rows 1, 2): prefill 5 + 7, two decode steps, one verify chunk."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [0, 0]
+    slot_base = [1, 32]  # request r's position p lives in slot slot_base[r] + p
+    plan = [(Phase.EXTEND, [5, 7]), (Phase.DECODE, [1, 1]), (Phase.DECODE, [1, 1]),
+            (Phase.VERIFY, [3, 2])]
+    for phase, extend_lens in plan:
+        out_cache_loc = [slot_base[r] + lens[r] + i for r in range(2)
+                         for i in range(extend_lens[r])]
+        lens = [n + e for n, e in zip(lens, extend_lens, strict=True)]
+        ids = torch.randint(0, 64, (sum(extend_lens),), generator=gen)
+        batch = (ids, [1, 2], lens, extend_lens, out_cache_loc)
+        yield (phase, *(torch.as_tensor(x, device=DEVICE) for x in batch))
+
+
+def no_host_reads(*_a, **_k):
+    raise AssertionError("TritonBackend read a device value back to the host")
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_triton_backend_logits_match_torch_backend(sliding_window, monkeypatch):
+    cfg, model = tiny_model(sliding_window)
+    torch_run = Runner(TorchBackend, cfg)
+    triton_run = Runner(TritonBackend, cfg, max_bs=MAX_BS, num_q_heads=4, max_kv_splits=4)
+    ptrs = [t.data_ptr() for t in triton_run.meta.all_tensors()]
+    scratch = (triton_run.backend.mid_o.data_ptr(), triton_run.backend.mid_lse.data_ptr())
+    for phase, *batch in steps():
+        expect = torch_run.step(model, phase, *batch)
+        with monkeypatch.context() as m:  # graph-capturable: no .item() / .tolist() inside
+            m.setattr(torch.Tensor, "item", no_host_reads)
+            m.setattr(torch.Tensor, "tolist", no_host_reads)
+            got = triton_run.step(model, phase, *batch)
+        torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4, msg=f"{phase}")
+    assert torch.equal(torch_run.req_to_token, triton_run.req_to_token)
+    for ours, theirs in zip(triton_run.pool.k_buffers + triton_run.pool.v_buffers,
+                            torch_run.pool.k_buffers + torch_run.pool.v_buffers, strict=True):
+        torch.testing.assert_close(ours, theirs)
+    assert ptrs == [t.data_ptr() for t in triton_run.meta.all_tensors()]
+    assert scratch == (triton_run.backend.mid_o.data_ptr(), triton_run.backend.mid_lse.data_ptr())
+
+
+def test_triton_backend_capabilities():
+    assert TritonBackend.name == "triton"
+    assert TritonBackend.in_graph_metadata and not TritonBackend.draft_step_update

@@ -1,0 +1,151 @@
+"""Triton metadata builders vs the torch references (interpreter mode on CPU)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU: run the kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton kernels need the triton package")
+
+from draftgraph.attention import metadata as ref  # noqa: E402
+from draftgraph.kernels import metadata as tri  # noqa: E402
+from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
+
+if compiled_for_cpu_missing(tri._kv_compact_kernel):
+    pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "
+                "(set it in the environment to run them on CPU)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAX_BS, MAX_TOKENS, KV_CAP, MAX_CTX = 160, 320, 2048, 96
+GARBAGE = -7777
+
+
+def make_state(window):
+    bufs = {name: ref.MetadataBuffers(MAX_BS, MAX_TOKENS, KV_CAP, window, DEVICE)
+            for name in ("ref", "tri")}
+    gen = torch.Generator().manual_seed(1)
+    # [MAX_BS + 1, MAX_CTX] int64: distinct slot ids so a wrong copy is visible
+    r2t = torch.randperm(100_000, generator=gen)[: (MAX_BS + 1) * MAX_CTX]
+    r2t = r2t.view(MAX_BS + 1, MAX_CTX).to(DEVICE)
+    return bufs, {"ref": r2t.clone(), "tri": r2t.clone()}
+
+
+def make_batch(seq_lens, extend_lens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(seq_lens)
+    req_pool_indices = torch.randperm(MAX_BS, generator=gen)[:bs] + 1  # [bs] int64
+    num_tokens = sum(extend_lens)
+    out_cache_loc = torch.randperm(50_000, generator=gen)[:num_tokens] + 200_000  # [T] int64
+    t = lambda x: torch.as_tensor(x, dtype=torch.int64).to(DEVICE)
+    return t(req_pool_indices), t(seq_lens), t(extend_lens), t(out_cache_loc)
+
+
+def poison(bufs):
+    for x in bufs.all_tensors():
+        x.fill_(GARBAGE)
+
+
+def assert_same(bufs, r2t, batch):
+    req_pool_indices, seq_lens, extend_lens, out_cache_loc = batch
+    bs, nt = req_pool_indices.shape[0], out_cache_loc.shape[0]
+    a, b = bufs["ref"], bufs["tri"]
+    assert torch.equal(a.qo_indptr[: bs + 1], b.qo_indptr[: bs + 1])
+    assert torch.equal(a.positions[:nt], b.positions[:nt])
+    assert torch.equal(a.token_req[:nt], b.token_req[:nt])
+    assert torch.equal(r2t["ref"], r2t["tri"])
+    for kind in a.lists:
+        la, lb = a.lists[kind], b.lists[kind]
+        total = int(la.kv_indptr[bs])
+        assert torch.equal(la.kv_indptr[: bs + 1], lb.kv_indptr[: bs + 1]), kind
+        assert torch.equal(la.kv_start[:bs], lb.kv_start[:bs]), kind
+        assert torch.equal(la.kv_indices[:total], lb.kv_indices[:total]), kind
+        # nothing past the live part is touched
+        assert (lb.kv_indices[total:] == GARBAGE).all(), kind
+
+
+def run_both(bufs, r2t, batch):
+    poison(bufs["ref"])
+    poison(bufs["tri"])
+    ref.build_metadata(*batch, r2t["ref"], bufs["ref"])
+    tri.build_metadata(*batch, r2t["tri"], bufs["tri"])
+    assert_same(bufs, r2t, batch)
+
+
+BATCHES = [
+    # (seq_lens, extend_lens): prefill, decode, verify-like, empty rows, one row
+    ([7], [7]),
+    ([1], [1]),
+    ([12, 30, 5], [12, 1, 5]),
+    ([9, 0, 17, 4], [3, 0, 5, 0]),  # rows with count 0 (no new tokens / empty request)
+    ([40, 41, 42], [1, 1, 1]),
+    ([90, 3], [5, 3]),  # row longer than the copy block
+]
+
+
+@pytest.mark.parametrize("window", [None, 4, 33])
+def test_triton_metadata_matches_reference_and_keeps_addresses(window):
+    bufs, r2t = make_state(window)
+    addresses = lambda: ([x.data_ptr() for b in bufs.values() for x in b.all_tensors()]
+                         + [r2t["tri"].data_ptr()])
+    before = addresses()
+    for i, (seq_lens, extend_lens) in enumerate(BATCHES):
+        run_both(bufs, r2t, make_batch(seq_lens, extend_lens, seed=i))
+    assert addresses() == before
+
+
+@pytest.mark.parametrize("bs", [127, 128, 129, 150])
+def test_triton_metadata_scan_crosses_block_boundary(bs):
+    # rows around the scan block size (128); short rows keep the interpreter fast
+    gen = torch.Generator().manual_seed(bs)
+    extend_lens = torch.randint(0, 3, (bs,), generator=gen)
+    seq_lens = extend_lens + torch.randint(0, 4, (bs,), generator=gen)
+    bufs, r2t = make_state(3)
+    run_both(bufs, r2t, make_batch(seq_lens.tolist(), extend_lens.tolist(), seed=bs))
+
+
+def test_noop_builder_is_caught():
+    # the comparison must fail when the Triton side does nothing
+    bufs, r2t = make_state(4)
+    batch = make_batch([12, 30, 5], [12, 1, 5])
+    poison(bufs["ref"])
+    poison(bufs["tri"])
+    ref.build_metadata(*batch, r2t["ref"], bufs["ref"])
+    with pytest.raises(AssertionError):
+        assert_same(bufs, r2t, batch)
+
+
+def _candidates(bs, width, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cand = torch.randint(0, 10_000, (bs, width), generator=gen)
+    keep = torch.rand(bs, width, generator=gen) < 0.6
+    cand[~keep] = -1
+    if bs > 1:
+        cand[1] = -1  # an empty row
+    return cand.to(DEVICE)  # [bs, width] int64
+
+
+@pytest.mark.parametrize("bs,width", [(1, 5), (4, 200), (130, 7)])
+def test_compact_candidates_matches_reference(bs, width):
+    cand = _candidates(bs, width, seed=bs * width)
+    out = {}
+    for name, fn in (("ref", tri.compact_candidates_ref), ("tri", tri.compact_candidates)):
+        indptr = torch.full((bs + 3,), GARBAGE, dtype=torch.int64, device=DEVICE)
+        indices = torch.full((bs * width + 5,), GARBAGE, dtype=torch.int64, device=DEVICE)
+        fn(cand, indptr, indices)
+        out[name] = (indptr, indices)
+    (pa, ia), (pb, ib) = out["ref"], out["tri"]
+    total = int(pa[bs])
+    assert total == int((cand >= 0).sum())
+    assert torch.equal(pa[: bs + 1], pb[: bs + 1])
+    assert torch.equal(ia, ib)  # live part equal, the rest left untouched by both
+
+
+def test_exclusive_scan_inplace():
+    counts = torch.tensor([0, 3, 0, 0, 5, 1], dtype=torch.int64)
+    indptr = torch.full((10,), GARBAGE, dtype=torch.int64, device=DEVICE)
+    indptr[1:7] = counts.to(DEVICE)
+    tri.exclusive_scan_inplace(indptr, 6)
+    assert indptr[:7].tolist() == [0, 0, 3, 3, 3, 8, 9]
+    assert (indptr[7:] == GARBAGE).all()
