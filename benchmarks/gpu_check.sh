@@ -5,8 +5,8 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia-smi.txt"
-timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_graphs.py tests/test_kernels_*.py \
-  2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py tests/test_kernels_*.py \
+  2>&1 | tail -60 | tee "$OUT/gpu_tests.log"
 B=benchmarks/bench_decode.py
 timeout 120 python3 $B --model random:smollm2-135m --batch-sizes 1 --out "$OUT/decode_smollm2-135m.json"
 timeout 150 python3 $B --model random:llama-3.1-8b --batch-sizes 1 --out "$OUT/decode_llama-3.1-8b.json"

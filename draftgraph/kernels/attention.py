@@ -28,7 +28,8 @@ import torch
 from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton
 
 _LOG2E = 1.4426950408889634
-_NEG_BIG = -1.0e30  # running-max start: finite, so exp2(m_old - m_new) never sees inf - inf
+# running-max start inside kernels is -1.0e30: finite, so exp2(m_old - m_new) never sees
+# inf - inf (Triton kernels cannot read plain module globals)
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _decode_split_kernel(
     qpos = tl.zeros([BLOCK_H], dtype=tl.int64) + tl.load(positions + r)
     kv_first = tl.load(kv_start + r)
 
-    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + _NEG_BIG
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + -1.0e30
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
@@ -129,7 +130,7 @@ def _decode_reduce_kernel(
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(mid_lse + r * stride_ml_b + h * stride_ml_h + offs_s)  # [NUM_SPLITS]
     live = lse > float("-inf")
-    m = tl.max(tl.where(live, lse, _NEG_BIG), axis=0)
+    m = tl.max(tl.where(live, lse, -1.0e30), axis=0)
     w = tl.where(live, tl.exp2(lse - m), 0.0)
     part = tl.load(mid_o + r * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s
                    + offs_d[None, :], mask=live[:, None] & d_mask[None, :], other=0.0)
@@ -196,7 +197,7 @@ def _extend_kernel(
     else:
         lo = zero
 
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG_BIG
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
