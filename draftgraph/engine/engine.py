@@ -154,6 +154,7 @@ class LLMEngine:
                     continue
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
+                self.stats["prompt_tokens"] += len(item.prompt_token_ids)
             else:
                 req = self.requests.get(item)
                 if req is not None and not req.finished:

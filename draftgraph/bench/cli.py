@@ -1,0 +1,207 @@
+"""`draftgraph bench serve | compare`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model name to send (default: the server's "
+                   "first from /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("DRAFTGRAPH_API_KEY"))
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--dataset", choices=["random", "humaneval", "jsonl"], default="random")
+    p.add_argument("--dataset-path", help="JSONL file for --dataset jsonl")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-vocab-size", type=int, default=None,
+                   help="token ids drawn below this (default: the server's vocabulary)")
+    p.add_argument("--output-len", type=int, default=256,
+                   help="max_tokens for humaneval/jsonl prompts")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-dir", default="benchmarks/results")
+    p.add_argument("--result-file", default=None, help="default: a name from the run")
+    p.add_argument("--device-label", default=None,
+                   help="device to record when the server does not report one (/info)")
+
+
+def add_bench_args(b: argparse.ArgumentParser) -> None:
+    sub = b.add_subparsers(dest="bench_command", required=True)
+    s = sub.add_parser("serve", help="load an OpenAI-compatible server and measure latency, "
+                       "throughput and speculative acceptance")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--max-concurrency", type=int, nargs="+", default=[1],
+                   help="one run per value (e.g. 1 4 16)")
+    s.add_argument("--plot", action="store_true",
+                   help="also write a PNG of latency and throughput vs concurrency")
+    _add_load_args(s)
+    s.set_defaults(func=cmd_bench_serve)
+
+    c = sub.add_parser("compare", help="A/B two server configurations, run alternately "
+                       "(A B B A ...), and report the ratio of a metric with a 95%% CI")
+    c.add_argument("--server-model", default="default",
+                   help="MODEL argument of `draftgraph serve` for launched servers")
+    c.add_argument("--a-args", default="", help="extra `draftgraph serve` flags of A")
+    c.add_argument("--b-args", default="", help="extra `draftgraph serve` flags of B")
+    c.add_argument("--a-url", default=None, help="use a running server as A (no launch)")
+    c.add_argument("--b-url", default=None, help="use a running server as B (no launch)")
+    c.add_argument("--rounds", type=int, default=2, help="ABBA rounds: 2·rounds runs")
+    c.add_argument("--max-concurrency", type=int, default=1)
+    c.add_argument("--metric", default="output_throughput",
+                   help="summary key to compare (output_throughput, median_tpot_ms, ...)")
+    _add_load_args(c)
+    c.set_defaults(func=cmd_bench_compare)
+
+
+def _requests(args, base_url: str):
+    from draftgraph.bench.datasets import load_requests
+    from draftgraph.bench.serve import server_info
+
+    info, served, vocab = server_info(base_url, args.api_key)
+    model = args.model or served
+    if model is None:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+    return info, model, load_requests(args, vocab)
+
+
+def _config(args) -> dict:
+    return {k: (v if isinstance(v, (str, int, float, bool, list, type(None))) else str(v))
+            for k, v in vars(args).items() if k != "func" and k != "api_key"}
+
+
+def _command(args) -> str:
+    """A command line that repeats this run (every option spelled out; the API key left out)."""
+    import shlex
+
+    words = ["draftgraph", "bench", args.bench_command]
+    for key, value in vars(args).items():
+        if key in ("func", "bench_command", "command", "api_key") or value is None \
+                or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, list):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def _write(args, name: str, payload: dict) -> str:
+    os.makedirs(args.result_dir, exist_ok=True)
+    path = os.path.join(args.result_dir, args.result_file or name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    return path
+
+
+def _stamp() -> str:
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from draftgraph.bench.serve import format_table, plot_runs, run_benchmark
+
+    base_url = args.base_url.rstrip("/")
+    try:
+        info, model, requests = _requests(args, base_url)
+    except Exception as e:  # connection refused, bad dataset, ...
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runs = []
+    for conc in args.max_concurrency:
+        run = asyncio.run(run_benchmark(
+            base_url, model, requests, conc, args.request_rate, args.ignore_eos, args.endpoint,
+            args.num_warmups, args.api_key, args.temperature, args.seed))
+        runs.append(run)
+        print(format_table([run]).splitlines()[-1] if len(runs) > 1 else format_table([run]),
+              flush=True)
+    spec = info.get("speculative")
+    payload = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": _command(args),
+        "device": info.get("device") or args.device_label or "unknown",
+        "model": info.get("model") or model,
+        "served_model_name": model,
+        "server": info,
+        "config": _config(args),
+        "results": runs,
+    }
+    name = (f"serve-{args.dataset}-{os.path.basename(str(payload['model'])).replace(':', '-')}"
+            f"-{spec or 'plain'}-{_stamp()}.json")
+    path = _write(args, name, payload)
+    print(f"wrote {path}")
+    if args.plot:
+        png = os.path.splitext(path)[0] + ".png"
+        plot_runs(runs, png, f"{payload['model']} on {payload['device']} "
+                  f"({args.dataset}, speculative={spec})")
+        print(f"wrote {png}")
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from contextlib import nullcontext
+
+    from draftgraph.bench.compare import ServerProcess, abba_order, ratio_ci
+    from draftgraph.bench.serve import run_benchmark
+
+    values: dict[str, list[float]] = {"A": [], "B": []}
+    runs = []
+    for label in abba_order(args.rounds):
+        url = args.a_url if label == "A" else args.b_url
+        extra = args.a_args if label == "A" else args.b_args
+        ctx = nullcontext(None) if url else ServerProcess(args.server_model, extra)
+        try:
+            with ctx as proc:
+                base_url = (url or proc.base_url).rstrip("/")
+                info, model, requests = _requests(args, base_url)
+                summary = asyncio.run(run_benchmark(
+                    base_url, model, requests, args.max_concurrency, args.request_rate,
+                    args.ignore_eos, args.endpoint, args.num_warmups, args.api_key,
+                    args.temperature, args.seed))
+        except Exception as e:
+            print(f"error: run {label} failed: {e}", file=sys.stderr)
+            return 2
+        if args.metric not in summary or summary[args.metric] is None:
+            print(f"error: --metric {args.metric!r} is not in the summary; choose one of "
+                  f"{', '.join(k for k, v in summary.items() if isinstance(v, float))}",
+                  file=sys.stderr)
+            return 2
+        values[label].append(summary[args.metric])
+        runs.append({"arm": label, "server": info, "summary": summary})
+        print(f"{label}: {args.metric} = {summary[args.metric]:.4g}", flush=True)
+    pairs = list(zip(values["A"], values["B"], strict=True))
+    result = ratio_ci(pairs)
+    lo, hi = result["ci95"]
+    ci = f"[{lo:.3f}, {hi:.3f}]" if lo is not None else "[n/a]"
+    print(f"{args.metric}: B/A = {result['ratio']:.3f}, 95% CI {ci} over {result['pairs']} "
+          f"pairs (A: {args.a_url or args.a_args!r}, B: {args.b_url or args.b_args!r})")
+    payload = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": _command(args),
+        "device": (runs[0]["server"].get("device") if runs else None) or args.device_label
+        or "unknown",
+        "model": (runs[0]["server"].get("model") if runs else None) or args.server_model,
+        "config": _config(args),
+        "metric": args.metric,
+        "comparison": {"a": values["A"], "b": values["B"], **result},
+        "runs": runs,
+    }
+    print(f"wrote {_write(args, f'compare-{args.metric}-{_stamp()}.json', payload)}")
+    return 0

@@ -1,0 +1,272 @@
+"""`draftgraph bench serve`: load an OpenAI-compatible server and measure it.
+
+Each request streams; the client times its first token (TTFT), the gaps between chunks (ITL;
+under speculation one chunk may carry several tokens), the time per output token after the
+first (TPOT) and end to end (E2E). Acceptance statistics come from the difference of the
+server's `/metrics` speculative counters before and after the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from draftgraph.bench.datasets import BenchRequest
+
+logger = logging.getLogger(__name__)
+
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, model: str,
+                       req: BenchRequest, ignore_eos: bool, api_key: str | None,
+                       temperature: float) -> RequestResult:
+    body: dict = {"model": model, "max_tokens": req.output_len, "temperature": temperature,
+                  "stream": True, "stream_options": {"include_usage": True},
+                  "ignore_eos": ignore_eos}
+    if endpoint == "chat":
+        if not isinstance(req.prompt, str):
+            return RequestResult(False, error="token-id prompts need --endpoint completions")
+        url = f"{base_url}/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        url = f"{base_url}/v1/completions"
+        body["prompt"] = req.prompt
+    start = time.perf_counter()
+    token_times: list[float] = []
+    usage: dict = {}
+    try:
+        async with client.stream("POST", url, json=body, headers=_headers(api_key)) as r:
+            if r.status_code != 200:
+                return RequestResult(False, error=f"HTTP {r.status_code}: "
+                                     f"{(await r.aread()).decode()[:200]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return RequestResult(False, error=chunk["error"].get("message", "error"))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if text or choice.get("finish_reason") is None:
+                        token_times.append(time.perf_counter())
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return RequestResult(False, error=f"{type(e).__name__}: {e}")
+    end = time.perf_counter()
+    if not token_times:
+        return RequestResult(False, error="no tokens streamed")
+    return RequestResult(
+        True, prompt_tokens=usage.get("prompt_tokens", 0),
+        output_tokens=usage.get("completion_tokens", len(token_times)),
+        ttft=token_times[0] - start, e2e=end - start,
+        itl=[b - a for a, b in zip(token_times, token_times[1:], strict=False)])
+
+
+def parse_metrics(text: str) -> dict:
+    """Speculative counters (any metric-name prefix, e.g. `vllm:`) from Prometheus text."""
+    out: dict = {name: 0.0 for name in SPEC_COUNTERS}
+    per_pos: dict[int, float] = {}
+    for m in re.finditer(r"^(?:[\w]+:)?(spec_decode_\w+?)(?:_total)?(\{[^}]*\})? (\S+)$", text,
+                         re.M):
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "spec_decode_num_accepted_tokens_per_pos":
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        elif name in out:
+            out[name] += value
+    out["per_pos"] = [per_pos[i] for i in sorted(per_pos)]
+    return out
+
+
+async def fetch_metrics(client: httpx.AsyncClient, base_url: str) -> dict | None:
+    try:
+        r = await client.get(f"{base_url}/metrics")
+        return parse_metrics(r.text) if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def spec_summary(before: dict | None, after: dict | None) -> dict:
+    if before is None or after is None:
+        return {}
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    drafts = d["spec_decode_num_drafts"]
+    if drafts <= 0:
+        return {"num_drafts": 0}
+    per_pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0)
+               for i, a in enumerate(after["per_pos"])]
+    return {
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(d["spec_decode_num_draft_tokens"]),
+        "num_accepted_tokens": int(d["spec_decode_num_accepted_tokens"]),
+        # tokens per verify step: the accepted drafts plus the one the target always adds
+        "acceptance_length": 1 + d["spec_decode_num_accepted_tokens"] / drafts,
+        "acceptance_rate": (d["spec_decode_num_accepted_tokens"]
+                            / max(d["spec_decode_num_draft_tokens"], 1)),
+        "acceptance_rate_per_pos": [n / drafts for n in per_pos],
+    }
+
+
+def _stats_ms(values: list[float], name: str) -> dict:
+    if not values:
+        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
+    s = sorted(values)
+    p99 = s[min(len(s) - 1, max(0, int(round(0.99 * len(s))) - 1))]
+    return {f"mean_{name}_ms": 1000 * statistics.fmean(s),
+            f"median_{name}_ms": 1000 * statistics.median(s), f"p99_{name}_ms": 1000 * p99}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    summary = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+    }
+    summary.update(_stats_ms([r.ttft for r in ok], "ttft"))
+    summary.update(_stats_ms([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok
+                              if r.output_tokens > 1], "tpot"))
+    summary.update(_stats_ms([x for r in ok for x in r.itl], "itl"))
+    summary.update(_stats_ms([r.e2e for r in ok], "e2e"))
+    return summary
+
+
+async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
+                        max_concurrency: int, request_rate: float = float("inf"),
+                        ignore_eos: bool = False, endpoint: str = "completions",
+                        num_warmups: int = 1, api_key: str | None = None,
+                        temperature: float = 0.0, seed: int = 0) -> dict:
+    """One load run; returns the summary dict (latencies in ms, throughputs per second)."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=max_concurrency + 4,
+                          max_keepalive_connections=max_concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        for req in requests[:num_warmups]:
+            warm = BenchRequest(req.prompt, min(req.output_len, 16))
+            res = await send_request(client, base_url, endpoint, model, warm, ignore_eos,
+                                     api_key, temperature)
+            if not res.ok:
+                raise RuntimeError(f"warm-up request failed: {res.error}")
+        before = await fetch_metrics(client, base_url)
+        sem = asyncio.Semaphore(max_concurrency)
+
+        async def limited(req: BenchRequest) -> RequestResult:
+            async with sem:
+                return await send_request(client, base_url, endpoint, model, req, ignore_eos,
+                                          api_key, temperature)
+
+        start = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.create_task(limited(req)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        after = await fetch_metrics(client, base_url)
+    summary = {"max_concurrency": max_concurrency, "request_rate": request_rate,
+               "num_prompts": len(requests)}
+    summary.update(summarize(results, duration))
+    summary["speculative"] = spec_summary(before, after)
+    return summary
+
+
+def server_info(base_url: str, api_key: str | None) -> tuple[dict, str | None, int | None]:
+    """(/info, the first served model name, vocab size) — whatever the server exposes."""
+    info: dict = {}
+    model = vocab = None
+    with httpx.Client(timeout=30) as client:
+        try:
+            r = client.get(f"{base_url}/info")
+            if r.status_code == 200:
+                info = r.json()
+        except httpx.HTTPError:
+            pass
+        r = client.get(f"{base_url}/v1/models", headers=_headers(api_key))
+        r.raise_for_status()
+        data = r.json().get("data") or []
+        if data:
+            model, vocab = data[0]["id"], data[0].get("vocab_size")
+    return info, model, vocab
+
+
+def format_table(runs: list[dict]) -> str:
+    cols = [("conc", "max_concurrency", "{:>5}"), ("done", "completed", "{:>5}"),
+            ("req/s", "request_throughput", "{:>7.2f}"),
+            ("out tok/s", "output_throughput", "{:>9.1f}"),
+            ("TTFT med", "median_ttft_ms", "{:>9.1f}"), ("TTFT p99", "p99_ttft_ms", "{:>9.1f}"),
+            ("TPOT med", "median_tpot_ms", "{:>9.2f}"), ("ITL med", "median_itl_ms", "{:>8.2f}"),
+            ("E2E med", "median_e2e_ms", "{:>9.1f}"), ("acc len", None, "{:>7}")]
+    lines = [" ".join(f"{h:>{len(fmt.format(0) if k else '       ')}}" for h, k, fmt in cols)]
+    for run in runs:
+        cells = []
+        for _, key, fmt in cols:
+            if key is None:
+                acc = run.get("speculative", {}).get("acceptance_length")
+                cells.append(f"{acc:>7.2f}" if acc else f"{'-':>7}")
+            else:
+                v = run.get(key)
+                cells.append(fmt.format(v) if v is not None else f"{'-':>{len(fmt.format(0))}}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def plot_runs(runs: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = [r["max_concurrency"] for r in runs]
+    fig, (ax_lat, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("median_ttft_ms", "TTFT median"), ("p99_ttft_ms", "TTFT p99"),
+                       ("median_tpot_ms", "TPOT median"), ("median_itl_ms", "ITL median"),
+                       ("median_e2e_ms", "E2E median")):
+        ax_lat.plot(conc, [r[key] or float("nan") for r in runs], marker="o", label=label)
+    ax_lat.set(xscale="log", yscale="log", xlabel="max concurrency", ylabel="ms",
+               title="latency")
+    ax_lat.legend(fontsize=8)
+    ax_tput.plot(conc, [r["output_throughput"] for r in runs], marker="o", label="output tok/s")
+    ax_tput.plot(conc, [r["total_token_throughput"] for r in runs], marker="s",
+                 label="total tok/s")
+    ax_tput.set(xscale="log", xlabel="max concurrency", ylabel="tokens / s", title="throughput")
+    ax_tput.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,146 @@
+"""Prometheus metrics of the server, named as vLLM names them so dashboards and bench tools
+that read a vLLM server read this one too (`vllm:time_to_first_token_seconds`,
+`vllm:spec_decode_num_accepted_tokens_total`, ...).
+
+Per-request latencies are histograms observed on the event loop as outputs arrive; engine state
+(KV usage, running/waiting requests, cumulative token and speculative counters from
+`engine.stats`) is read at scrape time by a collector, so the engine thread does no bookkeeping
+for metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from draftgraph.engine.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "vllm:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+
+
+class _EngineCollector:
+    """Engine state read at scrape time."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric([self.model_name], value)
+        return c
+
+    def collect(self):
+        e = self.engine
+        stats = dict(e.stats)
+        yield self._gauge("num_requests_running", "Requests being decoded.",
+                          len(e.scheduler.running))
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                          len(e.scheduler.waiting))
+        usage = e.kv_usage()
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV slots in use (1 = full).", usage)
+        yield self._gauge("gpu_cache_usage_perc", "Alias of kv_cache_usage_perc.", usage)
+        yield self._gauge("kv_cache_free_slots", "Free KV slots.", e.num_free_kv_slots())
+        yield self._counter("prompt_tokens", "Prompt tokens admitted.",
+                            stats.get("prompt_tokens", 0))
+        yield self._counter("generation_tokens", "Tokens generated.",
+                            stats.get("generation_tokens", 0))
+        yield self._counter("spec_decode_num_drafts", "Speculative verify steps with a draft.",
+                            stats.get("num_drafts", 0))
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                            stats.get("num_draft_tokens", 0))
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            stats.get("num_accepted_tokens", 0))
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(stats.get("accepted_per_pos", [])):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
+
+
+class ServerMetrics:
+    """Request histograms and counters plus the engine collector, in one registry per server
+    (several servers in one process do not share metrics)."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from request arrival to its first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between consecutive outputs of a request (one output may "
+                             "carry several tokens under speculation).", labels,
+                             buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Decode time per output token of a request, after the first.",
+                              labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from request arrival to its last token.", labels,
+                             buckets=E2E_BUCKETS, registry=reg).labels(model_name)
+        self.prompt_len = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.",
+                                    labels, buckets=TOKEN_BUCKETS, registry=reg).labels(model_name)
+        self.gen_len = Histogram(PREFIX + "request_generation_tokens",
+                                 "Generated tokens per request.", labels, buckets=TOKEN_BUCKETS,
+                                 registry=reg).labels(model_name)
+        self.success = Counter(PREFIX + "request_success", "Finished requests by reason.",
+                               labels + ["finished_reason"], registry=reg)
+        self.http_errors = Counter(PREFIX + "http_request_errors",
+                                   "Requests refused or failed, by HTTP status.",
+                                   labels + ["status"], registry=reg)
+        reg.register(_EngineCollector(engine, model_name))
+        self._last_output_time: dict[str, float] = {}
+
+    def observe_output(self, out: RequestOutput, now: float) -> None:
+        """Called on the event loop for every output the engine thread dispatches."""
+        rid = out.request_id
+        if out.new_token_ids:
+            last = self._last_output_time.get(rid)
+            if last is None:
+                ttft = out.metrics.get("ttft")
+                if ttft is not None:
+                    self.ttft.observe(ttft)
+            else:
+                self.itl.observe(now - last)
+            self._last_output_time[rid] = now
+        if out.finished:
+            self._last_output_time.pop(rid, None)
+            reason = out.finish_reason or "unknown"
+            self.success.labels(self.model_name, reason).inc()
+            m = out.metrics
+            if reason in ("stop", "length"):
+                seconds, ttft = m.get("seconds"), m.get("ttft")
+                if seconds is not None:
+                    self.e2e.observe(seconds)
+                n = m.get("completion_tokens", len(out.token_ids))
+                if ttft is not None and seconds is not None and n > 1:
+                    self.tpot.observe((seconds - ttft) / (n - 1))
+                self.prompt_len.observe(m.get("prompt_tokens", len(out.prompt_token_ids)))
+                self.gen_len.observe(n)
+
+    def count_error(self, status: int) -> None:
+        self.http_errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

