@@ -52,10 +52,10 @@ def profile_step(engine: LLMEngine, steps: int) -> dict:
 
 
 def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph: bool) -> dict:
-    from draftgraph.runtime.graph_runner import DecodeGraphRunner
+    from draftgraph.runtime.graph_runner import StepGraphRunner
 
     runner = engine.runner
-    graphs = DecodeGraphRunner(runner, runner.max_num_seqs, metadata_in_graph)
+    graphs = StepGraphRunner(runner, runner.max_num_seqs, metadata_in_graph=metadata_in_graph)
     graphs.capture()
     runner.graphs = graphs
     vocab = engine.model_config.vocab_size

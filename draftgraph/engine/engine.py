@@ -38,6 +38,13 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         torch.manual_seed(config.seed)
+        if config.tensor_parallel_size > 1:  # TP: start ranks 1.. (distributed/worker.py)
+            from draftgraph.distributed import start_workers
+
+            if loaded is not None:
+                raise EngineError("--tensor-parallel-size > 1: every rank loads its shard "
+                                  "itself; pass the model by name, not loaded")
+            start_workers(config)
         if loaded is None:
             from draftgraph.models.loader import load_model
 
@@ -59,8 +66,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.cache, sched_cfg, self.max_model_len,
                                   self.device, config.torch_dtype, backend,
                                   extra_tokens_per_req=k)
-        if self.device.type == "cuda" and config.use_graphs:
-            self.runner.init_graphs()
+        self.spec_k = k
         self.scheduler = Scheduler(sched_cfg, self.runner.allocator, self.runner.req_pool)
         self.requests: dict[str, Request] = {}
         self._inbox: deque = deque()
@@ -79,6 +85,9 @@ class LLMEngine:
             self.proposer = NgramSpeculator(spec)
             self.proposer.stats = self.stats
             self.proposer.max_model_len = self.max_model_len
+        if self.device.type == "cuda" and config.use_graphs:
+            self.runner.init_graphs(num_draft_tokens=k,
+                                    proposer=self.proposer.proposer if self.proposer else None)
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
@@ -175,8 +184,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
-        drafts = self.proposer.propose(self.scheduler.running) if self.proposer else None
-        scheduled = self.scheduler.schedule(drafts)
+        # with speculative step graphs the drafts are made on the device, inside the graph;
+        # otherwise on the host before scheduling
+        device_drafts = self.runner.spec_graphs is not None
+        drafts = None
+        if self.proposer is not None and not device_drafts:
+            drafts = self.proposer.propose(self.scheduler.running)
+        scheduled = self.scheduler.schedule(drafts, self.spec_k if device_drafts else 0)
         if not scheduled:
             return outputs
         try:
@@ -206,7 +220,7 @@ class LLMEngine:
             sb.req_pool_indices.append(req.req_pool_idx)
             sb.seq_lens.append(start + len(toks))
             sb.extend_lens.append(len(toks))
-            sb.out_cache_loc += sr.out_cache_loc
+            sb.out_cache_loc += sr.out_cache_loc[: len(toks)]
             end = len(sb.input_ids)
             samples = start + sr.num_new_tokens == req.num_tokens
             n_rows = (1 + len(sr.draft_tokens)) if samples else 0
@@ -223,13 +237,27 @@ class LLMEngine:
         return self._sample(rows, logits if sb.logit_indices else None)
 
     def _replay_decode(self, scheduled: list[ScheduledRequest], sb: StepBatch):
+        """A decode step as one graph replay; a speculative step (drafts made inside the
+        graph) when any request may draft now."""
         reqs = [sr.req for sr in scheduled]
+        max_draft = [0] * len(reqs)
         graphs = self.runner.graphs
-        graphs.replay(sb.input_ids, sb.req_pool_indices, sb.seq_lens, sb.out_cache_loc,
+        if self.runner.spec_graphs is not None:
+            max_draft = [self.proposer.max_draft(r) for r in reqs]
+            if any(max_draft):
+                graphs = self.runner.spec_graphs
+        graphs.replay(sb.input_ids, sb.req_pool_indices, sb.seq_lens,
+                      [sr.out_cache_loc for sr in scheduled],
                       [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
-                      [r.params.top_k for r in reqs], [r.seed for r in reqs])
-        tokens, logprobs = graphs.result(len(reqs))
-        return [([t], [lp]) for t, lp in zip(tokens, logprobs, strict=True)]
+                      [r.params.top_k for r in reqs], [r.seed for r in reqs], max_draft)
+        results = graphs.result()
+        if graphs is self.runner.spec_graphs:
+            for req, d, (tokens, _, num_drafts) in zip(reqs, max_draft, results, strict=True):
+                if num_drafts:
+                    self.proposer.record(req, num_drafts, len(tokens) - 1)
+                elif d:
+                    self.proposer.no_proposal(req)
+        return [(tokens, logprobs) for tokens, logprobs, _ in results]
 
     def _sample(self, rows, logits) -> list[tuple[list[int], list[float]]]:
         out: list[tuple[list[int], list[float]]] = []
@@ -353,6 +381,12 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done at exit)."""
+        from draftgraph.distributed import shutdown_workers
+
+        shutdown_workers()
 
     def num_free_kv_slots(self) -> int:
         return self.runner.allocator.num_free_slots

@@ -24,11 +24,16 @@ class ScheduledRequest:
     req: Request
     num_new_tokens: int  # tokens of the sequence fed this step (prefill chunk or 1)
     draft_tokens: list[int] = field(default_factory=list)  # verify step: drafts after them
+    reserve: int = 0  # extra KV slots for drafts proposed on the device (graph path)
     out_cache_loc: list[int] = field(default_factory=list)
 
     @property
     def extend_len(self) -> int:
         return self.num_new_tokens + len(self.draft_tokens)
+
+    @property
+    def num_slots(self) -> int:
+        return self.extend_len + self.reserve
 
 
 class Scheduler:
@@ -74,7 +79,7 @@ class Scheduler:
         while True:
             try:
                 sr.out_cache_loc = self.allocator.extend(req.pages, req.num_computed_tokens,
-                                                         sr.extend_len)
+                                                         sr.num_slots)
                 return True
             except OutOfKVSlots:
                 victims = [r for r in reversed(self.running)
@@ -83,21 +88,23 @@ class Scheduler:
                     return False
                 self._preempt(victims[0])
 
-    def schedule(self, drafts: dict[str, list[int]] | None = None) -> list[ScheduledRequest]:
-        """Pick this step's work. `drafts` maps request ids in decode to their draft tokens."""
+    def schedule(self, drafts: dict[str, list[int]] | None = None,
+                 reserve: int = 0) -> list[ScheduledRequest]:
+        """Pick this step's work. `drafts` maps request ids in decode to their draft tokens;
+        `reserve` extra KV slots go to each decoding request (drafts made on the device)."""
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         # 1. decoding requests: one token each (plus drafts)
         for req in list(self.running):
             if req.is_prefilling or req not in self.running:
                 continue
-            sr = ScheduledRequest(req, 1, list((drafts or {}).get(req.request_id, [])))
-            if sr.extend_len > budget and scheduled:
+            sr = ScheduledRequest(req, 1, list((drafts or {}).get(req.request_id, [])), reserve)
+            if sr.num_slots > budget and scheduled:
                 break
             if not self._alloc(sr, scheduled):
                 self._preempt(req)
                 continue
-            budget -= sr.extend_len
+            budget -= sr.num_slots
             scheduled.append(sr)
         # 2. running requests still prefilling, then newly admitted ones
         for req in [r for r in self.running if r.is_prefilling]:
@@ -112,8 +119,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             remaining = req.num_tokens - req.num_computed_tokens
-            reserve = sum(1 for r in self.running if not r.is_prefilling)
-            if self.allocator.num_free_slots < min(remaining, budget) + reserve:
+            headroom = (1 + reserve) * sum(1 for r in self.running if not r.is_prefilling)
+            if self.allocator.num_free_slots < min(remaining, budget) + headroom:
                 break
             self.waiting.popleft()
             req.req_pool_idx = self.req_pool.alloc()

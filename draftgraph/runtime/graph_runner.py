@@ -1,19 +1,26 @@
-"""CUDA-graph runner for the decode step.
+"""CUDA-graph runner for decode and speculative steps.
 
 One graph per batch-size bucket (1, 2, 4, 8, then multiples of 8), captured largest first
-into one memory pool. Each graph holds the whole step: metadata from the raw inputs (when the
-backend can build it in the graph), the model forward, the LM head and sampling. A replay
-copies only the raw inputs — tokens, req_pool_indices, seq_lens, out_cache_loc and the
-per-request sampling parameters — from one pinned staging buffer with ONE non-blocking H2D
-copy, replays, and starts an async D2H copy of the sampled tokens into pinned memory; the host
-waits on its event only when it reads them.
+into one memory pool, and per sampling mode (greedy, sampled). A graph holds the whole step:
+
+  decode (k = 0):  metadata from the raw inputs -> forward -> LM head -> sample
+  speculative (k): record the last token in the device token table -> n-gram proposal of up
+                   to k drafts per request (capped per request by `max_draft`) -> pack the
+                   1 + d tokens of each request -> metadata for the ACTIVE counts -> forward ->
+                   logits of every request's 1 + k rows -> acceptance (greedy or rejection
+                   sampling) -> accepted tokens and counts
+
+A replay copies only the raw inputs — last tokens, req_pool_indices, seq_lens, out_cache_loc
+(1 + k reserved slots per request), max_draft and the sampling parameters — from one pinned
+staging buffer with ONE non-blocking H2D copy, replays, and starts ONE async D2H copy of the
+results into pinned memory; the host waits on its event only when it reads them.
 
 Padded rows point at the dummy request (row 0) and the dummy KV slot 0, so they never write a
-live request's KV.
+live request's KV. Packed token slots past the live tokens also write slot 0.
 
 Fallback: a backend without `in_graph_metadata` gets its metadata rebuilt eagerly before each
-replay (logged once); the graph then holds only the forward and sampling. That path is the A
-arm of the in-graph-metadata A/B.
+replay (logged once); the graph then holds only the rest. That path is the A arm of the
+in-graph-metadata A/B. (It needs the packed layout on the host, so it serves k = 0 only.)
 """
 
 from __future__ import annotations
@@ -23,13 +30,16 @@ import logging
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
-from draftgraph.engine.sampling import sample
+from draftgraph.engine.sampling import processed_probs, sample
+from draftgraph.spec.ngram import NgramProposer
+from draftgraph.spec.verify import greedy_accept, rejection_sample
 
 logger = logging.getLogger(__name__)
 
-# staging layout, per row (int64 lanes): the raw inputs, then sampling parameters
-_INT_FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "top_k", "seeds")
-_FLOAT_FIELDS = ("temperature", "top_p")  # float32, packed two per int64 lane
+# staging layout: per-request int64 fields, then out_cache_loc [max_bs, 1 + k], then float32
+# sampling parameters packed two per int64 lane
+_ROW_FIELDS = ("input_ids", "req_pool_indices", "seq_lens", "max_draft", "top_k", "seeds")
+_FLOAT_FIELDS = ("temperature", "top_p")
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -40,70 +50,150 @@ def batch_buckets(max_bs: int) -> list[int]:
     return buckets
 
 
-class DecodeGraphRunner:
-    def __init__(self, runner, max_bs: int, metadata_in_graph: bool | None = None) -> None:
+class StepGraphRunner:
+    def __init__(self, runner, max_bs: int, num_draft_tokens: int = 0,
+                 proposer: NgramProposer | None = None,
+                 metadata_in_graph: bool | None = None) -> None:
         self.runner = runner
         self.model = runner.model
         self.backend = runner.backend
         self.device = runner.device
         self.max_bs = max_bs
+        self.k = num_draft_tokens
+        self.tokens_per_req = 1 + self.k
+        self.proposer = proposer
+        if self.k and proposer is None:
+            raise ValueError("a speculative step graph needs a proposer")
         can = self.backend.in_graph_metadata
         self.metadata_in_graph = can if metadata_in_graph is None else (metadata_in_graph and can)
         if not self.metadata_in_graph:
+            if self.k:
+                raise ValueError("speculative step graphs need in-graph metadata")
             logger.warning(
                 "attention backend %r: metadata is rebuilt eagerly before each graph replay "
                 "(%s)", self.backend.name,
                 "requested" if can else "backend lacks in_graph_metadata")
         self.buckets = batch_buckets(max_bs)
-        n_int, n_float = len(_INT_FIELDS), len(_FLOAT_FIELDS)
-        lanes = max_bs * (n_int + (n_float + 1) // 2)
+        T = self.tokens_per_req
+        n_rows, n_float = len(_ROW_FIELDS), len(_FLOAT_FIELDS)
+        lanes = max_bs * (n_rows + T) + max_bs * ((n_float + 1) // 2)
         # [lanes] int64: one pinned staging buffer on the host, one persistent twin on the GPU
         self.staging = torch.zeros(lanes, dtype=torch.int64, pin_memory=True)
         self.raw = torch.zeros(lanes, dtype=torch.int64, device=self.device)
-        self._views_host = self._split(self.staging)
-        self._views_dev = self._split(self.raw)
+        self._host = self._split(self.staging)
+        self._dev = self._split(self.raw)
+        # persistent, graph-written forward inputs
+        self.packed_ids = torch.zeros(max_bs * T, dtype=torch.int64, device=self.device)
+        self.packed_loc = torch.zeros(max_bs * T, dtype=torch.int64, device=self.device)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=self.device)
-        # outputs: sampled tokens and their logprobs, persistent on the GPU, pinned on the host
-        self.out_tokens = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        self.out_logprobs = torch.zeros(max_bs, dtype=torch.float32, device=self.device)
-        self.host_tokens = torch.zeros(max_bs, dtype=torch.int64, pin_memory=True)
-        self.host_logprobs = torch.zeros(max_bs, dtype=torch.float32, pin_memory=True)
+        self.seq_lens_after = torch.ones(max_bs, dtype=torch.int64, device=self.device)
+        # results: tokens [bs, T] | accept_lens [bs] | num_drafts [bs] | logprobs [bs, T] fp32
+        out_lanes = max_bs * (T + 2) + (max_bs * T + 1) // 2
+        self.out = torch.zeros(out_lanes, dtype=torch.int64, device=self.device)
+        self.host_out = torch.zeros(out_lanes, dtype=torch.int64, pin_memory=True)
         self.done = torch.cuda.Event()
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.last_bs = 0
 
+    # ---- buffer views ---------------------------------------------------------------------
     def _split(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        m = self.max_bs
-        views = {name: buf[i * m : (i + 1) * m] for i, name in enumerate(_INT_FIELDS)}
-        base = len(_INT_FIELDS) * m
-        floats = buf[base:].view(torch.float32)
+        m, T = self.max_bs, self.tokens_per_req
+        views = {name: buf[i * m : (i + 1) * m] for i, name in enumerate(_ROW_FIELDS)}
+        base = len(_ROW_FIELDS) * m
+        views["out_cache_loc"] = buf[base : base + m * T].view(m, T)
+        floats = buf[base + m * T :].view(torch.float32)
         for i, name in enumerate(_FLOAT_FIELDS):
             views[name] = floats[i * m : (i + 1) * m]
         return views
 
-    def _fb(self, bs: int) -> ForwardBatch:
-        v = self._views_dev
-        return ForwardBatch(Phase.DECODE, v["input_ids"][:bs], v["req_pool_indices"][:bs],
-                            v["seq_lens"][:bs], self.extend_lens[:bs], v["out_cache_loc"][:bs],
-                            self.runner.meta, extend_lens_cpu=[1] * bs)
+    def _out_views(self, buf: torch.Tensor, bs: int):
+        m, T = self.max_bs, self.tokens_per_req
+        tokens = buf[: m * T].view(m, T)[:bs]
+        accept_lens = buf[m * T : m * T + m][:bs]
+        num_drafts = buf[m * T + m : m * T + 2 * m][:bs]
+        logprobs = buf[m * (T + 2) :].view(torch.float32)[: m * T].view(m, T)[:bs]
+        return tokens, accept_lens, num_drafts, logprobs
+
+    # ---- the captured body ----------------------------------------------------------------
+    def _fb(self, bs: int, num_tokens: int) -> ForwardBatch:
+        v = self._dev
+        phase = Phase.DECODE if self.k == 0 else Phase.VERIFY
+        return ForwardBatch(phase, self.packed_ids[:num_tokens], v["req_pool_indices"][:bs],
+                            self.seq_lens_after[:bs], self.extend_lens[:bs],
+                            self.packed_loc[:num_tokens], self.runner.meta)
+
+    def _prepare(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts and the packed 1 + d tokens of each request, on the device."""
+        v, T, k = self._dev, self.tokens_per_req, self.k
+        rows, seq, last = v["req_pool_indices"][:bs], v["seq_lens"][:bs], v["input_ids"][:bs]
+        table = self.runner.token_table
+        if k == 0:
+            self.packed_ids[:bs].copy_(last)
+            self.packed_loc[:bs].copy_(v["out_cache_loc"][:bs, 0])
+            self.seq_lens_after[:bs].copy_(seq)
+            table[rows, seq - 1] = last
+            empty = torch.zeros(bs, 0, dtype=torch.int64, device=self.device)
+            return empty, torch.zeros(bs, dtype=torch.int64, device=self.device)
+        table[rows, seq - 1] = last
+        drafts, num_drafts = self.proposer.propose(table[rows], seq)  # [bs, k], [bs]
+        num_drafts = torch.minimum(num_drafts, v["max_draft"][:bs])
+        ext = 1 + num_drafts
+        self.extend_lens[:bs].copy_(ext)
+        self.seq_lens_after[:bs].copy_(seq + num_drafts)
+        qo_end = ext.cumsum(0)
+        start = qo_end - ext
+        t = torch.arange(bs * T, device=self.device)
+        r = torch.searchsorted(qo_end, t, right=True).clamp_max(bs - 1)  # [bs*T] request
+        j = t - start[r]  # [bs*T] index inside the request's 1 + d tokens
+        live = j < ext[r]
+        jc = j.clamp(0, T - 1)
+        cand = torch.where(j == 0, last[r], drafts[r, (jc - 1).clamp_min(0)])
+        self.packed_ids[: bs * T].copy_(torch.where(live, cand, 0))
+        self.packed_loc[: bs * T].copy_(torch.where(live, v["out_cache_loc"][:bs][r, jc], 0))
+        # the drafts' token ids at their positions (rows past a request's length are rewritten
+        # before they are ever read); dead slots go to the dummy row 0
+        table[torch.where(live, rows[r], 0), torch.where(live, seq[r] - 1 + jc, 0)] = \
+            self.packed_ids[: bs * T]
+        return drafts, num_drafts
 
     def _step(self, bs: int, greedy: bool) -> None:
-        """The captured body (also its eager twin)."""
-        fb = self._fb(bs)
+        v, T = self._dev, self.tokens_per_req
+        drafts, num_drafts = self._prepare(bs)
+        num_tokens = bs * T
+        fb = self._fb(bs, num_tokens)
         if self.metadata_in_graph:
             self.backend.build_metadata(fb)
         hidden = self.model(fb.input_ids, fb, self.backend)
-        logits = self.model.compute_logits(hidden)
-        v = self._views_dev
-        if greedy:
-            tokens = logits.argmax(dim=-1)
+        if T > 1:
+            qo_start = self.extend_lens[:bs].cumsum(0) - self.extend_lens[:bs]
+            idx = (qo_start[:, None] + torch.arange(T, device=self.device)).clamp_max(
+                num_tokens - 1)
+            hidden = hidden[idx.flatten()]
+        logits = self.model.compute_logits(hidden)  # [bs * T, V] fp32
+        vocab = logits.shape[-1]
+        temperature, top_p, top_k = v["temperature"][:bs], v["top_p"][:bs], v["top_k"][:bs]
+        seeds, seq = v["seeds"][:bs], v["seq_lens"][:bs]
+        if T == 1:
+            tokens = logits.argmax(-1) if greedy else sample(logits, temperature, top_p, top_k,
+                                                             seeds, seq)
+            tokens, accept_lens = tokens[:, None], torch.ones_like(seq)
+        elif greedy:
+            tokens, accept_lens = greedy_accept(drafts, num_drafts, logits.view(bs, T, vocab))
         else:
-            tokens = sample(logits, v["temperature"][:bs], v["top_p"][:bs], v["top_k"][:bs],
-                            v["seeds"][:bs], v["seq_lens"][:bs])
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-        self.out_tokens[:bs].copy_(tokens)
-        self.out_logprobs[:bs].copy_(logprobs)
+            probs = processed_probs(logits, temperature.repeat_interleave(T),
+                                    top_p.repeat_interleave(T), top_k.repeat_interleave(T))
+            tokens, accept_lens = rejection_sample(drafts, num_drafts, None,
+                                                   probs.view(bs, T, vocab), seeds, seq,
+                                                   temperature <= 0)
+        logprobs = torch.log_softmax(logits, -1).gather(1, tokens.reshape(-1, 1).clamp_min(0))
+        o_tok, o_acc, o_nd, o_lp = self._out_views(self.out, bs)
+        o_tok.copy_(tokens)
+        o_acc.copy_(accept_lens)
+        o_nd.copy_(num_drafts)
+        o_lp.copy_(logprobs.view(bs, T))
 
+    # ---- capture and replay -------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
         self._fill_padding(0, self.max_bs)
@@ -113,10 +203,10 @@ class DecodeGraphRunner:
         with torch.cuda.stream(stream):
             for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool
                 for greedy in (True, False):
-                    if not self.metadata_in_graph:
-                        self.backend.build_metadata(self._fb(bs))
                     for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
-                        self._step(bs, greedy)
+                        self.run_eager(bs, greedy)
+                    if not self.metadata_in_graph:
+                        self._eager_metadata(bs)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                         self._step(bs, greedy)
@@ -125,13 +215,18 @@ class DecodeGraphRunner:
                     self.graphs[(bs, greedy)] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured decode graphs for batch sizes %s (greedy and sampled)",
-                    self.buckets)
+        logger.info("captured %s graphs (k=%d) for batch sizes %s, greedy and sampled",
+                    "verify" if self.k else "decode", self.k, self.buckets)
+
+    def _eager_metadata(self, bs: int) -> None:
+        self._prepare(bs)
+        self.backend.build_metadata(self._fb(bs, bs * self.tokens_per_req))
 
     def _fill_padding(self, start: int, end: int) -> None:
-        h = self._views_host
-        for name in _INT_FIELDS:
+        h = self._host
+        for name in _ROW_FIELDS:
             h[name][start:end] = 0
+        h["out_cache_loc"][start:end] = 0
         h["seq_lens"][start:end] = 1
         h["temperature"][start:end] = 0.0
         h["top_p"][start:end] = 1.0
@@ -143,40 +238,50 @@ class DecodeGraphRunner:
         return None
 
     def replay(self, input_ids: list[int], req_pool_indices: list[int], seq_lens: list[int],
-               out_cache_loc: list[int], temperature: list[float], top_p: list[float],
-               top_k: list[int], seeds: list[int]) -> int:
-        """Stage, copy once, replay, start the D2H copy. Returns the padded batch size."""
+               out_cache_loc: list[list[int]], temperature: list[float], top_p: list[float],
+               top_k: list[int], seeds: list[int], max_draft: list[int] | None = None) -> int:
+        """Stage, copy once, replay, start the one D2H copy. Returns the padded batch size.
+
+        seq_lens: tokens of each sequence including the last (un-cached) one;
+        out_cache_loc: per request 1 + k reserved KV slots (only the first is used at k = 0).
+        """
         bs = len(input_ids)
         bucket = self.bucket_for(bs)
-        self.done.synchronize()  # the previous replay's H2D copy has read the staging buffer
-        h = self._views_host
+        T = self.tokens_per_req
+        self.done.synchronize()  # the previous replay's copies have finished with the buffers
+        h = self._host
         h["input_ids"][:bs] = torch.tensor(input_ids)
         h["req_pool_indices"][:bs] = torch.tensor(req_pool_indices)
         h["seq_lens"][:bs] = torch.tensor(seq_lens)
-        h["out_cache_loc"][:bs] = torch.tensor(out_cache_loc)
+        h["max_draft"][:bs] = torch.tensor(max_draft or [0] * bs)
         h["top_k"][:bs] = torch.tensor(top_k)
         h["seeds"][:bs] = torch.tensor(seeds)
+        h["out_cache_loc"][:bs] = torch.tensor([(loc + [0] * T)[:T] for loc in out_cache_loc])
         h["temperature"][:bs] = torch.tensor(temperature)
         h["top_p"][:bs] = torch.tensor(top_p)
         self._fill_padding(bs, bucket)
         self.raw.copy_(self.staging, non_blocking=True)  # the one H2D copy
         if not self.metadata_in_graph:
-            self.backend.build_metadata(self._fb(bucket))
+            self._eager_metadata(bucket)
         greedy = all(t == 0 for t in temperature)
         self.graphs[(bucket, greedy)].replay()
-        self.host_tokens[:bucket].copy_(self.out_tokens[:bucket], non_blocking=True)
-        self.host_logprobs[:bucket].copy_(self.out_logprobs[:bucket], non_blocking=True)
+        self.host_out.copy_(self.out, non_blocking=True)  # the one D2H copy
         self.done.record()
+        self.last_bs = bs
         return bucket
 
-    def result(self, bs: int) -> tuple[list[int], list[float]]:
-        """Wait for the last replay's D2H copy; tokens and logprobs of the first bs rows."""
+    def result(self) -> list[tuple[list[int], list[float], int]]:
+        """Wait for the last replay; per request (emitted tokens, their logprobs, drafts)."""
         self.done.synchronize()
-        return self.host_tokens[:bs].tolist(), self.host_logprobs[:bs].tolist()
+        tokens, accept_lens, num_drafts, logprobs = self._out_views(self.host_out, self.last_bs)
+        tokens, accept_lens = tokens.tolist(), accept_lens.tolist()
+        num_drafts, logprobs = num_drafts.tolist(), logprobs.tolist()
+        return [(tokens[i][: accept_lens[i]], logprobs[i][: accept_lens[i]], num_drafts[i])
+                for i in range(self.last_bs)]
 
     @torch.inference_mode()
     def run_eager(self, bs: int, greedy: bool) -> None:
-        """The same step without a graph (for tests: replay must equal it)."""
+        """The same step without a graph (replays must equal it)."""
         if not self.metadata_in_graph:
-            self.backend.build_metadata(self._fb(bs))
+            self._eager_metadata(bs)
         self._step(bs, greedy)

@@ -23,18 +23,35 @@ class NgramSpeculator:
         self.k = cfg.num_draft_tokens
         self.proposer = NgramProposer(cfg.ngram_min, cfg.ngram_max, cfg.num_draft_tokens)
         self.draft_len: dict[str, int] = {}  # adaptive per-request draft length
+        self.idle_steps: dict[str, int] = {}  # steps spent at draft length 0
         self.stats = None  # the engine's counters, attached by the engine
+        self.max_model_len = 1 << 30  # set by the engine
+
+    # NOTE: a request whose drafts keep failing drops to draft length 0 (plain decoding) and
+    # probes again with one draft every PROBE_INTERVAL steps.
+    PROBE_INTERVAL = 8
+
+    def max_draft(self, req: Request) -> int:
+        """Drafts this request may verify now: adaptive length, capped by max_tokens and the
+        context."""
+        rid = req.request_id
+        d = self.draft_len.setdefault(rid, self.k)
+        if d == 0:
+            idle = self.idle_steps.get(rid, 0) + 1
+            self.idle_steps[rid] = idle
+            if idle >= self.PROBE_INTERVAL:
+                self.idle_steps[rid] = 0
+                d = 1
+        room = min(req.params.max_tokens - len(req.output_token_ids) - 1,
+                   self.max_model_len - req.num_tokens - 1)
+        return max(0, min(d, room))
 
     def propose(self, running: list[Request]) -> dict[str, list[int]]:
         drafts: dict[str, list[int]] = {}
         for req in running:
             if req.is_prefilling:
                 continue
-            d = self.draft_len.setdefault(req.request_id, self.k)
-            # never draft past max_tokens or the context
-            room = min(req.params.max_tokens - len(req.output_token_ids) - 1,
-                       self.max_model_len - req.num_tokens - 1)
-            d = min(d, room)
+            d = self.max_draft(req)
             if d <= 0:
                 continue
             proposal = self.proposer.propose_ref(req.all_token_ids)[:d]
@@ -89,11 +106,11 @@ class NgramSpeculator:
                 continue
             m = accept_lens[i]
             results.append((out_tokens[i][:m], lp[i][:m] if want_lp else [0.0] * m))
-            self._record(sr.req, len(sr.draft_tokens), m - 1)
+            self.record(sr.req, len(sr.draft_tokens), m - 1)
             i += 1
         return results
 
-    def _record(self, req: Request, proposed: int, accepted: int) -> None:
+    def record(self, req: Request, proposed: int, accepted: int) -> None:
         if not proposed:
             return
         req.verify_steps += 1
@@ -114,8 +131,15 @@ class NgramSpeculator:
             if accepted == proposed:
                 d = min(self.k, d + 1)
             elif accepted == 0:
-                d = max(1, d // 2)
+                d //= 2
             self.draft_len[req.request_id] = d
+
+    def no_proposal(self, req: Request) -> None:
+        """The device proposer found nothing to draft although drafting was allowed: the
+        verify step still cost more than a decode, so back off like a rejection."""
+        if self.cfg.adaptive:
+            self.draft_len[req.request_id] = self.draft_len.get(req.request_id, self.k) // 2
 
     def forget(self, request_id: str) -> None:
         self.draft_len.pop(request_id, None)
+        self.idle_steps.pop(request_id, None)
