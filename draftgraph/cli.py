@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--no-adaptive-draft", action="store_true",
                    help="keep the draft length fixed even when acceptance is low")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes (one GPU each; gloo on --device cpu)")
     p.add_argument("--engine-seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -49,6 +51,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         use_graphs=not args.no_graphs,
         attention_backend=args.attention_backend,
         seed=args.engine_seed,
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

@@ -71,6 +71,7 @@ class EngineConfig:
     use_graphs: bool = True  # CUDA graphs on GPU; ignored on CPU
     attention_backend: str | None = None  # None: triton on GPU, torch on CPU
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -88,6 +89,14 @@ class EngineConfig:
               f"got {self.dtype!r}")
         _need(self.attention_backend in (None, "torch", "triton"),
               f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
+        tp = self.tensor_parallel_size
+        _need(isinstance(tp, int) and tp >= 1,
+              f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.device.startswith("cuda"):
+            _need(self.device == "cuda", f"--tensor-parallel-size {tp} uses GPUs 0..{tp - 1}; "
+                  f"pass --device cuda, not {self.device}")
+            n = torch.cuda.device_count()
+            _need(tp <= n, f"--tensor-parallel-size {tp} needs {tp} GPUs; {n} visible")
 
     @property
     def torch_dtype(self) -> torch.dtype:

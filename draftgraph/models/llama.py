@@ -3,6 +3,13 @@
 The forward takes `input_ids [num_tokens]` and a `ForwardBatch` whose metadata (positions,
 KV index lists) the attention backend has built; no padded [B, S] tensors anywhere.
 Projections are fused at load time: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`.
+
+Tensor parallelism (`tp`, a `TPInfo`; default: this process's group, size 1 without one):
+qkv and gate_up are column-parallel (each rank holds its heads' / its intermediate rows), o and
+down row-parallel with one all-reduce each, the embedding and LM head vocab-parallel
+(`compute_logits` all-gathers the full vocabulary on every rank). Heads split by KV group,
+possibly unevenly (distributed/sharding.py); `num_local_heads` / `num_local_kv_heads` size the
+KV pool and attention backend. `load_weights` takes full HF tensors and keeps this rank's shard.
 """
 
 from __future__ import annotations
@@ -14,6 +21,13 @@ import torch
 from torch import nn
 
 from draftgraph.attention.backend import AttentionBackend, ForwardBatch
+from draftgraph.distributed.layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_lm_head,
+)
+from draftgraph.distributed.parallel import TPInfo, current_tp
+from draftgraph.distributed.sharding import attention_shard, split_evenly, vocab_shard
 from draftgraph.kernels import ops
 from draftgraph.models.config import ModelConfig
 
@@ -60,17 +74,19 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.sliding = cfg.is_sliding(layer_id)
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        shard = attention_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp.size,
+                                tp.rank)
+        self.num_heads = shard.num_q_heads  # this rank's heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
 
     def forward(self, x, fb: ForwardBatch, backend: AttentionBackend, cos_sin_cache):
         qkv = self.qkv_proj(x)
@@ -84,22 +100,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPInfo) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        _, inter = split_evenly(cfg.intermediate_size, tp.size, tp.rank)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, x):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x, residual, fb, backend, cos_sin_cache):
         h, residual = self.input_layernorm(x, residual)
@@ -111,21 +128,33 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i)
+        self.tp = tp = tp or current_tp()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:  # vocab-parallel like the embedding: [padded vocab shard, hidden]
+            self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.num_embeddings,
+                                     bias=False)
         self.register_buffer(
             "cos_sin_cache", rope_cos_sin_cache(cfg, cfg.max_position_embeddings),
             persistent=False,
         )
+
+    @property
+    def num_local_heads(self) -> int:
+        """Query heads of this rank (all of them without tensor parallelism)."""
+        return self.layers[0].self_attn.num_heads
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads of this rank: the heads its KV pool holds."""
+        return self.layers[0].self_attn.num_kv_heads
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -142,8 +171,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] fp32."""
-        return (hidden @ self.lm_head_weight.t()).float()
+        """[n, hidden] -> [n, vocab] fp32, the full vocabulary on every rank."""
+        return parallel_lm_head(hidden, self.lm_head_weight, self.config.vocab_size, self.tp)
 
     # ---- weights -------------------------------------------------------------------------
     _STACKED = {
@@ -155,12 +184,17 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+        """Load Hugging Face-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...):
+        full tensors, of which this rank keeps its shard."""
         cfg = self.config
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        shard_sizes = {"qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
-                       "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        inter = mlp.down_proj.in_features
+        full_rows = {"qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
+                     "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        shard_sizes = {"qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
+                       "gate_up_proj": [inter, inter]}
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -173,17 +207,19 @@ class LlamaForCausalLM(nn.Module):
                     sizes = shard_sizes[fused]
                     start = sum(sizes[:shard])
                     param = params[target]
-                    if tensor.shape[0] != sizes[shard]:
+                    if tensor.shape[0] != full_rows[fused][shard]:
                         raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match "
-                                         f"the config ({sizes[shard]} rows expected)")
+                                         f"the config ({full_rows[fused][shard]} rows "
+                                         "expected)")
                     with torch.no_grad():
-                        param[start : start + sizes[shard]].copy_(tensor)
+                        param[start : start + sizes[shard]].copy_(self._tp_shard(name, tensor))
                     loaded.add(f"{target}#{shard}")
                     break
             else:
                 if name not in params:
                     raise ValueError(f"unexpected weight {name!r} for {cfg.name}")
                 param = params[name]
+                tensor = self._tp_shard(name, tensor)
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != "
                                      f"expected {tuple(param.shape)}")
@@ -204,3 +240,44 @@ class LlamaForCausalLM(nn.Module):
                 missing.append(pname)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _tp_shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full HF tensor `name`: rows of column-parallel projections,
+        input columns of row-parallel ones, a zero-padded vocabulary shard of the tables."""
+        tp, cfg = self.tp, self.config
+        if tp.size == 1:
+            return w
+        hd = cfg.head_dim
+        shard = attention_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp.size,
+                                tp.rank)
+        q_cols = (shard.q_start * hd, shard.num_q_heads * hd)
+        inter = split_evenly(cfg.intermediate_size, tp.size, tp.rank)
+        if ".q_proj." in name:
+            return w.narrow(0, *q_cols)
+        if ".k_proj." in name or ".v_proj." in name:
+            return w.narrow(0, shard.kv_start * hd, shard.num_kv_heads * hd)
+        if ".gate_proj." in name or ".up_proj." in name:
+            return w.narrow(0, *inter)
+        if ".o_proj." in name:
+            return w.narrow(1, *q_cols)
+        if ".down_proj." in name:
+            return w.narrow(1, *inter)
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            start, count, padded = vocab_shard(cfg.vocab_size, tp.size, tp.rank)
+            out = w.new_zeros(padded, w.shape[1])
+            out[:count] = w[start : start + count]
+            return out
+        return w
+
+
+def unfuse_weight(cfg: ModelConfig, name: str,
+                  tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A full (single-rank) parameter as the HF-named tensors it was fused from:
+    `qkv_proj` -> q/k/v_proj, `gate_up_proj` -> gate/up_proj, anything else unchanged."""
+    for fused, parts, sizes in (
+            ("qkv_proj", ("q_proj", "k_proj", "v_proj"), [cfg.q_size, cfg.kv_size, cfg.kv_size]),
+            ("gate_up_proj", ("gate_proj", "up_proj"), [cfg.intermediate_size] * 2)):
+        if f".{fused}." in name:
+            return [(name.replace(fused, p), t)
+                    for p, t in zip(parts, tensor.split(sizes), strict=True)]
+    return [(name, tensor)]

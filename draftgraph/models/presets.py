@@ -7,8 +7,9 @@ import copy
 
 import torch
 
+from draftgraph.distributed.parallel import TPInfo
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.llama import LlamaForCausalLM
+from draftgraph.models.llama import LlamaForCausalLM, unfuse_weight
 
 # The rope cos/sin cache of a random model covers this many positions unless asked otherwise.
 DEFAULT_PRESET_MAX_LEN = 8192
@@ -54,16 +55,35 @@ def preset_config(name: str) -> ModelConfig:
     return copy.deepcopy(PRESETS[name])
 
 
+def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+    if name.endswith("norm.weight"):
+        p.fill_(1.0)
+    elif name.endswith("bias"):
+        p.zero_()
+    else:
+        p.normal_(0.0, 0.02, generator=gen)
+
+
 @torch.no_grad()
 def init_random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     """In place: norms 1, biases 0, every other weight N(0, 0.02), drawn on the model's device
-    and in its dtype (no host copy), from a generator seeded with `seed`."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
+    and in its dtype (no host copy), from a generator seeded with `seed`.
+
+    A tensor-parallel rank draws the single-rank model's tensors, one at a time in the same
+    order, and keeps its shard, so every TP size gets the same weights."""
+    p0 = next(model.parameters())
+    gen = torch.Generator(device=p0.device).manual_seed(seed)
+    if model.tp.size == 1:
+        for name, p in model.named_parameters():
+            _fill(name, p, gen)
+        return
+    with torch.device("meta"):
+        full = LlamaForCausalLM(model.config, TPInfo())
+
+    def draws():
+        for name, meta in full.named_parameters():
+            t = torch.empty(meta.shape, device=p0.device, dtype=p0.dtype)
+            _fill(name, t, gen)
+            yield from unfuse_weight(model.config, name, t)
+
+    model.load_weights(draws())

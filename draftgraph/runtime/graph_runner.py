@@ -260,15 +260,21 @@ class StepGraphRunner:
         h["temperature"][:bs] = torch.tensor(temperature)
         h["top_p"][:bs] = torch.tensor(top_p)
         self._fill_padding(bs, bucket)
-        self.raw.copy_(self.staging, non_blocking=True)  # the one H2D copy
-        if not self.metadata_in_graph:
-            self._eager_metadata(bucket)
         greedy = all(t == 0 for t in temperature)
-        self.graphs[(bucket, greedy)].replay()
+        if self.runner.tp_driver is not None:  # TP: ranks > 0 replay the same graph
+            self.runner.tp_driver.send_replay(self.k, bucket, greedy, self.staging)
+        self.replay_staged(bucket, greedy)
         self.host_out.copy_(self.out, non_blocking=True)  # the one D2H copy
         self.done.record()
         self.last_bs = bs
         return bucket
+
+    def replay_staged(self, bucket: int, greedy: bool) -> None:
+        """The one H2D copy of the staged raw inputs, then the replay (on every TP rank)."""
+        self.raw.copy_(self.staging, non_blocking=True)  # the one H2D copy
+        if not self.metadata_in_graph:
+            self._eager_metadata(bucket)
+        self.graphs[(bucket, greedy)].replay()
 
     def result(self) -> list[tuple[list[int], list[float], int]]:
         """Wait for the last replay; per request (emitted tokens, their logprobs, drafts)."""

@@ -1,0 +1,55 @@
+"""Tensor-parallel layers. With a TP group of one they are exactly nn.Linear / nn.Embedding.
+
+Column-parallel projections (qkv, gate_up) need no layer of their own: each rank's nn.Linear
+simply holds its rows. The row-parallel ones (o, down) hold the matching input columns and sum
+the partial outputs with ONE all-reduce; the embedding holds a vocabulary shard and sums the
+rows of the ranks owning each id; the LM head computes its vocabulary slice and all-gathers
+the full logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftgraph.distributed.parallel import TPInfo, all_gather_last_dim, all_reduce
+from draftgraph.distributed.sharding import vocab_shard
+
+
+class RowParallelLinear(nn.Linear):
+    """y = sum over ranks of x_r @ W_r^T: input features sharded, output replicated."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPInfo) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight), self.tp)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Holds rows [vocab_start, vocab_start + padded) of the table (zero past the vocabulary)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo) -> None:
+        self.vocab_start, self.num_real_rows, padded = vocab_shard(vocab_size, tp.size, tp.rank)
+        super().__init__(padded, hidden)
+        self.vocab_size = vocab_size
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_real_rows)  # [num_tokens] bool
+        x = F.embedding(torch.where(mine, local, 0), self.weight)
+        return all_reduce(x * mine[:, None].to(x.dtype), self.tp)
+
+
+def parallel_lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+                     tp: TPInfo) -> torch.Tensor:
+    """[n, hidden] -> [n, vocab] fp32 on every rank: local vocabulary slice, then all-gather."""
+    logits = all_gather_last_dim(hidden @ weight.t(), tp)
+    if logits.shape[1] != vocab_size:
+        logits = logits[:, :vocab_size]
+    return logits.float()
