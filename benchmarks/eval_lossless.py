@@ -77,7 +77,7 @@ def main() -> int:
         mismatches = []
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             if x != y:
-                first = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v),
+                first = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v),
                              min(len(x), len(y)))
                 mismatches.append({"prompt": i, "first_diff": first})
         report[name] = {

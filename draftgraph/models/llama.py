@@ -28,7 +28,7 @@ from draftgraph.distributed.layers import (
 )
 from draftgraph.distributed.parallel import TPInfo, current_tp
 from draftgraph.distributed.sharding import attention_shard, split_evenly, vocab_shard
-from draftgraph.kernels import ops
+from draftgraph.kernels import gemv, ops
 from draftgraph.models.config import ModelConfig
 
 
@@ -89,14 +89,27 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
 
     def forward(self, x, fb: ForwardBatch, backend: AttentionBackend, cos_sin_cache):
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(self.qkv_proj(x), fb, backend, cos_sin_cache))
+
+    def attend(self, qkv, fb: ForwardBatch, backend: AttentionBackend, cos_sin_cache):
+        """qkv [T, q + 2 kv] -> attention output [T, q_size] (RoPE, KV store, attention)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = ops.rope(q, k, fb.positions, cos_sin_cache)
-        o = backend.forward(q, k, v, self.layer_id, self.sliding, fb)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        if q.is_cuda and hasattr(backend, "attend"):
+            # one launch rotates q/k and stores k/v into the pool; then attention alone
+            from draftgraph.kernels.elementwise import rope_and_store_kv
+
+            pool = backend.kv_pool
+            q = rope_and_store_kv(q, k, v, fb.positions, cos_sin_cache,
+                                  pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id],
+                                  fb.out_cache_loc)
+            o = backend.attend(q, self.layer_id, self.sliding, fb)
+        else:
+            q, k = ops.rope(q, k, fb.positions, cos_sin_cache)
+            o = backend.forward(q, k, v, self.layer_id, self.sliding, fb)
+        return o.reshape(-1, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -119,12 +132,33 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x, residual, fb, backend, cos_sin_cache):
-        h, residual = self.input_layernorm(x, residual)
-        if residual is None:
-            residual = x
-        h = self.self_attn(h, fb, backend, cos_sin_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        attn, mlp = self.self_attn, self.mlp
+        m = x.shape[0]
+        # single-row steps on one GPU fuse norm into the projections and SwiGLU into down
+        # where it is measured to pay (kernels/gemv.py); everything else runs the plain chain
+        fuse = attn.o_proj.tp.size == 1 and x.is_cuda
+        if fuse and gemv.pays(m, attn.qkv_proj.weight):
+            qkv, residual = gemv.rmsnorm_gemv(x, self.input_layernorm.weight,
+                                              self.input_layernorm.eps, attn.qkv_proj.weight,
+                                              attn.qkv_proj.bias, residual)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+            if residual is None:
+                residual = x
+            qkv = attn.qkv_proj(h)
+        o = attn.attend(qkv, fb, backend, cos_sin_cache)
+        h = gemv.gemv(o, attn.o_proj.weight) if fuse and gemv.pays(m, attn.o_proj.weight) \
+            else attn.o_proj(o)
+        if fuse and gemv.pays(m, mlp.gate_up_proj.weight):
+            gate_up, residual = gemv.rmsnorm_gemv(h, self.post_attention_layernorm.weight,
+                                                  self.post_attention_layernorm.eps,
+                                                  mlp.gate_up_proj.weight, None, residual)
+        else:
+            h, residual = self.post_attention_layernorm(h, residual)
+            gate_up = mlp.gate_up_proj(h)
+        if fuse and gemv.pays(m, mlp.down_proj.weight):
+            return gemv.silu_mul_gemv(gate_up, mlp.down_proj.weight), residual
+        return mlp.down_proj(ops.silu_and_mul(gate_up)), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,182 @@
+"""Fused small-M projection kernels (gemv, rmsnorm_gemv, silu_mul_gemv) vs their torch twins."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # CPU: run the kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton kernels need the triton package")
+
+from draftgraph.kernels import gemv as G  # noqa: E402
+from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
+from draftgraph.kernels.ops import rms_norm_ref, silu_and_mul_ref  # noqa: E402
+
+if compiled_for_cpu_missing(G._gemv_kernel):
+    pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "
+                "(set it in the environment to run them on CPU)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+# N = 50 and K = 80 are not powers of two: column tail (N % 16) and K tail (K % 32) both masked
+N, K = 50, 80
+SMALL = {  # block_m per row count, block_n 16, block_k 32: several K steps, a K and an N tail
+    m: G.GemvConfig(G.m_bucket(m), 16, 32) for m in (1, 2, 3, 8)
+}
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+
+
+def close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def weight(n=N, k=K, dtype=torch.float32, seed=1):
+    return randn(n, k, dtype=dtype, seed=seed, scale=k ** -0.5)  # outputs of order 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("with_bias,with_residual", [(False, False), (True, True)])
+def test_gemv_matches_reference(dtype, m, with_bias, with_residual):
+    x = randn(m, K, dtype=dtype)
+    w = weight(dtype=dtype)
+    bias = randn(N, dtype=dtype, seed=2) if with_bias else None
+    residual = randn(m, N, dtype=dtype, seed=3) if with_residual else None
+    x_before = x.clone()
+    y = G.gemv_triton(x, w, bias, residual, config=SMALL[m])
+    assert y.shape == (m, N) and y.dtype == dtype
+    close(y, G.gemv_ref(x, w, bias, residual), dtype)
+    expected = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    if residual is not None:
+        expected = expected + residual.float()
+    close(y, expected, dtype)  # the twin is the plain linear
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [2, 8])
+def test_gemv_default_config_matches_reference(dtype, m):
+    # the shape table's own choice (fp16 at 8 rows: the tensor-core path)
+    x, w = randn(m, 64, dtype=dtype), weight(48, 64, dtype=dtype)
+    close(G.gemv_triton(x, w), G.gemv_ref(x, w), dtype)
+
+
+def test_gemv_tensor_core_path_matches_reference():
+    # rows padded to 16 for tl.dot (16-bit weights only); K = 80 leaves a tail of 16
+    x, w = randn(3, K, dtype=torch.float16), weight(dtype=torch.float16)
+    residual = randn(3, N, dtype=torch.float16, seed=3)
+    cfg = G.GemvConfig(16, 16, 32, use_dot=True)
+    close(G.gemv_triton(x, w, residual=residual, config=cfg),
+          G.gemv_ref(x, w, residual=residual), torch.float16)
+
+
+def test_gemv_rows_beyond_one_block_are_all_computed():
+    # 7 rows in row blocks of 2: the grid's second axis covers them, the last rows included
+    x, w = randn(7, K), weight()
+    y = G.gemv_triton(x, w, config=G.GemvConfig(2, 16, 32))
+    close(y, G.gemv_ref(x, w), torch.float32)
+
+
+def test_gemv_keeps_leading_dims_and_writes_into_out():
+    x, w = randn(2, 1, K), weight()
+    out = torch.full((2, N), 7.0, device=DEVICE)
+    y = G.gemv_triton(x, w, out=out, config=SMALL[2])
+    assert y.shape == (2, 1, N)
+    assert y.data_ptr() == out.data_ptr()  # graph-stable: no new output buffer
+    close(out, G.gemv_ref(x.view(2, K), w), torch.float32)
+
+
+def test_gemv_of_zero_rows_launches_nothing():
+    y = G.gemv_triton(randn(0, K), weight())
+    assert y.shape == (0, N)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_gemv_equals_rms_norm_then_linear(dtype, m, with_residual):
+    x = randn(m, K, dtype=dtype)
+    norm_w = randn(K, seed=4) * 0.2 + 1
+    w, bias = weight(dtype=dtype), randn(N, dtype=dtype, seed=2)
+    residual = randn(m, K, dtype=dtype, seed=3) if with_residual else None
+    y, new_residual = G.rmsnorm_gemv_triton(x, norm_w, 1e-6, w, bias, residual, config=SMALL[m])
+    ref_y, ref_residual = G.rmsnorm_gemv_ref(x, norm_w, 1e-6, w, bias, residual)
+    close(y, ref_y, dtype)
+    # the twin is ops.rms_norm_ref followed by a linear
+    normed, summed = rms_norm_ref(x, norm_w, 1e-6, residual)
+    close(y, F.linear(normed.float(), w.float(), bias.float()), dtype)
+    if with_residual:
+        # written by the first column block only, yet every row and column of it is there
+        assert torch.equal(new_residual, summed)
+        assert torch.equal(ref_residual, summed)
+    else:
+        assert new_residual is x  # first layer: the residual is the input itself
+
+
+def test_rmsnorm_gemv_norm_uses_the_full_row_in_every_column_block():
+    # 4 column blocks each recompute the rms; a block seeing only its K slice would be wrong
+    x = randn(2, K) * torch.linspace(0.1, 5, K, device=DEVICE)
+    norm_w = torch.ones(K, device=DEVICE)
+    w = weight(64, K)
+    y, _ = G.rmsnorm_gemv_triton(x, norm_w, 1e-6, w, config=G.GemvConfig(2, 16, 16))
+    close(y, G.rmsnorm_gemv_ref(x, norm_w, 1e-6, w)[0], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_silu_mul_gemv_equals_silu_and_mul_then_linear(dtype, m, with_residual):
+    gate_up = randn(m, 2 * K, dtype=dtype)
+    w = weight(dtype=dtype)
+    residual = randn(m, N, dtype=dtype, seed=3) if with_residual else None
+    y = G.silu_mul_gemv_triton(gate_up, w, residual, config=SMALL[m])
+    close(y, G.silu_mul_gemv_ref(gate_up, w, residual), dtype)
+    expected = F.linear(silu_and_mul_ref(gate_up.float()), w.float())
+    if residual is not None:
+        expected = expected + residual.float()
+    close(y, expected, dtype)
+
+
+def test_use_gemv_only_for_small_batches_on_cuda():
+    assert G.use_gemv(1, "cuda") and G.use_gemv(G.GEMV_MAX_M, "cuda")
+    assert not G.use_gemv(G.GEMV_MAX_M + 1, "cuda")
+    assert not G.use_gemv(0, "cuda")
+    assert not G.use_gemv(1, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dispatch")
+def test_cpu_dispatch_runs_the_twins():
+    x, w, norm_w = randn(2, K), weight(), randn(K, seed=4)
+    residual, gate_up = randn(2, K, seed=3), randn(2, 2 * K, seed=5)
+    assert torch.equal(G.gemv(x, w), G.gemv_ref(x, w))
+    y, res = G.rmsnorm_gemv(x, norm_w, 1e-6, w, residual=residual)
+    ref_y, ref_res = G.rmsnorm_gemv_ref(x, norm_w, 1e-6, w, residual=residual)
+    assert torch.equal(y, ref_y) and torch.equal(res, ref_res)
+    assert torch.equal(G.silu_mul_gemv(gate_up, w), G.silu_mul_gemv_ref(gate_up, w))
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (49152, 576), (4096, 14336),
+                                 (28672, 4096), (128256, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_default_config_fits_the_kernel(n, k, m):
+    cfg = G.default_config("plain", m, n, k, torch.bfloat16)
+    for block in (cfg.block_m, cfg.block_n, cfg.block_k):
+        assert block & (block - 1) == 0  # powers of two (tl.arange)
+    assert cfg.block_m >= m or m > 8
+    if cfg.use_dot:
+        assert min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16  # tl.dot's minimum tile
+    assert cfg.block_k <= max(16, 1 << (k - 1).bit_length())
+
+
+def test_tuned_table_overrides_the_heuristic(monkeypatch):
+    tuned = G.GemvConfig(4, 2, 64, 1, 1, False)
+    monkeypatch.setitem(G.TUNED, ("silu", 576, 1536, 4), tuned)
+    assert G._config(G._SILU, 3, 576, 1536, torch.bfloat16) == tuned  # M = 3 -> bucket 4
+    assert G._config(G._PLAIN, 3, 576, 1536, torch.bfloat16) != tuned  # other mode: heuristic
