@@ -361,7 +361,9 @@ class LLMEngine:
             logprobs=list(lps) if lps is not None else None,
             new_logprobs=list(lps[len(lps) - n_new :]) if lps is not None and n_new else
             ([] if lps is not None else None),
-            metrics=req.metrics(),
+            # timing metrics where they are read: the first tokens (TTFT) and the end
+            metrics=req.metrics() if req.finished or len(req.output_token_ids) == n_new
+            else {},
             error=req.error,
         )
 

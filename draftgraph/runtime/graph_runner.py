@@ -80,7 +80,8 @@ class StepGraphRunner:
         # [lanes] int64: one pinned staging buffer on the host, one persistent twin on the GPU
         self.staging = torch.zeros(lanes, dtype=torch.int64, pin_memory=True)
         self.raw = torch.zeros(lanes, dtype=torch.int64, device=self.device)
-        self._host = self._split(self.staging)
+        # numpy views of the pinned buffer: staging a step is a few slice assignments
+        self._host = {k: t.numpy() for k, t in self._split(self.staging).items()}
         self._dev = self._split(self.raw)
         # persistent, graph-written forward inputs
         self.packed_ids = torch.zeros(max_bs * T, dtype=torch.int64, device=self.device)
@@ -91,6 +92,7 @@ class StepGraphRunner:
         out_lanes = max_bs * (T + 2) + (max_bs * T + 1) // 2
         self.out = torch.zeros(out_lanes, dtype=torch.int64, device=self.device)
         self.host_out = torch.zeros(out_lanes, dtype=torch.int64, pin_memory=True)
+        self._host_out = [t.numpy() for t in self._out_views(self.host_out, max_bs)]
         self.done = torch.cuda.Event()
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -250,15 +252,19 @@ class StepGraphRunner:
         T = self.tokens_per_req
         self.done.synchronize()  # the previous replay's copies have finished with the buffers
         h = self._host
-        h["input_ids"][:bs] = torch.tensor(input_ids)
-        h["req_pool_indices"][:bs] = torch.tensor(req_pool_indices)
-        h["seq_lens"][:bs] = torch.tensor(seq_lens)
-        h["max_draft"][:bs] = torch.tensor(max_draft or [0] * bs)
-        h["top_k"][:bs] = torch.tensor(top_k)
-        h["seeds"][:bs] = torch.tensor(seeds)
-        h["out_cache_loc"][:bs] = torch.tensor([(loc + [0] * T)[:T] for loc in out_cache_loc])
-        h["temperature"][:bs] = torch.tensor(temperature)
-        h["top_p"][:bs] = torch.tensor(top_p)
+        h["input_ids"][:bs] = input_ids
+        h["req_pool_indices"][:bs] = req_pool_indices
+        h["seq_lens"][:bs] = seq_lens
+        h["max_draft"][:bs] = max_draft or 0
+        h["top_k"][:bs] = top_k
+        h["seeds"][:bs] = seeds
+        loc = h["out_cache_loc"]
+        for i, slots in enumerate(out_cache_loc):
+            n = min(len(slots), T)
+            loc[i, :n] = slots[:n]
+            loc[i, n:] = 0
+        h["temperature"][:bs] = temperature
+        h["top_p"][:bs] = top_p
         self._fill_padding(bs, bucket)
         greedy = all(t == 0 for t in temperature)
         if self.runner.tp_driver is not None:  # TP: ranks > 0 replay the same graph
@@ -279,9 +285,8 @@ class StepGraphRunner:
     def result(self) -> list[tuple[list[int], list[float], int]]:
         """Wait for the last replay; per request (emitted tokens, their logprobs, drafts)."""
         self.done.synchronize()
-        tokens, accept_lens, num_drafts, logprobs = self._out_views(self.host_out, self.last_bs)
-        tokens, accept_lens = tokens.tolist(), accept_lens.tolist()
-        num_drafts, logprobs = num_drafts.tolist(), logprobs.tolist()
+        bs = self.last_bs
+        tokens, accept_lens, num_drafts, logprobs = (v[:bs].tolist() for v in self._host_out)
         return [(tokens[i][: accept_lens[i]], logprobs[i][: accept_lens[i]], num_drafts[i])
                 for i in range(self.last_bs)]
 

@@ -29,7 +29,7 @@ class NgramSpeculator:
 
     # NOTE: a request whose drafts keep failing drops to draft length 0 (plain decoding) and
     # probes again with one draft every PROBE_INTERVAL steps.
-    PROBE_INTERVAL = 8
+    PROBE_INTERVAL = 16
 
     def max_draft(self, req: Request) -> int:
         """Drafts this request may verify now: adaptive length, capped by max_tokens and the
