@@ -205,24 +205,13 @@ class OpenAIServer:
         created = serving.now()
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                finals: list[RequestOutput] = []
-                async for i, out in _merge(streams):
-                    if out.finish_reason == "error":
-                        yield self._stream_error(request_id, out)
-                        return
-                    chunk = serving.completion_chunk(request_id, model, created, out,
-                                                     states[i], tok, body.logprobs, body.echo)
-                    if chunk is not None:
-                        yield serving.sse(chunk)
-                    if out.finished:
-                        finals.append(out)
-                if body.include_usage:
-                    yield serving.sse(serving.usage_chunk(request_id, model, created,
-                                                          "text_completion", finals))
-                yield serving.sse("[DONE]")
+            def chunk(i: int, out: RequestOutput):
+                return serving.completion_chunk(request_id, model, created, out, states[i], tok,
+                                                body.logprobs, body.echo)
 
-            return _AbortingStreamingResponse(events(), lambda: self._abort(rids))
+            events = self._sse_events(streams, request_id, model, created, chunk,
+                                      "text_completion", body.include_usage)
+            return _AbortingStreamingResponse(events, lambda: self._abort(rids))
 
         finals = await self.collect(streams, raw_request)
         if finals is None:
@@ -230,6 +219,25 @@ class OpenAIServer:
         self.check_failed(request_id, finals)
         return serving.completion_body(request_id, model, created, finals, states, tok,
                                        body.logprobs, body.echo)
+
+    async def _sse_events(self, streams, request_id: str, model: str, created: int, chunk,
+                          usage_object: str, include_usage: bool) -> AsyncIterator[str]:
+        """OpenAI SSE: one chunk per engine output (several tokens under speculation), an
+        error event if the engine failed the request, usage if asked, then [DONE]."""
+        finals: list[RequestOutput] = []
+        async for i, out in _merge(streams):
+            if out.finish_reason == "error":
+                yield self._stream_error(request_id, out)
+                return
+            body = chunk(i, out)
+            if body is not None:
+                yield serving.sse(body)
+            if out.finished:
+                finals.append(out)
+        if include_usage:
+            yield serving.sse(serving.usage_chunk(request_id, model, created, usage_object,
+                                                  finals))
+        yield serving.sse("[DONE]")
 
     async def chat(self, body: ChatCompletionRequest, raw_request: Request):
         model = self.check_model(body.model)
@@ -248,24 +256,13 @@ class OpenAIServer:
         if body.stream:
             states = [serving.ChoiceState(i) for i in range(body.n)]
 
-            async def events() -> AsyncIterator[str]:
-                finals: list[RequestOutput] = []
-                async for i, out in _merge(streams):
-                    if out.finish_reason == "error":
-                        yield self._stream_error(request_id, out)
-                        return
-                    chunk = serving.chat_chunk(request_id, model, created, out, states[i], tok,
-                                               num_logprobs)
-                    if chunk is not None:
-                        yield serving.sse(chunk)
-                    if out.finished:
-                        finals.append(out)
-                if body.include_usage:
-                    yield serving.sse(serving.usage_chunk(request_id, model, created,
-                                                          "chat.completion.chunk", finals))
-                yield serving.sse("[DONE]")
+            def chunk(i: int, out: RequestOutput):
+                return serving.chat_chunk(request_id, model, created, out, states[i], tok,
+                                          num_logprobs)
 
-            return _AbortingStreamingResponse(events(), lambda: self._abort(rids))
+            events = self._sse_events(streams, request_id, model, created, chunk,
+                                      "chat.completion.chunk", body.include_usage)
+            return _AbortingStreamingResponse(events, lambda: self._abort(rids))
 
         finals = await self.collect(streams, raw_request)
         if finals is None:
