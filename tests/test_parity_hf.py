@@ -201,3 +201,29 @@ def test_default_model_ngram_speculation_is_lossless_on_humaneval_and_chat(ours)
         b = spec.generate(prompts, sp, use_chat_template=not raw)
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert spec.stats["num_accepted_tokens"] > 0
+
+
+def test_default_model_stop_string_inside_an_accepted_run_is_never_streamed(ours):
+    """Drafts that are the target's own future tokens are all accepted; a stop string that
+    lands in the middle of such a run ends the text before it, and nothing after it is
+    streamed."""
+    from draftgraph.config import SpecConfig
+
+    sp = SamplingParams(max_tokens=40, temperature=0)
+    prompt = "List the planets of the solar system in order from the sun, one per line."
+    plain = _engine(ours).generate([prompt], sp)[0]
+    stop = plain.text[len(plain.text) // 3 : len(plain.text) // 3 + 5]
+    assert stop.strip(), plain.text
+    future = plain.prompt_token_ids + plain.token_ids
+    engine = _engine(ours, spec=SpecConfig(method="ngram", num_draft_tokens=4))
+    engine.proposer.propose = lambda running: {
+        r.request_id: future[r.num_tokens : r.num_tokens + 4]
+        for r in running if not r.is_prefilling}
+    streamed = []
+    out = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=[stop]),
+                          on_output=lambda o: streamed.append(o.delta_text))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == plain.text[: plain.text.index(stop)]
+    assert "".join(streamed) == out.text
+    assert out.metrics["accept_len_mean"] > 3  # the stop really fell inside accepted runs
+    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
