@@ -11,7 +11,7 @@ The graph runner rebuilds metadata eagerly before each replay for a backend with
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +39,6 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [bs] int64, new tokens per request
     out_cache_loc: torch.Tensor  # [num_tokens] int64
     meta: MetadataBuffers
-    # host copies, known to the scheduler anyway; used by eager backends only
-    extend_lens_cpu: list[int] = field(default_factory=list)
 
     @property
     def bs(self) -> int:

@@ -146,7 +146,6 @@ class ModelRunner:
             extend_lens=t(sb.extend_lens),
             out_cache_loc=t(sb.out_cache_loc),
             meta=self.meta,
-            extend_lens_cpu=list(sb.extend_lens),
         )
 
     @torch.inference_mode()
