@@ -105,12 +105,15 @@ def test_replay_equals_its_eager_twin_and_buffers_keep_their_addresses():
     assert [t.data_ptr() for t in watched] == ptrs
 
 
-def test_eager_metadata_fallback_gives_the_same_tokens():
+def test_eager_metadata_fallback_gives_the_same_tokens_and_says_so(caplog):
     from draftgraph.runtime.graph_runner import StepGraphRunner
 
     ref = _engine(use_graphs=True)
     fallback = _engine(use_graphs=False)
-    fallback.runner.graphs = StepGraphRunner(fallback.runner, 16, metadata_in_graph=False)
+    with caplog.at_level("WARNING", logger="draftgraph.runtime.graph_runner"):
+        fallback.runner.graphs = StepGraphRunner(fallback.runner, 16, metadata_in_graph=False)
+    lines = [r.getMessage() for r in caplog.records if "rebuilt eagerly" in r.getMessage()]
+    assert len(lines) == 1 and "'triton'" in lines[0]
     fallback.runner.graphs.capture()
     vocab = ref.model_config.vocab_size
     assert _growing_shrinking_workload(ref, vocab) == \
