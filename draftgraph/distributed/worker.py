@@ -264,6 +264,13 @@ def _worker(rank: int, size: int, port: int, config) -> None:
     runner_kwargs = box[0]
     runner = ModelRunner(loaded.model, device=device, **runner_kwargs)
     follow(runner, tp, message_capacity(runner_kwargs))
+    if device.type == "cuda":
+        # NOTE: tearing down an NCCL group that CUDA graphs captured can block (seen on the
+        # 2-GPU run: rank 1 had to be terminated); finish the GPU work and end the process
+        runner.graphs = runner.spec_graphs = None
+        torch.cuda.synchronize(device)
+        logging.shutdown()
+        os._exit(0)
     destroy_tp()
 
 

@@ -386,8 +386,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (also done at exit)."""
-        from draftgraph.distributed import shutdown_workers
+        from draftgraph.distributed import current_tp, shutdown_workers
 
+        if current_tp().size > 1 and self.device.type == "cuda":
+            # NOTE: captured graphs hold work on the NCCL communicator: finish and drop them
+            # before the process group is destroyed
+            torch.cuda.synchronize(self.device)
+            self.runner.graphs = self.runner.spec_graphs = None
         shutdown_workers()
 
     def num_free_kv_slots(self) -> int:
