@@ -81,17 +81,13 @@ class TorchBackend(AttentionBackend):
     def build_metadata(self, fb: ForwardBatch) -> None:
         build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens, fb.out_cache_loc,
                        self.req_to_token, fb.meta)
-        self._host = None
-
-    def _host_offsets(self, fb: ForwardBatch) -> dict:
-        # One device->host read per forward, shared by every layer.
-        if getattr(self, "_host", None) is None or self._host[0] is not fb:
-            bs = fb.bs
-            offs = {"qo": fb.meta.qo_indptr[: bs + 1].tolist()}
-            for kind, lists in fb.meta.lists.items():
-                offs[kind] = (lists.kv_indptr[: bs + 1].tolist(), lists.kv_start[:bs].tolist())
-            self._host = (fb, offs)
-        return self._host[1]
+        # NOTE: the per-request loop needs the offsets on the host: read them once here,
+        # for every layer of this forward (this backend is eager-only)
+        bs = fb.bs
+        self._offsets = {"qo": fb.meta.qo_indptr[: bs + 1].tolist()}
+        for kind, lists in fb.meta.lists.items():
+            self._offsets[kind] = (lists.kv_indptr[: bs + 1].tolist(),
+                                   lists.kv_start[:bs].tolist())
 
     def forward(self, q, k, v, layer_id, sliding, fb):
         k_cache = self.kv_pool.k_buffers[layer_id]
@@ -100,9 +96,8 @@ class TorchBackend(AttentionBackend):
         v_cache[fb.out_cache_loc] = v.to(v_cache.dtype)
         kind = SLIDING if sliding else FULL
         lists = fb.meta.lists[kind]
-        offs = self._host_offsets(fb)
-        qo = offs["qo"]
-        kv_indptr, kv_start = offs[kind]
+        qo = self._offsets["qo"]
+        kv_indptr, kv_start = self._offsets[kind]
         out = torch.empty_like(q)
         positions = fb.positions
         for r in range(fb.bs):
