@@ -58,10 +58,30 @@ def test_batch_of_8_with_chunked_prefill_equals_each_prompt_alone(hf, prompts):
     assert all(len(t) == 24 for t in alone)
 
 
-def test_page_size_4_gives_the_same_tokens(hf, prompts):
+def test_page_size_4_gives_the_same_tokens_from_whole_pages(hf, prompts):
     ref = tiny_engine(hf).generate(prompts[:4], GREEDY)
-    paged = tiny_engine(hf, page_size=4).generate(prompts[:4], GREEDY)
+    engine = tiny_engine(hf, page_size=4)
+    seen_rows = []
+    real_forward = engine.runner.forward
+
+    def forward(sb):  # every request's slots: 4 consecutive positions share one page
+        for req in engine.scheduler.running:
+            n = req.num_computed_tokens + 1
+            seen_rows.append(engine.runner.req_pool.req_to_token[req.req_pool_idx, :n].clone())
+        return real_forward(sb)
+
+    engine.runner.forward = forward
+    paged = engine.generate(prompts[:4], GREEDY)
     assert [o.token_ids for o in paged] == [o.token_ids for o in ref]
+    checked = 0
+    for row in seen_rows:
+        n = (row.numel() - 1) // 4 * 4  # whole pages already written
+        if n:
+            pages = row[:n].view(-1, 4)
+            assert (pages // 4 == pages[:, :1] // 4).all()
+            assert (pages % 4 == torch.arange(4)).all()
+            checked += 1
+    assert checked > 10
 
 
 def test_preemption_when_kv_runs_out_keeps_outputs_identical(hf, prompts):
