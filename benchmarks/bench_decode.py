@@ -9,13 +9,12 @@ Writes JSON with the device, model shape, date and command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 
 import torch
+from _meta import run_header
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
@@ -134,11 +133,7 @@ def main() -> int:
         results.append(row)
     out = {
         "benchmark": "decode_step",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **run_header(),
         "model": args.model,
         "dtype": args.dtype,
         "context": args.context,

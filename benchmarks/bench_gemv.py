@@ -14,7 +14,6 @@ command and shapes; prints a table last.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import math
@@ -23,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _meta import run_header
 
 from draftgraph.kernels import gemv as G
 from draftgraph.kernels import ops
@@ -310,10 +310,7 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     out = {
         "benchmark": "gemv_tune" if args.tune else "gemv",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **run_header(),
         "triton": __import__("triton").__version__,
         "dtype": args.dtype,
         "shapes": {mdl: {p: {"mode": s[0], "N": s[1], "K": s[2]}

@@ -13,13 +13,12 @@ Writes JSON with the device, model shape, date and command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 
 import torch
+from _meta import run_header
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
@@ -135,11 +134,7 @@ def main() -> int:
               and torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)")
     out = {
         "benchmark": "speculative_step",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "device": device,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **run_header(device),
         "model": args.model,
         "model_shape": shape,
         "k": args.k,

@@ -11,7 +11,6 @@ engine). Writes JSON with the device, model shape, date and command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ import sys
 import time
 
 import torch
+from _meta import run_header
 
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
           "NVSHMEM_DISABLE_NVLS": "1"}
@@ -102,11 +102,8 @@ def main() -> int:
     preset = PRESETS.get(args.model.removeprefix("random:"))
     out = {
         "benchmark": "tp_decode_step",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        **run_header(),
         "num_gpus": torch.cuda.device_count(),
-        "torch": torch.__version__,
         "model": args.model,
         "shape": preset.__dict__ if preset is not None else None,
         "dtype": args.dtype,

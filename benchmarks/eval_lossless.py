@@ -18,13 +18,12 @@ mismatch, acceptance statistics, device, model, date and command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 
 import torch
+from _meta import run_header
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
@@ -116,12 +115,8 @@ def main() -> int:
               else f"CPU ({torch.get_num_threads()} threads)")
     out = {
         "benchmark": "lossless_greedy",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "device": device,
+        **run_header(device),
         "dtype": plain.config.dtype,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "model": args.model,
         "k": args.k,
         "max_tokens": args.max_tokens,

@@ -1,0 +1,23 @@
+"""The header every benchmark JSON starts with: date, command, device, versions."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import sys
+
+import torch
+
+
+def run_header(device: str | None = None) -> dict:
+    """device: as measured on (default: the CUDA device's name, else the CPU's threads)."""
+    if device is None:
+        device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                  else f"CPU ({torch.get_num_threads()} threads)")
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
