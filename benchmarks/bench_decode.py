@@ -50,7 +50,36 @@ def profile_step(engine: LLMEngine, steps: int) -> dict:
     return {k: v / steps for k, v in counts.items()}
 
 
-def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph: bool) -> dict:
+def kernel_table(engine: LLMEngine, steps: int) -> list[dict]:
+    """GPU time per decode step by kernel name, from an eager (no-graph) profile of `steps`
+    steps: the same kernels a replay runs, each timed alone. Sorted by time, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+    finally:
+        engine.runner.graphs = graphs
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.name.startswith(("Memcpy", "Memset")):
+            continue
+        r = rows.setdefault(e.name[:120], {"kernel": e.name[:120], "count": 0, "us": 0.0})
+        r["count"] += 1
+        r["us"] += e.time_range.elapsed_us()
+    table = [{"kernel": r["kernel"], "per_step": r["count"] / steps,
+              "us_per_step": r["us"] / steps} for r in rows.values()]
+    return sorted(table, key=lambda r: -r["us_per_step"])
+
+
+def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph: bool,
+            kernels: bool = False) -> dict:
     from draftgraph.runtime.graph_runner import StepGraphRunner
 
     runner = engine.runner
@@ -87,6 +116,7 @@ def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph:
     else:
         gpu_ms = None
     prof = profile_step(engine, 10)
+    table = kernel_table(engine, 5) if metadata_in_graph and kernels else None
     for rid in list(engine.requests):
         engine.abort(rid)
     engine.step()
@@ -97,6 +127,8 @@ def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph:
         "replay_gpu_ms": gpu_ms,
         "gpu_busy": (gpu_ms / ms_step) if gpu_ms else None,
         "per_step": prof,
+        **({"kernels_eager": table,
+            "kernels_eager_us_total": sum(k["us_per_step"] for k in table)} if table else {}),
     }
 
 
@@ -108,6 +140,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-ab", action="store_true", help="skip the eager-metadata arm")
+    ap.add_argument("--kernels", action="store_true",
+                    help="add GPU time per kernel name (eager profile of the same step)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -125,11 +159,13 @@ def main() -> int:
         row = {"batch_size": bs, "arms": []}
         arms = [True] if args.no_ab else [True, False]
         for arm in arms:
-            r = run_arm(engine, bs, args.context, args.steps, arm)
+            r = run_arm(engine, bs, args.context, args.steps, arm, args.kernels)
             row["arms"].append(r)
             print(f"bs={bs:3d} metadata_in_graph={arm!s:5}  {r['ms_per_step']:.3f} ms/step  "
                   f"replay {r['replay_gpu_ms'] or float('nan'):.3f} ms  "
                   f"{r['tokens_per_s']:.0f} tok/s  per step {r['per_step']}", flush=True)
+            for k in (r.get("kernels_eager") or [])[:25]:
+                print(f"    {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['kernel']}")
         results.append(row)
     out = {
         "benchmark": "decode_step",

@@ -11,7 +11,7 @@ MODEL=${MODEL:-random:smollm2-135m}
 for arm in plain ngram; do
   extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
   python3 -m draftgraph.cli serve "$MODEL" --port 8123 --max-num-seqs 64 $extra \
-    > "$OUT/server_$arm.log" 2>&1 &
+    > "/tmp/server_$arm.log" 2>&1 &
   pid=$!
   for _ in $(seq 120); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
   timeout 200 python3 -m draftgraph.cli bench serve --base-url http://127.0.0.1:8123 \
@@ -19,5 +19,6 @@ for arm in plain ngram; do
     --num-prompts 128 --max-concurrency 1 4 16 32 64 --plot --result-dir "$OUT" \
     --device-label "NVIDIA H200 ($arm)" 2>&1 | tail -15
   kill $pid; wait $pid 2>/dev/null
+  tail -5 "/tmp/server_$arm.log"
 done
 ls -la "$OUT"

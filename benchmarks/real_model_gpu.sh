@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The real default model (SmolLM2-135M-Instruct, GGUF Q4_1, 98 MB) on the H200, whose calls
+# carry at most 64 MiB: the file travels in two halves over two back-to-back calls to the same
+# warm machine (`split -n 2 -d FILE`, halves in the ignored folders .model1/ and .model2/ with
+# the file's sha256), joined under /tmp, checked, then measured in bf16:
+#   - eval_lossless.py: share of the 164 HumanEval prompts (+ chat prompts) whose n-gram
+#     speculative output equals plain greedy decoding, 128 new tokens;
+#   - bench_spec.py: ms per step and acceptance length, code-edit and free-form, batch 1 and 32.
+# Call 1: `bash benchmarks/real_model_gpu.sh stage` with carry [".model1"];
+# call 2: `bash benchmarks/real_model_gpu.sh run` with carry [".model2", ".whl"] (gguf wheel).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+D=/tmp/dg_model
+if [ "${1:-}" = stage ]; then
+  mkdir -p $D && cp .model1/part00 $D/ && ls -la $D
+  exit 0
+fi
+[ -f $D/part00 ] || { echo "first half missing: the machine was not the warm one"; exit 3; }
+cat $D/part00 .model2/part01 > $D/smollm2.gguf
+echo "$(cat .model2/sha256)  $D/smollm2.gguf" | sha256sum -c - || exit 4
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/gguf-*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+M=$D/smollm2.gguf
+timeout 300 python3 benchmarks/eval_lossless.py --model $M --device cuda --dtype bfloat16 \
+  --batch 32 --prompt-ids benchmarks/data/humaneval_smollm2_ids.json \
+  --out "$OUT/lossless_humaneval_real_bf16_h200.json" 2>&1 | grep -v Warning | tail -12
+timeout 240 python3 benchmarks/bench_spec.py --model $M --device cuda --dtype bfloat16 \
+  --batch-sizes 1,32 --out "$OUT/spec_default_h200.json" 2>&1 | grep -v Warning | tail -12
+ls -la "$OUT"
