@@ -65,40 +65,83 @@ def test_extend_attention_matches_reference(dtype, window):
     torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def decode_scratch(bs, num_splits):
+    """Caller-owned split-KV scratch. Partials start as NaN, so a combine that read a split's
+    partial before (or without) it being written shows up; the counters start at zero, as the
+    backend allocates them."""
+    nan = float("nan")
+    return dict(mid_o=torch.full((bs, HQ, num_splits, D), nan, device=DEVICE),
+                mid_lse=torch.full((bs, HQ, num_splits), nan, device=DEVICE),
+                kv_counters=torch.zeros(bs * HKV, dtype=torch.int32, device=DEVICE))
+
+
+def splits_with_keys(kv_indptr, num_splits, block_n):
+    """Per row, how many of the decode kernel's splits hold at least one key."""
+    kv_lens = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+    chunk = [-(-n // (num_splits * block_n)) * block_n for n in kv_lens]  # kernel's split_len
+    return [-(-n // c) if n else 0 for n, c in zip(kv_lens, chunk, strict=True)]
+
+
+def decode_twice(q, args, scratch, num_splits, block_n):
+    """Run decode_attention twice on the same scratch (a graph replay reuses it): the counters
+    must be zero after each call and both calls must give the same output."""
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        attn.decode_attention(q, *args, SCALE, out, **scratch, num_splits=num_splits,
+                              block_n=block_n)
+        assert (scratch["kv_counters"] == 0).all(), "the combining program must reset its counter"
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    return outs[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_attention_matches_reference(dtype, window, num_splits):
     # one-token context, a short one, one longer than every split's chunk
-    seq_lens = [1, 9, 150]
+    seq_lens, block_n = [1, 9, 150], 16
     bs = len(seq_lens)
     q, k_cache, v_cache, bufs, lists = setup(seq_lens, [1] * bs, window, dtype, seed=1)
-    mid_o = torch.empty(bs, HQ, 4, D, dtype=torch.float32, device=DEVICE)
-    mid_lse = torch.empty(bs, HQ, 4, dtype=torch.float32, device=DEVICE)
-    out = torch.full_like(q, float("nan"))
-    attn.decode_attention(q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start,
-                          bufs.positions, lists.window, SCALE, out, mid_o, mid_lse, num_splits)
+    if num_splits > 1 and window != 5:  # the comparison covers a combine over several splits
+        assert max(splits_with_keys(lists.kv_indptr[: bs + 1], num_splits, block_n)) >= 3
+    args = (k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start, bufs.positions,
+            lists.window)
+    out = decode_twice(q, args, decode_scratch(bs, num_splits), num_splits, block_n)
     expect = reference(q, k_cache, v_cache, bufs, lists, bs)
     torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_decode_attention_empty_list_gives_zeros():
-    # hand-made lists: row 1 sees nothing (count 0), row 0 sees three keys
-    q, k_cache, v_cache, bufs, lists = setup([3, 3], [1, 1], None, torch.float32, seed=2)
-    kv_indptr = torch.tensor([0, 3, 3], device=DEVICE)
-    kv_indices = torch.tensor([5, 9, 11], device=DEVICE)
-    kv_start = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    positions = torch.tensor([2, 2], device=DEVICE)
-    mid_o = torch.empty(2, HQ, 2, D, device=DEVICE)
-    mid_lse = torch.empty(2, HQ, 2, device=DEVICE)
-    out = torch.full_like(q, float("nan"))
-    attn.decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, kv_start, positions, None,
-                          SCALE, out, mid_o, mid_lse, num_splits=2)
-    qo_indptr = torch.arange(3, device=DEVICE)
+def test_decode_attention_mixed_rows_and_empty_list():
+    # hand-made lists: row 0 sees three keys (shorter than one split's chunk), row 1 sees
+    # nothing (count 0: zeros), row 2 sees 100 keys spread over all four splits
+    num_splits, block_n = 4, 16
+    q, k_cache, v_cache, bufs, lists = setup([3, 3, 3], [1, 1, 1], None, torch.float32, seed=2)
+    gen = torch.Generator().manual_seed(5)
+    kv_indptr = torch.tensor([0, 3, 3, 103], device=DEVICE)
+    kv_indices = torch.cat([torch.tensor([5, 9, 11]),
+                            torch.randperm(NUM_SLOTS, generator=gen)[:100]]).to(DEVICE)
+    kv_start = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor([2, 2, 99], device=DEVICE)
+    assert splits_with_keys(kv_indptr, num_splits, block_n) == [1, 0, 4]
+    args = (k_cache, v_cache, kv_indptr, kv_indices, kv_start, positions, None)
+    out = decode_twice(q, args, decode_scratch(3, num_splits), num_splits, block_n)
+    qo_indptr = torch.arange(4, device=DEVICE)
     expect = attn.attention_ref(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, kv_start,
                                 positions, None, SCALE)
     assert (out[1] == 0).all()
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_split_kv_needs_counters():
+    q, k_cache, v_cache, bufs, lists = setup([3], [1], None, torch.float32)
+    scratch = decode_scratch(1, 2)
+    del scratch["kv_counters"]
+    with pytest.raises(AssertionError, match="kv_counters"):
+        attn.decode_attention(q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices,
+                              lists.kv_start, bufs.positions, None, SCALE, torch.empty_like(q),
+                              **scratch, num_splits=2)
 
 
 def test_decode_num_splits_is_a_power_of_two_within_scratch():

@@ -81,7 +81,8 @@ def test_triton_backend_logits_match_torch_backend(sliding_window, monkeypatch):
     torch_run = Runner(TorchBackend, cfg)
     triton_run = Runner(TritonBackend, cfg, max_bs=MAX_BS, num_q_heads=4, max_kv_splits=4)
     ptrs = [t.data_ptr() for t in triton_run.meta.all_tensors()]
-    scratch = (triton_run.backend.mid_o.data_ptr(), triton_run.backend.mid_lse.data_ptr())
+    backend = triton_run.backend
+    scratch = [t.data_ptr() for t in (backend.mid_o, backend.mid_lse, backend.kv_counters)]
     for phase, *batch in steps():
         expect = torch_run.step(model, phase, *batch)
         with monkeypatch.context() as m:  # graph-capturable: no .item() / .tolist() inside
@@ -94,7 +95,9 @@ def test_triton_backend_logits_match_torch_backend(sliding_window, monkeypatch):
                             torch_run.pool.k_buffers + torch_run.pool.v_buffers, strict=True):
         torch.testing.assert_close(ours, theirs)
     assert ptrs == [t.data_ptr() for t in triton_run.meta.all_tensors()]
-    assert scratch == (triton_run.backend.mid_o.data_ptr(), triton_run.backend.mid_lse.data_ptr())
+    assert scratch == [t.data_ptr() for t in (backend.mid_o, backend.mid_lse, backend.kv_counters)]
+    # split-KV decode leaves its arrival counters at zero, so a graph replay starts clean
+    assert backend.kv_counters.dtype == torch.int32 and (backend.kv_counters == 0).all()
 
 
 def test_triton_backend_capabilities():

@@ -7,10 +7,13 @@ grids from static sizes); no in-place draft-step update yet.
 variable-length extend kernel for every other phase. Nothing is read back to the host, so a
 whole forward can be captured in a CUDA graph.
 
-NOTE: the split-KV scratch is allocated once, sized for `max_bs` rows x `num_q_heads`; its
-addresses never change. Without `num_q_heads` it is allocated by the first decode forward,
-which must then run eagerly (graph runners warm up before capture); a decode batch that does
-not fit is an error, never a reallocation.
+NOTE: the split-KV scratch (partials `mid_o` / `mid_lse`, per-(row, KV head) arrival counters
+`kv_counters`) is allocated once, sized for `max_bs` rows x `num_q_heads`; its addresses never
+change. Without `num_q_heads` it is allocated by the first decode forward, which must then run
+eagerly (graph runners warm up before capture); a decode batch that does not fit is an error,
+never a reallocation. Decode attention is one launch: the last split program of a (row, KV head)
+to bump its counter combines the partials and resets the counter to 0, so the counters are zero
+between launches and a graph replay needs no memset (and no second reduce launch).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class TritonBackend(AttentionBackend):
         self.num_q_heads = num_q_heads
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
+        self.kv_counters: torch.Tensor | None = None
         if num_q_heads is not None:
             self._alloc_scratch(num_q_heads)
 
@@ -61,6 +65,9 @@ class TritonBackend(AttentionBackend):
                                  dtype=torch.float32, device=self.device)  # [max_bs, Hq, S, D]
         self.mid_lse = torch.empty(self.max_bs, num_q_heads, self.max_kv_splits,
                                    dtype=torch.float32, device=self.device)  # [max_bs, Hq, S]
+        # split programs that have finished, per (row, KV head); zero between launches
+        self.kv_counters = torch.zeros(self.max_bs * self.num_kv_heads, dtype=torch.int32,
+                                       device=self.device)  # [max_bs * Hkv] int32
 
     def build_metadata(self, fb: ForwardBatch) -> None:
         meta_kernels.build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
@@ -100,8 +107,8 @@ class TritonBackend(AttentionBackend):
                                                         self.max_kv_splits)
             attn_kernels.decode_attention(
                 q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start,
-                fb.positions, lists.window, self.scale, out, self.mid_o, self.mid_lse,
-                num_splits=num_splits,
+                fb.positions, lists.window, self.scale, out, mid_o=self.mid_o,
+                mid_lse=self.mid_lse, kv_counters=self.kv_counters, num_splits=num_splits,
             )
         else:
             attn_kernels.extend_attention(

@@ -8,10 +8,14 @@ Both kernels are GQA-aware: a program owns one KV head and all the query heads o
 so each K/V tile is read once per KV head. Grids come from static sizes only (batch size,
 number of query tokens), loops from runtime lengths, so both are CUDA-graph capturable.
 
-- `decode_attention`: one query per request, split-KV (flash-decoding). Grid
-  (bs, num_kv_heads, num_splits) writes partial (acc / sum, log-sum-exp) per split into
-  caller-owned scratch; a reduce kernel (bs, num_q_heads) combines them. num_splits == 1 writes
-  the output directly (no reduce launch).
+- `decode_attention`: one query per request, split-KV (flash-decoding), one launch. Grid
+  (bs, num_kv_heads, num_splits): each program writes its partial (acc / sum, log2-sum-exp)
+  into caller-owned scratch, then bumps a per-(row, KV head) counter; the last of the
+  num_splits programs to arrive combines all partials and writes the output, then resets the
+  counter to 0 for the next launch (graph replay). This saves a second (reduce) launch and
+  its gap in the graph: 1.4-1.8 us + 0.5-0.7 us per layer on an H200 at batch 1, against
+  3-7 us for the split kernel. No program waits on another, so any order or concurrency of
+  the programs is correct. num_splits == 1 writes the output directly (no scratch, no counter).
 - `extend_attention`: variable query lengths (qo_indptr): prefill, chunked prefill, verify.
   A tile holds TOKENS_PER_TILE query tokens x GROUP heads as its rows. Grid
   (cdiv(T, TOKENS_PER_TILE) + bs, num_kv_heads) bounds the number of tiles; each program finds
@@ -48,6 +52,12 @@ def _attend_tile(
     slot = tl.load(kv_indices_row + offs_n, mask=n_mask, other=0).to(tl.int64)
     k = tl.load(k_cache + slot[None, :] * stride_ks + hkv * stride_kh + offs_d[:, None],
                 mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    # V is gathered right after K, before the q.k dot, so both loads are in flight together
+    # (a load is issued where it appears and waited for at first use). Where Triton pipelines
+    # the loop (num_stages=2 on sm_90) it already prefetches both with cp.async; this order
+    # keeps one round trip per tile where it does not.
+    v = tl.load(v_cache + slot[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * sm_scale_log2  # [rows, BLOCK_N]
     kpos = kv_start + offs_n
     visible = n_mask[None, :] & (kpos[None, :] <= qpos[:, None]) & row_mask[:, None]
@@ -58,21 +68,53 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache + slot[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
+def _combine_splits(
+    mid_o, mid_lse, o, r, hkv,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Output of the GROUP query heads of KV head hkv from all splits' partials: weights
+    # exp2(lse - max lse); a split that saw no key has lse = -inf and weight 0, a head that
+    # saw no key at all gets zeros. Loads are .cg (L2, not L1): other programs wrote these.
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    head = hkv * GROUP + offs_g
+    lse = tl.load(mid_lse + r * stride_ml_b + head[:, None] * stride_ml_h + offs_s[None, :],
+                  mask=g_mask[:, None], other=float("-inf"),
+                  cache_modifier=".cg")  # [BLOCK_G, NUM_SPLITS]
+    # not masked by liveness, so it is issued together with the lse load: every split wrote
+    # its partial in this launch (zeros when it saw no key), and its weight is 0 then
+    part = tl.load(mid_o + r * stride_mo_b + head[:, None, None] * stride_mo_h
+                   + offs_s[None, :, None] * stride_mo_s + offs_d[None, None, :],
+                   mask=g_mask[:, None, None] & d_mask[None, None, :], other=0.0,
+                   cache_modifier=".cg")  # [BLOCK_G, NUM_SPLITS, BLOCK_D]
+    live = lse > float("-inf")
+    m = tl.max(tl.where(live, lse, -1.0e30), axis=1)
+    w = tl.where(live, tl.exp2(lse - m[:, None]), 0.0)
+    total = tl.sum(w, axis=1)
+    out = tl.sum(part * w[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(o + r * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(o.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _decode_split_kernel(
     q, k_cache, v_cache, o, kv_indptr, kv_indices, kv_start, positions, mid_o, mid_lse,
-    sm_scale_log2, window,
+    kv_counters, sm_scale_log2, window,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     hkv = tl.program_id(1)
@@ -115,28 +157,22 @@ def _decode_split_kernel(
         tl.store(mid_o + r * stride_mo_b + head[:, None] * stride_mo_h + split * stride_mo_s
                  + offs_d[None, :], out, mask=mask)
         tl.store(mid_lse + r * stride_ml_b + head * stride_ml_h + split, lse, mask=h_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    mid_o, mid_lse, o,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    lse = tl.load(mid_lse + r * stride_ml_b + h * stride_ml_h + offs_s)  # [NUM_SPLITS]
-    live = lse > float("-inf")
-    m = tl.max(tl.where(live, lse, -1.0e30), axis=0)
-    w = tl.where(live, tl.exp2(lse - m), 0.0)
-    part = tl.load(mid_o + r * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s
-                   + offs_d[None, :], mask=live[:, None] & d_mask[None, :], other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(o + r * stride_ot + h * stride_oh + offs_d, out.to(o.dtype.element_ty), mask=d_mask)
+        # NOTE: the last of the NUM_SPLITS programs of (r, hkv) to arrive combines. The CTA
+        # barrier orders every thread's partial stores before the one (scalar, one-thread)
+        # atomic, whose release at gpu scope publishes them; the last program's acquire on the
+        # same counter, broadcast to its threads through a barrier, makes every split's stores
+        # visible to its loads. It resets the counter with a plain store: the other programs
+        # have all counted already, and the next launch starts after this one ends.
+        tl.debug_barrier()
+        counter = kv_counters + r * tl.num_programs(1) + hkv
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            _combine_splits(
+                mid_o, mid_lse, o, r, hkv, stride_mo_b, stride_mo_h, stride_mo_s,
+                stride_ml_b, stride_ml_h, stride_ot, stride_oh,
+                GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_G, BLOCK_D,
+            )
+            tl.store(counter, 0)
 
 
 @triton.jit
@@ -247,15 +283,19 @@ def decode_attention(
     window: int | None,
     scale: float,
     out: torch.Tensor,
+    *,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
+    kv_counters: torch.Tensor | None = None,
     num_splits: int = 1,
     block_n: int = 64,
 ) -> torch.Tensor:
     """One query per request. q, out [bs, Hq, D]; positions [bs] (the query positions).
 
-    With num_splits > 1 (a power of two), mid_o [>= bs, Hq, >= num_splits, D] fp32 and
-    mid_lse [>= bs, Hq, >= num_splits] fp32 are caller-owned scratch."""
+    With num_splits > 1 (a power of two), mid_o [>= bs, Hq, >= num_splits, D] fp32,
+    mid_lse [>= bs, Hq, >= num_splits] fp32 and kv_counters [>= bs * Hkv] int32 are
+    caller-owned scratch. kv_counters must be all zero before the first call; every call
+    leaves it all zero again."""
     bs = q.shape[0]
     num_q_heads, num_kv_heads, head_dim = _check(q, k_cache)
     if bs == 0:
@@ -263,28 +303,28 @@ def decode_attention(
     group = num_q_heads // num_kv_heads
     assert num_splits == next_pow2(num_splits), "num_splits must be a power of two"
     if num_splits > 1:
-        assert mid_o is not None and mid_lse is not None, "split-KV needs scratch"
+        assert mid_o is not None and mid_lse is not None and kv_counters is not None, (
+            "split-KV decode (num_splits > 1) needs scratch: mid_o, mid_lse and kv_counters"
+        )
+        assert kv_counters.dtype == torch.int32 and kv_counters.numel() >= bs * num_kv_heads, (
+            f"kv_counters must be int32 with >= {bs} x {num_kv_heads} entries, got "
+            f"{kv_counters.dtype} with {kv_counters.numel()}"
+        )
         mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
     else:
-        mid_o, mid_lse = out, out  # unused
+        mid_o, mid_lse, kv_counters = out, out, out  # unused
         mo_strides, ml_strides = (0, 0, 0), (0, 0)
-    block_d = next_pow2(head_dim)
     _decode_split_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, kv_indptr, kv_indices, kv_start, positions, mid_o, mid_lse,
-        scale * _LOG2E, window or 0,
+        kv_counters, scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         *mo_strides, *ml_strides,
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SLIDING=window is not None, DOT_PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_N=block_n,
+        BLOCK_D=next_pow2(head_dim), SLIDING=window is not None,
+        DOT_PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(bs, num_q_heads)](
-            mid_o, mid_lse, out, *mo_strides, *ml_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=2,
-        )
     return out
 
 
