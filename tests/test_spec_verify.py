@@ -5,7 +5,12 @@ import torch
 
 from draftgraph.engine.sampling import processed_probs
 from draftgraph.spec import verify
-from draftgraph.spec.verify import first_stop_index, greedy_accept, rejection_sample
+from draftgraph.spec.verify import (
+    first_stop_index,
+    greedy_accept,
+    greedy_accept_from_argmax,
+    rejection_sample,
+)
 
 # ---------------------------------------------------------------- greedy acceptance
 
@@ -58,6 +63,24 @@ def test_verify_self_drafting_accepts_everything() -> None:
     out, accept_lens = greedy_accept(draft_tokens, num_draft_tokens, logits)
     assert torch.equal(accept_lens, num_draft_tokens + 1)
     assert torch.equal(out[:, 0], logits[:, 0].argmax(dim=-1))
+
+
+def test_verify_from_a_precomputed_argmax_equals_verify_from_logits() -> None:
+    # the step graphs pass the argmax of their one argmax + logsumexp pass over the logits
+    gen = torch.Generator().manual_seed(2)
+    bs, k, vocab = 16, 4, 12
+    logits = torch.randn(bs, k + 1, vocab, generator=gen)
+    target_argmax = logits.argmax(dim=-1)
+    # drafts that follow the target for a random number of tokens, then disagree
+    draft_tokens = target_argmax[:, :k].clone()
+    diverge = torch.randint(0, k + 1, (bs,), generator=gen)
+    wrong = torch.arange(k)[None, :] >= diverge[:, None]
+    draft_tokens = torch.where(wrong, (draft_tokens + 1) % vocab, draft_tokens)
+    num_draft_tokens = torch.randint(0, k + 1, (bs,), generator=gen)
+    out, lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens, target_argmax)
+    want_out, want_lens = greedy_accept(draft_tokens, num_draft_tokens, logits)
+    assert torch.equal(out, want_out) and torch.equal(lens, want_lens)
+    assert torch.equal(lens, torch.minimum(diverge, num_draft_tokens) + 1)
 
 
 # ---------------------------------------------------------------- rejection sampling

@@ -10,6 +10,9 @@ into one memory pool, and per sampling mode (greedy, sampled). A graph holds the
                    logits of every request's 1 + k rows -> acceptance (greedy or rejection
                    sampling) -> accepted tokens and counts
 
+Both read the logits once for (argmax, logsumexp) per row (`kernels.argmax`, two small
+launches): the argmax is the greedy token, and an emitted token's logprob is its logit - lse.
+
 A replay copies only the raw inputs — last tokens, req_pool_indices, seq_lens, out_cache_loc
 (1 + k reserved slots per request), max_draft and the sampling parameters — from one pinned
 staging buffer with ONE non-blocking H2D copy, replays, and starts ONE async D2H copy of the
@@ -31,8 +34,9 @@ import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.engine.sampling import processed_probs, sample
+from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.spec.ngram import NgramProposer
-from draftgraph.spec.verify import greedy_accept, rejection_sample
+from draftgraph.spec.verify import greedy_accept_from_argmax, rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -174,21 +178,25 @@ class StepGraphRunner:
             hidden = hidden[idx.flatten()]
         logits = self.model.compute_logits(hidden)  # [bs * T, V] fp32
         vocab = logits.shape[-1]
+        # one pass over the vocabulary: the greedy tokens and the logsumexp of every row
+        target_argmax, lse = argmax_lse(logits)  # [bs * T] int64, [bs * T] fp32
         temperature, top_p, top_k = v["temperature"][:bs], v["top_p"][:bs], v["top_k"][:bs]
         seeds, seq = v["seeds"][:bs], v["seq_lens"][:bs]
         if T == 1:
-            tokens = logits.argmax(-1) if greedy else sample(logits, temperature, top_p, top_k,
-                                                             seeds, seq)
+            tokens = target_argmax if greedy else sample(logits, temperature, top_p, top_k,
+                                                         seeds, seq)
             tokens, accept_lens = tokens[:, None], torch.ones_like(seq)
         elif greedy:
-            tokens, accept_lens = greedy_accept(drafts, num_drafts, logits.view(bs, T, vocab))
+            tokens, accept_lens = greedy_accept_from_argmax(drafts, num_drafts,
+                                                            target_argmax.view(bs, T))
         else:
             probs = processed_probs(logits, temperature.repeat_interleave(T),
                                     top_p.repeat_interleave(T), top_k.repeat_interleave(T))
             tokens, accept_lens = rejection_sample(drafts, num_drafts, None,
                                                    probs.view(bs, T, vocab), seeds, seq,
                                                    temperature <= 0)
-        logprobs = torch.log_softmax(logits, -1).gather(1, tokens.reshape(-1, 1).clamp_min(0))
+        # log_softmax of each emitted token (-1 past accept_lens reads token 0, never emitted)
+        logprobs = logits.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1) - lse
         o_tok, o_acc, o_nd, o_lp = self._out_views(self.out, bs)
         o_tok.copy_(tokens)
         o_acc.copy_(accept_lens)

@@ -23,7 +23,7 @@ from draftgraph.engine.sampling import (
     uniform_noise,
 )
 
-__all__ = ["greedy_accept", "rejection_sample", "first_stop_index"]
+__all__ = ["greedy_accept", "greedy_accept_from_argmax", "rejection_sample", "first_stop_index"]
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -50,9 +50,10 @@ def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor,
     return torch.where(slots == num_accepted[:, None], final_token[:, None], out)
 
 
-def _greedy_from_argmax(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
-                        target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """greedy_accept given the target's argmax tokens [bs, k + 1] int64."""
+def greedy_accept_from_argmax(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
+                              target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_accept given the target's argmax tokens [bs, k + 1] int64 (e.g. from
+    `kernels.argmax.argmax_lse`, which the step graphs compute once for tokens and logprobs)."""
     k = draft_tokens.shape[1]
     match = (draft_tokens == target_argmax[:, :k]) & _active(num_draft_tokens, k)  # [bs, k]
     num_accepted = _leading_true(match)  # [bs] int64
@@ -70,7 +71,8 @@ def greedy_accept(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
     and accept_lens [bs] int64 = accepted drafts + 1 (the target's token at the first mismatch,
     or the bonus token after the last active draft).
     """
-    return _greedy_from_argmax(draft_tokens, num_draft_tokens, target_logits.argmax(dim=-1))
+    return greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
+                                     target_logits.argmax(dim=-1))
 
 
 def _accept_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -154,8 +156,8 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
 
     output_tokens = _emit(draft_tokens, num_accepted, final_token)
     accept_lens = num_accepted + 1
-    greedy_tokens, greedy_lens = _greedy_from_argmax(draft_tokens, num_draft_tokens,
-                                                     target_probs.argmax(dim=-1))
+    greedy_tokens, greedy_lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
+                                                           target_probs.argmax(dim=-1))
     output_tokens = torch.where(greedy_mask[:, None], greedy_tokens, output_tokens)
     accept_lens = torch.where(greedy_mask, greedy_lens, accept_lens)
     return output_tokens, accept_lens

@@ -1,0 +1,120 @@
+"""Row argmax and logsumexp of the logits in one pass: the tail of every decode step.
+
+    argmax_lse(logits [n, V]) -> (argmax [n] int64, lse [n] fp32)
+
+The argmax is the greedy token (ties go to the first index, like `torch.argmax`); with the lse
+the logprob of any emitted token is `logits.gather(1, tok) - lse`, with no full log_softmax.
+Twin: `argmax_lse_ref` (torch.argmax + torch.logsumexp in fp32). `argmax_lse` dispatches: the
+Triton kernels on CUDA, the twin elsewhere; tests call `argmax_lse_triton` directly (real
+launches on CUDA, the interpreter on CPU).
+
+Two launches, both graph-capturable (grids from shapes only, scratch from torch.empty):
+  stage 1, grid (n, num_chunks): per CHUNK-wide slice of a row, the max m_c, the first index
+           of it i_c and s_c = sum(exp(x - m_c)), all in fp32;
+  stage 2, grid (n,): M = max_c m_c, argmax = min(i_c : m_c == M),
+           lse = M + log(sum_c s_c * exp(m_c - M)).
+
+CHUNK = 1024 with 2 warps: 16 fp32 per thread, four 16-byte loads in flight each, and at batch
+1 already 48 programs for a 49152 vocabulary (SmolLM2) and 126 for 128256 (Llama 3), about one
+per SM of an H200 (132), so the whole row streams from every SM at once; a larger CHUNK would
+leave most SMs idle at batch 1, a smaller one only adds programs and stage-2 work.
+
+NOTE: a slice or row that is all -inf has m = -inf; it is combined with weight 0 (never
+-inf - -inf = NaN), so an all -inf row gives lse = -inf and argmax 0, like torch. Masked tail
+elements read -inf and are excluded from the first-index search, so they never win. NaN and
++inf logits are not handled (torch.argmax would pick a NaN; here it is ignored).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usable
+
+CHUNK = 1024
+CHUNK_WARPS = 2
+
+
+@triton.jit
+def _argmax_lse_chunk_kernel(
+    logits, part_max, part_idx, part_sum, vocab, stride_row, num_chunks,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < vocab
+    x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    # first index of the max among the real columns (an all -inf slice: its first column)
+    first = tl.min(tl.where((x == m) & mask, cols, vocab), axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(x - m_safe), axis=0)  # -inf and masked entries add exp(-inf) = 0
+    out = row * num_chunks + chunk
+    tl.store(part_max + out, m)
+    tl.store(part_idx + out, first)
+    tl.store(part_sum + out, s)
+
+
+@triton.jit
+def _argmax_lse_combine_kernel(
+    part_max, part_idx, part_sum, argmax, lse, vocab, num_chunks,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    cmask = c < num_chunks
+    base = row * num_chunks
+    m = tl.load(part_max + base + c, mask=cmask, other=float("-inf"))
+    i = tl.load(part_idx + base + c, mask=cmask, other=0)
+    s = tl.load(part_sum + base + c, mask=cmask, other=0.0)
+    big_m = tl.max(m, axis=0)
+    # the smallest index among the chunks holding the global max: torch's first index
+    first = tl.min(tl.where((m == big_m) & cmask, i, vocab), axis=0)
+    m_safe = tl.where(big_m == float("-inf"), 0.0, big_m)
+    total = tl.sum(s * tl.exp(m - m_safe), axis=0)  # an all -inf chunk: 0 * 0
+    tl.store(argmax + row, first.to(tl.int64))
+    tl.store(lse + row, m_safe + tl.log(total))  # total = 0 (all -inf row): -inf
+
+
+def argmax_lse_triton(
+    logits: torch.Tensor, chunk: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same semantics as `argmax_lse_ref`. logits [n, V] fp32 / fp16 / bf16 (read in fp32);
+    `chunk` (a power of two) is the stage-1 slice width, smaller in tests."""
+    assert logits.dim() == 2, "argmax_lse takes [n, vocab] logits"
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n, vocab = logits.shape
+    argmax = torch.empty(n, dtype=torch.int64, device=logits.device)  # [n] int64
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # [n] fp32
+    if n == 0:
+        return argmax, lse
+    num_chunks = cdiv(vocab, chunk)
+    # per (row, chunk) partials; inside a capture these come from the graph's pool
+    part_max = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
+    part_sum = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
+    _argmax_lse_chunk_kernel[(n, num_chunks)](
+        logits, part_max, part_idx, part_sum, vocab, logits.stride(0), num_chunks,
+        CHUNK=chunk, num_warps=CHUNK_WARPS,
+    )
+    block_c = max(next_pow2(num_chunks), 2)
+    _argmax_lse_combine_kernel[(n,)](
+        part_max, part_idx, part_sum, argmax, lse, vocab, num_chunks,
+        BLOCK_C=block_c, num_warps=1 if block_c <= 256 else 4,
+    )
+    return argmax, lse
+
+
+def argmax_lse_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [n] int64, first index on ties; logsumexp [n] fp32) of logits [n, V], in fp32."""
+    x = logits.float()
+    return x.argmax(dim=-1), torch.logsumexp(x, dim=-1)
+
+
+def argmax_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel only on CUDA (like `ops`): on CPU, even in the interpreter, the twin runs."""
+    if logits.is_cuda and triton_usable(logits):
+        return argmax_lse_triton(logits)
+    return argmax_lse_ref(logits)
