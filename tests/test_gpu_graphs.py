@@ -135,3 +135,25 @@ def test_speculative_graphs_match_eager_verify_and_plain_greedy():
     assert sum(b[r] == c[r] for r in b) >= len(b) - 1
     assert sum(a[r] == b[r] for r in a) >= len(a) - 2
     assert graph_spec.num_free_kv_slots() == graph_spec.runner.allocator.usable_slots
+
+
+@pytest.mark.parametrize("model", ["random:smollm2-135m", "random:tiny"])
+def test_fused_single_token_kernels_match_the_unfused_chain(monkeypatch, model):
+    """At batch 1 the layers run the fused kernels (norm + qkv + RoPE + KV store in one launch,
+    o, norm + gate_up, SwiGLU + down); with them off (weight limit 0) the unfused chain runs.
+    fp32: the same greedy tokens and logprobs."""
+    from draftgraph.kernels import gemv
+
+    def run():
+        engine = _engine(use_graphs=False, model=model)
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(0, engine.model_config.vocab_size, (37,), generator=g).tolist()
+        out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
+                                                       ignore_eos=True, logprobs=True))[0]
+        return out.token_ids, torch.tensor(out.logprobs)
+
+    fused_tokens, fused_lp = run()
+    monkeypatch.setattr(gemv, "FUSED_MAX_WEIGHT_ELEMS", 0)
+    plain_tokens, plain_lp = run()
+    assert fused_tokens == plain_tokens
+    assert (fused_lp - plain_lp).abs().max().item() < 1e-3

@@ -180,3 +180,37 @@ def test_tuned_table_overrides_the_heuristic(monkeypatch):
     monkeypatch.setitem(G.TUNED, ("silu", 576, 1536, 4), tuned)
     assert G._config(G._SILU, 3, 576, 1536, torch.bfloat16) == tuned  # M = 3 -> bucket 4
     assert G._config(G._PLAIN, 3, 576, 1536, torch.bfloat16) != tuned  # other mode: heuristic
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias,with_residual", [(False, False), (True, True)])
+def test_rmsnorm_qkv_rope_equals_norm_linear_rope_and_kv_store(dtype, with_bias, with_residual):
+    # one decode token: 3 q heads, 1 kv head of 16 dims; K = 40 needs a K tail (block_k 32)
+    hq, hkv, hd, k = 3, 1, 16, 40
+    n = (hq + 2 * hkv) * hd
+    x = randn(1, k, dtype=dtype)
+    norm_w = randn(k, dtype=dtype, seed=4) + 1.0
+    w = weight(n, k, dtype=dtype)
+    bias = randn(n, dtype=dtype, seed=2) if with_bias else None
+    residual = randn(1, k, dtype=dtype, seed=3) if with_residual else None
+    theta = 1.0 / (10000 ** (torch.arange(0, hd, 2).double() / hd))
+    ang = torch.outer(torch.arange(64).double(), theta)
+    cos_sin = torch.cat((ang.cos(), ang.sin()), -1).float().to(DEVICE)  # [64, hd]
+    positions = torch.tensor([37], device=DEVICE)
+    loc = torch.tensor([5], device=DEVICE)
+    caches = [torch.zeros(8, hkv, hd, dtype=dtype, device=DEVICE) for _ in range(4)]
+    # 16 pairs per program: 40 pairs in 3 programs, the last one half masked
+    cfg = G.GemvConfig(1, 32, 32)
+    y, res = G.rmsnorm_qkv_rope_triton(x, norm_w, 1e-6, w, bias, residual, positions, cos_sin,
+                                       caches[0], caches[1], loc, hq, hkv, config=cfg)
+    y_ref, res_ref = G.rmsnorm_qkv_rope_ref(x, norm_w, 1e-6, w, bias, residual, positions,
+                                            cos_sin, caches[2], caches[3], loc, hq, hkv)
+    close(y, y_ref, dtype)
+    close(res, res_ref, dtype)
+    close(caches[0], caches[2], dtype)  # rotated k in slot 5, every other slot untouched
+    close(caches[1], caches[3], dtype)
+    assert caches[0][5].abs().sum() > 0 and caches[0][:5].abs().sum() == 0
+    # the rotation happened: q differs from the unrotated projection
+    plain, _ = G.rmsnorm_gemv_ref(x, norm_w, 1e-6, w, bias, residual)
+    assert not torch.allclose(y[:, : hq * hd].float(), plain[:, : hq * hd].float(), atol=1e-2)
+    close(y[:, -hkv * hd:], plain[:, -hkv * hd:], dtype)  # v passes through

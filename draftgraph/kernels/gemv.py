@@ -34,9 +34,10 @@ from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usabl
 # at M = 1 the fused chain of a SmolLM2-135M step takes 458 us against 680 us unfused; at M = 8
 # the fused kernels lose on every shape, so only single-row steps take them.
 GEMV_MAX_M = 1
-# Weights above this many elements stream faster through cuBLAS at M = 1 (8B qkv, gate_up,
-# down, LM heads); below it the fused kernel wins by saving launches (o_proj 10.6 vs 12.6 us).
-FUSED_MAX_WEIGHT_ELEMS = 20_000_000
+# Weights above this many elements stream faster through cuBLAS at M = 1 (8B gate_up, 117M:
+# 70 vs 60 us); up to it the fused kernel wins against norm/activation + cuBLAS (8B o_proj 10.6
+# vs 12.6 us, qkv 17.7 vs 18.2, down 32.7 vs 33.0) and saves a launch in the graph.
+FUSED_MAX_WEIGHT_ELEMS = 64_000_000
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 _MODE_NAMES = {_PLAIN: "plain", _NORM: "norm", _SILU: "silu"}
@@ -51,9 +52,18 @@ class GemvConfig(NamedTuple):
     use_dot: bool = False  # tensor-core tl.dot with rows padded to 16; else FMA + reduce
 
 
-# (mode, N, K, M bucket) -> config, from `python benchmarks/bench_gemv.py --tune` on an H200.
-# Shapes missing here use `default_config`.
-TUNED: dict[tuple[str, int, int, int], GemvConfig] = {}
+# (mode, N, K, M bucket) -> config, from `python benchmarks/bench_gemv.py --tune` on an H200
+# (benchmarks/results/gemv_tune_h200.json; us = the tuned time, default config's in brackets).
+# Only shapes the engine runs fused and where the sweep beat `default_config`.
+TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
+    # SmolLM2-135M
+    ("plain", 576, 576, 1): GemvConfig(1, 2, 1024, 4, 3),  # o: 2.00 us (2.17)
+    ("norm", 3072, 576, 1): GemvConfig(1, 4, 512, 4, 3),  # gate_up: 4.31 us (4.78)
+    ("silu", 576, 1536, 1): GemvConfig(1, 1, 512, 4, 3),  # down: 3.19 us (3.87)
+    # Llama-3.1-8B
+    ("plain", 4096, 4096, 1): GemvConfig(1, 2, 2048, 2, 3),  # o: 10.05 us (10.55)
+    ("silu", 4096, 14336, 1): GemvConfig(1, 4, 2048, 4, 3),  # down: 31.25 us (32.70)
+}
 
 
 def m_bucket(m: int) -> int:
@@ -103,6 +113,41 @@ def use_gemv(m: int, device: torch.device | str) -> bool:
 
 
 @triton.jit
+def _rms_prologue(x_rows, res_in, res_out, rm, mask_m, pid_n, K, eps, stride_rim, stride_rom,
+                  HAS_RES_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # 1 / rms of each row of h = x (+ res_in); every program recomputes it (x is tiny and
+    # L2-resident), program 0 of each row block writes h to res_out
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    writes_res = mask_m & ((tl.zeros([BLOCK_M], dtype=tl.int32) + pid_n) == 0)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask_x = mask_m[:, None] & (rk[None, :] < K)
+        h = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        if HAS_RES_IN:
+            r = tl.load(res_in + rm.to(tl.int64)[:, None] * stride_rim + rk[None, :],
+                        mask=mask_x, other=0.0).to(tl.float32)
+            h = (h + r).to(res_out.dtype.element_ty)  # rounded like x + residual
+            tl.store(res_out + rm.to(tl.int64)[:, None] * stride_rom + rk[None, :], h,
+                     mask=writes_res[:, None] & (rk[None, :] < K))
+            h = h.to(tl.float32)
+        sumsq += tl.sum(h * h, axis=1)
+    return 1.0 / tl.sqrt(sumsq / K + eps)
+
+
+@triton.jit
+def _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k, rstd, stride_rim,
+                 act_dtype: tl.constexpr, HAS_RES_IN: tl.constexpr):
+    # activation tile [BLOCK_M, BLOCK_K] = rmsnorm(x (+ res_in)) * norm_w, rounded to act_dtype
+    a = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+    if HAS_RES_IN:
+        r = tl.load(res_in + rm.to(tl.int64)[:, None] * stride_rim + rk[None, :],
+                    mask=mask_x, other=0.0).to(tl.float32)
+        a = (a + r).to(res_out.dtype.element_ty).to(tl.float32)
+    nw = tl.load(norm_w + rk, mask=mask_k, other=0.0).to(tl.float32)
+    return (a * rstd[:, None] * nw[None, :]).to(act_dtype)
+
+
+@triton.jit
 def _gemv_kernel(
     x, res_in, norm_w, w, bias, res_add, y, res_out,
     M, N, K, eps,
@@ -125,22 +170,9 @@ def _gemv_kernel(
     act_dtype = w.dtype.element_ty
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if MODE == 1:  # pass 1: every program recomputes its rows' rms (x is tiny, L2-resident)
-        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        writes_res = mask_m & ((tl.zeros([BLOCK_M], dtype=tl.int32) + pid_n) == 0)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            mask_x = mask_m[:, None] & (rk[None, :] < K)
-            h = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
-            if HAS_RES_IN:
-                r = tl.load(res_in + rm.to(tl.int64)[:, None] * stride_rim + rk[None, :],
-                            mask=mask_x, other=0.0).to(tl.float32)
-                h = (h + r).to(res_out.dtype.element_ty)  # rounded like x + residual
-                tl.store(res_out + rm.to(tl.int64)[:, None] * stride_rom + rk[None, :], h,
-                         mask=writes_res[:, None] & (rk[None, :] < K))
-                h = h.to(tl.float32)
-            sumsq += tl.sum(h * h, axis=1)
-        rstd = 1.0 / tl.sqrt(sumsq / K + eps)
+    if MODE == 1:
+        rstd = _rms_prologue(x_rows, res_in, res_out, rm, mask_m, pid_n, K, eps, stride_rim,
+                             stride_rom, HAS_RES_IN, BLOCK_M, BLOCK_K)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -158,15 +190,11 @@ def _gemv_kernel(
             u = tl.load(x_rows + K + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
             a = (g / (1.0 + tl.exp(-g)) * u).to(act_dtype)
         else:
-            a = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0)
             if MODE == 1:
-                a = a.to(tl.float32)
-                if HAS_RES_IN:
-                    r = tl.load(res_in + rm.to(tl.int64)[:, None] * stride_rim + rk[None, :],
-                                mask=mask_x, other=0.0).to(tl.float32)
-                    a = (a + r).to(res_out.dtype.element_ty).to(tl.float32)
-                nw = tl.load(norm_w + rk, mask=mask_k, other=0.0).to(tl.float32)
-                a = (a * rstd[:, None] * nw[None, :]).to(act_dtype)
+                a = _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k, rstd,
+                                 stride_rim, act_dtype, HAS_RES_IN)
+            else:
+                a = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0)
         # weight tile [BLOCK_N, BLOCK_K]: streamed once, never reused by this program
         if EVEN_K:
             wt = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
@@ -193,6 +221,79 @@ def _gemv_kernel(
                        mask=mask_y, other=0.0).to(tl.float32)
     tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
              acc.to(y.dtype.element_ty), mask=mask_y)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x, res_in, norm_w, w, bias, y, res_out, k_cache, v_cache, positions, out_cache_loc,
+    cos_sin, N, K, eps,
+    stride_rim, stride_wn, stride_rom, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cs,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_RES_IN: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # One token: qkv = rmsnorm(x (+ res_in)) @ W^T (+ bias), then neox RoPE on the q and k
+    # heads, k and v stored into their KV slot. A program owns BLOCK_P column pairs
+    # (d, d + HEAD_DIM / 2) of the same head, so the rotation stays inside the program.
+    HALF = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    num_pairs = N // 2
+    mask_p = p < num_pairs
+    pc = tl.minimum(p, num_pairs - 1)  # tail pairs re-read the last one (stores masked)
+    head = pc // HALF
+    d = pc % HALF
+    c1 = (head * HEAD_DIM + d).to(tl.int64)
+    c2 = c1 + HALF
+    rm = tl.zeros([1], dtype=tl.int32)
+    mask_m = rm < 1
+    act_dtype = w.dtype.element_ty
+    rstd = _rms_prologue(x, res_in, res_out, rm, mask_m, pid, K, eps, stride_rim, stride_rom,
+                         HAS_RES_IN, 1, BLOCK_K)
+    acc1 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask_k = rk < K
+        a = _normed_tile(x, res_in, res_out, norm_w, rm, rk, mask_m[:, None] & mask_k[None, :],
+                         mask_k, rstd, stride_rim, act_dtype, HAS_RES_IN).to(tl.float32)
+        if EVEN_K:
+            w1 = tl.load(w + c1[:, None] * stride_wn + rk[None, :], eviction_policy="evict_first")
+            w2 = tl.load(w + c2[:, None] * stride_wn + rk[None, :], eviction_policy="evict_first")
+        else:
+            w1 = tl.load(w + c1[:, None] * stride_wn + rk[None, :], mask=mask_k[None, :],
+                         other=0.0, eviction_policy="evict_first")
+            w2 = tl.load(w + c2[:, None] * stride_wn + rk[None, :], mask=mask_k[None, :],
+                         other=0.0, eviction_policy="evict_first")
+        acc1 += a * w1.to(tl.float32)
+        acc2 += a * w2.to(tl.float32)
+    y1 = tl.sum(acc1, axis=1)
+    y2 = tl.sum(acc2, axis=1)
+    if HAS_BIAS:
+        y1 += tl.load(bias + c1).to(tl.float32)
+        y2 += tl.load(bias + c2).to(tl.float32)
+    # rounded like the unfused projection's output before RoPE reads it
+    y1 = y1.to(y.dtype.element_ty).to(tl.float32)
+    y2 = y2.to(y.dtype.element_ty).to(tl.float32)
+    pos = tl.load(positions).to(tl.int64)
+    cos = tl.load(cos_sin + pos * stride_cs + d)
+    sin = tl.load(cos_sin + pos * stride_cs + HALF + d)
+    rot = head < NUM_Q_HEADS + NUM_KV_HEADS  # v heads pass through
+    r1 = tl.where(rot, y1 * cos - y2 * sin, y1).to(y.dtype.element_ty)
+    r2 = tl.where(rot, y2 * cos + y1 * sin, y2).to(y.dtype.element_ty)
+    tl.store(y + c1, r1, mask=mask_p)
+    tl.store(y + c2, r2, mask=mask_p)
+    slot = tl.load(out_cache_loc).to(tl.int64)
+    kh = head - NUM_Q_HEADS
+    is_k = mask_p & (kh >= 0) & (kh < NUM_KV_HEADS)
+    kc = k_cache + slot * stride_kcs + kh * stride_kch + d
+    tl.store(kc, r1.to(k_cache.dtype.element_ty), mask=is_k)
+    tl.store(kc + HALF, r2.to(k_cache.dtype.element_ty), mask=is_k)
+    vh = head - NUM_Q_HEADS - NUM_KV_HEADS
+    is_v = mask_p & (vh >= 0)
+    vc = v_cache + slot * stride_vcs + vh * stride_vch + d
+    tl.store(vc, r1.to(v_cache.dtype.element_ty), mask=is_v)
+    tl.store(vc + HALF, r2.to(v_cache.dtype.element_ty), mask=is_v)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -264,6 +365,44 @@ def silu_mul_gemv_triton(gate_up, weight, residual=None, *, out=None,
     return y.view(*gate_up.shape[:-1], weight.shape[0])
 
 
+def rmsnorm_qkv_rope_triton(x, norm_weight, eps, weight, bias, residual, positions,
+                            cos_sin_cache, k_cache, v_cache, out_cache_loc, num_q_heads,
+                            num_kv_heads, *, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel launch of `rmsnorm_qkv_rope`: one token (x [1, K]), full-width rotary."""
+    n, k = weight.shape
+    head_dim = k_cache.shape[-1]
+    x2 = _rows(x, k)
+    if x2.shape[0] != 1:
+        raise ValueError(f"rmsnorm_qkv_rope takes one token, got {x2.shape[0]}")
+    if n != (num_q_heads + 2 * num_kv_heads) * head_dim or cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError("rmsnorm_qkv_rope needs weight rows (Hq + 2 Hkv) * head_dim and a "
+                         "full-width rotary cos/sin cache")
+    if x2.dtype != weight.dtype:
+        raise ValueError(f"rmsnorm_qkv_rope: activations are {x2.dtype} but the weight is "
+                         f"{weight.dtype}; cast one so both match (the model dtype)")
+    res = _rows(residual, k) if residual is not None else None
+    y = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
+    res_out = torch.empty(1, k, dtype=x2.dtype, device=x2.device) if res is not None else None
+    cfg = config or _config(_NORM, 1, n, k, weight.dtype)
+    block_p = max(1, cfg.block_n // 2)  # the same weight rows per program as the plain gemv
+    dummy = y
+    _qkv_rope_kernel[(cdiv(n // 2, block_p),)](
+        x2, res if res is not None else dummy, norm_weight, weight,
+        bias if bias is not None else dummy, y, res_out if res_out is not None else dummy,
+        k_cache, v_cache, positions, out_cache_loc, cos_sin_cache, n, k, eps,
+        res.stride(0) if res is not None else 0, weight.stride(0),
+        res_out.stride(0) if res_out is not None else 0,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HAS_RES_IN=res is not None, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_P=block_p, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    new_residual = res_out.view(x.shape) if res_out is not None else x
+    return y.view(*x.shape[:-1], n), new_residual
+
+
 # ---- references (fp32 math, same roundings as the kernel) ----------------------------------
 
 
@@ -291,6 +430,23 @@ def silu_mul_gemv_ref(gate_up, weight, residual=None) -> torch.Tensor:
     gate, up = gate_up.float().chunk(2, dim=-1)
     act = (F.silu(gate) * up).to(gate_up.dtype)
     return gemv_ref(act, weight, residual=residual)
+
+
+def rmsnorm_qkv_rope_ref(x, norm_weight, eps, weight, bias, residual, positions, cos_sin_cache,
+                         k_cache, v_cache, out_cache_loc, num_q_heads,
+                         num_kv_heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rmsnorm_gemv_ref`, then `rope_ref` on the q and k heads and `store_kv_ref` of k and v.
+    Returns (qkv with q and k rotated [T, N], new residual)."""
+    from draftgraph.kernels.kv_store import store_kv_ref
+    from draftgraph.kernels.ops import rope_ref
+
+    qkv, new_residual = rmsnorm_gemv_ref(x, norm_weight, eps, weight, bias, residual)
+    head_dim = k_cache.shape[-1]
+    q, k, v = qkv.view(-1, num_q_heads + 2 * num_kv_heads, head_dim).split(
+        [num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    q, k = rope_ref(q, k, positions, cos_sin_cache)
+    store_kv_ref(k, v, k_cache, v_cache, out_cache_loc)
+    return torch.cat((q, k, v), dim=1).view(qkv.shape), new_residual
 
 
 # ---- dispatch: fused kernel for small M, else the unfused chain ----------------------------

@@ -137,16 +137,28 @@ class LlamaDecoderLayer(nn.Module):
         # single-row steps on one GPU fuse norm into the projections and SwiGLU into down
         # where it is measured to pay (kernels/gemv.py); everything else runs the plain chain
         fuse = attn.o_proj.tp.size == 1 and x.is_cuda
-        if fuse and gemv.pays(m, attn.qkv_proj.weight):
-            qkv, residual = gemv.rmsnorm_gemv(x, self.input_layernorm.weight,
-                                              self.input_layernorm.eps, attn.qkv_proj.weight,
-                                              attn.qkv_proj.bias, residual)
+        ln = self.input_layernorm
+        if fuse and gemv.pays(m, attn.qkv_proj.weight) and hasattr(backend, "attend") \
+                and cos_sin_cache.shape[-1] == attn.head_dim:
+            # norm, qkv, RoPE and the KV store in one launch; then attention alone
+            pool = backend.kv_pool
+            qkv, residual = gemv.rmsnorm_qkv_rope_triton(
+                x, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, residual,
+                fb.positions, cos_sin_cache, pool.k_buffers[attn.layer_id],
+                pool.v_buffers[attn.layer_id], fb.out_cache_loc, attn.num_heads,
+                attn.num_kv_heads)
+            q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
+            o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
         else:
-            h, residual = self.input_layernorm(x, residual)
-            if residual is None:
-                residual = x
-            qkv = attn.qkv_proj(h)
-        o = attn.attend(qkv, fb, backend, cos_sin_cache)
+            if fuse and gemv.pays(m, attn.qkv_proj.weight):
+                qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
+                                                  attn.qkv_proj.bias, residual)
+            else:
+                h, residual = ln(x, residual)
+                if residual is None:
+                    residual = x
+                qkv = attn.qkv_proj(h)
+            o = attn.attend(qkv, fb, backend, cos_sin_cache)
         h = gemv.gemv(o, attn.o_proj.weight) if fuse and gemv.pays(m, attn.o_proj.weight) \
             else attn.o_proj(o)
         if fuse and gemv.pays(m, mlp.gate_up_proj.weight):
