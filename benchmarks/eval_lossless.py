@@ -74,10 +74,12 @@ def main() -> int:
             scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=1024),
             spec=spec))
 
-    sets = {"humaneval": (humaneval_prompts(args.num_prompts), True), "chat": (CHAT, False)}
     if args.prompt_ids:
         with open(args.prompt_ids) as f:
             sets = {name: (ids, True) for name, ids in json.load(f).items()}
+    else:
+        sets = {"humaneval": (humaneval_prompts(args.num_prompts), True),
+                "chat": (CHAT, False)}
     plain = engine(SpecConfig())
     if args.dump_prompt_ids:
         ids = {name: [plain.encode_prompt(p, use_chat_template=not raw) for p in prompts]

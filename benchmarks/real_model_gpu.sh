@@ -5,7 +5,8 @@
 # the file's sha256), joined under /tmp, checked, then measured in bf16:
 #   - eval_lossless.py: share of the 164 HumanEval prompts (+ chat prompts) whose n-gram
 #     speculative output equals plain greedy decoding, 128 new tokens;
-#   - bench_spec.py: ms per step and acceptance length, code-edit and free-form, batch 1 and 32.
+#   - the same in fp32 (how much of a bf16 mismatch is rounding, not logic);
+#   - bench_spec.py (unless SKIP_SPEC=1): ms per step and acceptance length, code-edit and free-form, batch 1 and 32.
 # Call 1: `bash benchmarks/real_model_gpu.sh stage` with carry [".model1"];
 # call 2: `bash benchmarks/real_model_gpu.sh run` with carry [".model2", ".whl"] (gguf wheel).
 set -uo pipefail
@@ -25,6 +26,10 @@ M=$D/smollm2.gguf
 timeout 300 python3 benchmarks/eval_lossless.py --model $M --device cuda --dtype bfloat16 \
   --batch 32 --prompt-ids benchmarks/data/humaneval_smollm2_ids.json \
   --out "$OUT/lossless_humaneval_real_bf16_h200.json" 2>&1 | grep -v Warning | tail -12
-timeout 240 python3 benchmarks/bench_spec.py --model $M --device cuda --dtype bfloat16 \
+# fp32 on the same GPU: how much of the bf16 mismatch is rounding (kernel summation order)
+timeout 200 python3 benchmarks/eval_lossless.py --model $M --device cuda --dtype float32 \
+  --batch 32 --prompt-ids benchmarks/data/humaneval_smollm2_ids.json \
+  --out "$OUT/lossless_humaneval_real_fp32_h200.json" 2>&1 | grep -v Warning | tail -12
+[ -n "${SKIP_SPEC:-}" ] || timeout 240 python3 benchmarks/bench_spec.py --model $M --device cuda --dtype bfloat16 \
   --batch-sizes 1,32 --out "$OUT/spec_default_h200.json" 2>&1 | grep -v Warning | tail -12
 ls -la "$OUT"
