@@ -100,6 +100,19 @@ def test_neg_inf_entries_chunks_and_rows():
     assert not torch.isnan(lse).any()
 
 
+def test_nan_rows_give_the_nan_index_like_torch():
+    # a NaN row (overflowed activations) must still index inside the vocabulary: the graph
+    # gathers logits and table rows with these tokens
+    logits = randn(3, V, seed=5)
+    logits[0, 700] = float("nan")
+    logits[1] = float("nan")
+    logits[2, 10] = float("nan")
+    logits[2, 900] = float("nan")
+    idx, lse = A.argmax_lse_triton(logits, chunk=SMALL_CHUNK)
+    assert idx.tolist() == torch.argmax(logits, dim=-1).tolist() == [700, 0, 10]
+    assert torch.isnan(lse).all()
+
+
 def test_logprob_from_lse_equals_log_softmax():
     # what the step graphs emit: logit of the token minus lse
     logits = randn(5, V, seed=4)

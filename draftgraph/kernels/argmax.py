@@ -21,8 +21,9 @@ leave most SMs idle at batch 1, a smaller one only adds programs and stage-2 wor
 
 NOTE: a slice or row that is all -inf has m = -inf; it is combined with weight 0 (never
 -inf - -inf = NaN), so an all -inf row gives lse = -inf and argmax 0, like torch. Masked tail
-elements read -inf and are excluded from the first-index search, so they never win. NaN and
-+inf logits are not handled (torch.argmax would pick a NaN; here it is ignored).
+elements read -inf and are excluded from the first-index search, so they never win. A NaN
+ranks as +inf: its index wins like torch.argmax's (only a row holding both +inf and a later
+NaN differs) and the row's lse is NaN.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def _argmax_lse_chunk_kernel(
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < vocab
     x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    # NaN ranks above everything, as in torch.argmax (a NaN row must still give an index
+    # inside the vocabulary: the tokens index tables); its lse comes out NaN
+    x = tl.where(x != x, float("inf"), x)
     m = tl.max(x, axis=0)
     # first index of the max among the real columns (an all -inf slice: its first column)
     first = tl.min(tl.where((x == m) & mask, cols, vocab), axis=0)
