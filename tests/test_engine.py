@@ -180,3 +180,15 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_keeps_serving(hf, p
     assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
     ok = engine.generate([prompts[0]], GREEDY)[0]
     assert ok.finish_reason == "length" and len(ok.token_ids) == 24
+
+
+def test_graph_staging_writes_slot_rows_zero_padded():
+    import numpy as np
+
+    from draftgraph.runtime.graph_runner import stage_slot_rows
+
+    dst = np.full((4, 3), 99, dtype=np.int64)
+    stage_slot_rows(dst, [[5, 6, 7, 8], [9, 10, 11]])  # uniform after the cut: one assignment
+    assert dst[:2].tolist() == [[5, 6, 7], [9, 10, 11]] and dst[2:].tolist() == [[99] * 3] * 2
+    stage_slot_rows(dst, [[1], [2, 3, 4], [5, 6]])  # ragged: zero-padded row by row
+    assert dst[:3].tolist() == [[1, 0, 0], [2, 3, 4], [5, 6, 0]]

@@ -215,7 +215,7 @@ class LLMEngine:
         for sr in scheduled:
             req = sr.req
             start = req.num_computed_tokens
-            toks = req.all_token_ids[start : start + sr.num_new_tokens] + sr.draft_tokens
+            toks = req.token_slice(start, start + sr.num_new_tokens) + sr.draft_tokens
             sb.input_ids += toks
             sb.req_pool_indices.append(req.req_pool_idx)
             sb.seq_lens.append(start + len(toks))

@@ -96,7 +96,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         # 1. decoding requests: one token each (plus drafts)
         for req in list(self.running):
-            if req.is_prefilling or req not in self.running:
+            if req.status is not Status.RUNNING or req.is_prefilling:  # preempted this step
                 continue
             sr = ScheduledRequest(req, 1, list((drafts or {}).get(req.request_id, [])), reserve)
             if sr.num_slots > budget and scheduled:
@@ -110,7 +110,7 @@ class Scheduler:
         for req in [r for r in self.running if r.is_prefilling]:
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted by an earlier chunk of this step
+            if req.status is not Status.RUNNING:  # preempted by an earlier chunk of this step
                 continue
             sr = self._prefill_chunk(req, budget, scheduled)
             if sr:

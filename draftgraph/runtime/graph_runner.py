@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
@@ -52,6 +53,20 @@ def batch_buckets(max_bs: int) -> list[int]:
     if buckets[-1] != max_bs:
         buckets.append(max_bs)
     return buckets
+
+
+def stage_slot_rows(dst: np.ndarray, rows: list[list[int]]) -> None:
+    """dst[i] = the first dst.shape[1] slots of rows[i], zero-padded (slot 0 is the dummy).
+    One numpy assignment when every row is long enough: row by row cost ~0.7 us a row, 45 us
+    of host time per step at batch 64."""
+    width = dst.shape[1]
+    cut = [r[:width] for r in rows]
+    if all(len(r) == width for r in cut):
+        dst[: len(cut)] = cut
+        return
+    for i, r in enumerate(cut):
+        dst[i, : len(r)] = r
+        dst[i, len(r) :] = 0
 
 
 class StepGraphRunner:
@@ -257,7 +272,6 @@ class StepGraphRunner:
         """
         bs = len(input_ids)
         bucket = self.bucket_for(bs)
-        T = self.tokens_per_req
         self.done.synchronize()  # the previous replay's copies have finished with the buffers
         h = self._host
         h["input_ids"][:bs] = input_ids
@@ -266,11 +280,7 @@ class StepGraphRunner:
         h["max_draft"][:bs] = max_draft or 0
         h["top_k"][:bs] = top_k
         h["seeds"][:bs] = seeds
-        loc = h["out_cache_loc"]
-        for i, slots in enumerate(out_cache_loc):
-            n = min(len(slots), T)
-            loc[i, :n] = slots[:n]
-            loc[i, n:] = 0
+        stage_slot_rows(h["out_cache_loc"], out_cache_loc)
         h["temperature"][:bs] = temperature
         h["top_p"][:bs] = top_p
         self._fill_padding(bs, bucket)
