@@ -3,15 +3,21 @@
     gemv(x, W, bias, residual)                      y = x @ W^T (+ bias) (+ residual)
     rmsnorm_gemv(x, norm_w, eps, W, bias, residual) h = x (+ residual); y = rmsnorm(h) @ W^T
     silu_mul_gemv(gate_up, W, residual)             y = (silu(gate) * up) @ W^T (+ residual)
+    rmsnorm_qkv_rope_triton(x, ..., k_cache, v_cache, out_cache_loc, Hq, Hkv)   (one token)
+        qkv = rmsnorm_gemv(...); RoPE on the q and k heads; k, v stored into their KV slot
 
-Twins: `gemv_ref`, `rmsnorm_gemv_ref`, `silu_mul_gemv_ref`. The public functions dispatch: the
-Triton kernel when `use_gemv(M, device)` (CUDA, M <= GEMV_MAX_M), else the unfused path
-(`ops.rms_norm` / `ops.silu_and_mul` + cuBLAS) on CUDA, or the twin on CPU; tests call the
-`*_triton` launchers directly (real launches on CUDA, the interpreter on CPU).
+Twins: `gemv_ref`, `rmsnorm_gemv_ref`, `silu_mul_gemv_ref`, `rmsnorm_qkv_rope_ref`. The first
+three public functions dispatch: the Triton kernel when `use_gemv(M, device)` (CUDA,
+M <= GEMV_MAX_M), else the unfused path (`ops.rms_norm` / `ops.silu_and_mul` + cuBLAS) on CUDA,
+or the twin on CPU; tests call the `*_triton` launchers directly (real launches on CUDA, the
+interpreter on CPU).
 
-One kernel serves all three (`MODE` constexpr picks the activation prologue). Each program owns
-BLOCK_N output columns for BLOCK_M rows and streams its [BLOCK_N, K] weight slice once, in
-[BLOCK_N, BLOCK_K] tiles, reusing every tile for all rows; math in fp32, one rounding at the end.
+One kernel serves the first three (`MODE` constexpr picks the activation prologue). Each
+program owns BLOCK_N output columns for BLOCK_M rows and streams its [BLOCK_N, K] weight slice
+once, in [BLOCK_N, BLOCK_K] tiles, reusing every tile for all rows; math in fp32, one rounding
+at the end. The qkv kernel shares the norm prologue and owns column pairs (d, d + head_dim / 2)
+of one head, so the rotation stays inside a program; it saves the separate RoPE + KV-store
+launch (on an H200, 3.8 us per SmolLM2 layer against 3.0 + 1.6).
 The activation a row feeds the matmul is rounded to the model dtype first (normed, silu * up), so
 the fused result equals the unfused chain up to summation order.
 
