@@ -20,6 +20,7 @@ from draftgraph.config import EngineConfig
 from draftgraph.engine.request import Request, RequestOutput, Status
 from draftgraph.engine.sampling import SamplingParams, sample
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
+from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.runtime.model_runner import ModelRunner, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -268,8 +269,10 @@ class LLMEngine:
         reqs = [sr.req for sr, n in rows if n]
         dev = logits.device
         temperature = torch.tensor([r.params.temperature for r in reqs], device=dev)
+        # the same tail as the step graphs: one pass for the greedy tokens and the logsumexp
+        greedy_tokens, lse = argmax_lse(logits)
         if bool((temperature == 0).all()):
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens
         else:
             tokens = sample(
                 logits, temperature,
@@ -277,9 +280,10 @@ class LLMEngine:
                 torch.tensor([r.params.top_k for r in reqs], device=dev),
                 torch.tensor([r.seed for r in reqs], device=dev),
                 torch.tensor([r.num_tokens for r in reqs], device=dev),
+                greedy_tokens,
             )
         want_lp = any(r.params.logprobs for r in reqs)
-        lps = (torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0].tolist()
+        lps = ((logits.gather(1, tokens[:, None])[:, 0] - lse).tolist()
                if want_lp else [0.0] * len(reqs))
         tokens = tokens.tolist()
         i = 0

@@ -111,9 +111,11 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Next token per row [n] int64: argmax for temperature 0, else a seeded draw."""
-    greedy_tok = logits.argmax(dim=-1)
+           top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+           greedy_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row [n] int64: argmax for temperature 0, else a seeded draw.
+    greedy_tokens: logits' argmax [n] when the caller has it already (`kernels.argmax`)."""
+    greedy_tok = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens
     probs = processed_probs(logits, temperature, top_p, top_k)
     drawn = sample_from_probs(probs, seeds, positions)
     return torch.where(temperature <= 0, greedy_tok, drawn)

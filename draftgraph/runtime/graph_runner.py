@@ -199,7 +199,7 @@ class StepGraphRunner:
         seeds, seq = v["seeds"][:bs], v["seq_lens"][:bs]
         if T == 1:
             tokens = target_argmax if greedy else sample(logits, temperature, top_p, top_k,
-                                                         seeds, seq)
+                                                         seeds, seq, target_argmax)
             tokens, accept_lens = tokens[:, None], torch.ones_like(seq)
         elif greedy:
             tokens, accept_lens = greedy_accept_from_argmax(drafts, num_drafts,
@@ -209,7 +209,7 @@ class StepGraphRunner:
                                     top_p.repeat_interleave(T), top_k.repeat_interleave(T))
             tokens, accept_lens = rejection_sample(drafts, num_drafts, None,
                                                    probs.view(bs, T, vocab), seeds, seq,
-                                                   temperature <= 0)
+                                                   temperature <= 0, target_argmax.view(bs, T))
         # log_softmax of each emitted token (-1 past accept_lens reads token 0, never emitted)
         logprobs = logits.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1) - lse
         o_tok, o_acc, o_nd, o_lp = self._out_views(self.out, bs)

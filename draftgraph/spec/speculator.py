@@ -13,8 +13,9 @@ import torch
 from draftgraph.config import SpecConfig
 from draftgraph.engine.request import Request
 from draftgraph.engine.sampling import processed_probs
+from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.spec.ngram import NgramProposer
-from draftgraph.spec.verify import greedy_accept, rejection_sample
+from draftgraph.spec.verify import greedy_accept_from_argmax, rejection_sample
 
 
 class NgramSpeculator:
@@ -79,10 +80,13 @@ class NgramSpeculator:
             num_draft[i] = d
         reqs = [sr.req for sr, _ in live]
         temperature = torch.tensor([r.params.temperature for r in reqs], device=dev)
+        rep = k + 1
+        target_argmax, lse = argmax_lse(target.view(bs * rep, vocab))  # as the step graphs do
+        target_argmax, lse = target_argmax.view(bs, rep), lse.view(bs, rep)
         if bool((temperature == 0).all()):
-            out_tokens, accept_lens = greedy_accept(draft_tokens, num_draft, target)
+            out_tokens, accept_lens = greedy_accept_from_argmax(draft_tokens, num_draft,
+                                                                target_argmax)
         else:
-            rep = k + 1
             probs = processed_probs(
                 target.view(bs * rep, vocab),
                 temperature.repeat_interleave(rep),
@@ -92,11 +96,12 @@ class NgramSpeculator:
             first_pos = torch.tensor([r.num_tokens for r in reqs], device=dev)
             seeds = torch.tensor([r.seed for r in reqs], device=dev)
             out_tokens, accept_lens = rejection_sample(draft_tokens, num_draft, None, probs,
-                                                       seeds, first_pos, temperature == 0)
+                                                       seeds, first_pos, temperature == 0,
+                                                       target_argmax)
         want_lp = any(r.params.logprobs for r in reqs)
         if want_lp:
             safe = out_tokens.clamp_min(0)
-            lp = torch.log_softmax(target, dim=-1).gather(2, safe[..., None])[..., 0].tolist()
+            lp = (target.gather(2, safe[..., None])[..., 0] - lse).tolist()
         out_tokens, accept_lens = out_tokens.tolist(), accept_lens.tolist()
         results: list[tuple[list[int], list[float]]] = []
         i = 0

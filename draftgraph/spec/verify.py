@@ -105,7 +105,8 @@ def _residual_probs(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.
 def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
                      draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                      seeds: torch.Tensor, positions: torch.Tensor,
-                     greedy_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     greedy_mask: torch.Tensor, target_argmax: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), seeded and sync-free.
 
     draft_tokens [bs, k] int64; num_draft_tokens [bs] int64 in 0..k;
@@ -113,7 +114,8 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
     deterministic (point-mass) draft such as n-gram lookup;
     target_probs [bs, k + 1, vocab] fp32, already processed (temperature, top-k, top-p);
     seeds [bs] int64; positions [bs] int64, the position of the first draft token;
-    greedy_mask [bs] bool, rows with temperature 0: these get exactly greedy_accept's result.
+    greedy_mask [bs] bool, rows with temperature 0: these get exactly greedy_accept's result;
+    target_argmax [bs, k + 1] int64, the target's argmax when the caller has it already.
 
     Draft i is accepted with probability min(1, p_target(x) / p_draft(x)), the uniform drawn at
     position positions + i on STREAM_ACCEPT. At the first rejection the token is drawn from
@@ -156,8 +158,10 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
 
     output_tokens = _emit(draft_tokens, num_accepted, final_token)
     accept_lens = num_accepted + 1
+    if target_argmax is None:
+        target_argmax = target_probs.argmax(dim=-1)
     greedy_tokens, greedy_lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
-                                                           target_probs.argmax(dim=-1))
+                                                           target_argmax)
     output_tokens = torch.where(greedy_mask[:, None], greedy_tokens, output_tokens)
     accept_lens = torch.where(greedy_mask, greedy_lens, accept_lens)
     return output_tokens, accept_lens
