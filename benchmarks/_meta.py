@@ -21,3 +21,10 @@ def run_header(device: str | None = None) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def model_shape(cfg) -> dict:
+    """The shape fields of a ModelConfig that a benchmark's timings depend on."""
+    return {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size}

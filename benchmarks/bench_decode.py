@@ -14,7 +14,7 @@ import sys
 import time
 
 import torch
-from _meta import run_header
+from _meta import model_shape, run_header
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
@@ -185,9 +185,7 @@ def main() -> int:
         "model": args.model,
         "dtype": args.dtype,
         "context": args.context,
-        "model_shape": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
-                        "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-                        "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size},
+        "model_shape": model_shape(cfg),
         "weight_bytes_per_step": wb,
         "floor_ms_at_4.1TBps": wb / 4.1e12 * 1e3,
         "results": results,

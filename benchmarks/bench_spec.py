@@ -18,7 +18,7 @@ import sys
 import time
 
 import torch
-from _meta import run_header
+from _meta import model_shape, run_header
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
@@ -114,10 +114,7 @@ def main() -> int:
             scheduler=SchedulerConfig(max_num_seqs=max_bs, max_num_batched_tokens=4096,
                                       max_model_len=args.context + args.max_tokens + 512),
             spec=spec))
-        cfg = engine.model_config
-        shape = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
-                 "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-                 "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size}
+        shape = model_shape(engine.model_config)
         for bs in sizes:
             for name, prompts in prompt_sets(engine, bs, args.context).items():
                 measure(engine, prompts[:1], 8)  # warm-up

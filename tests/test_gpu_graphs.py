@@ -152,8 +152,19 @@ def test_fused_single_token_kernels_match_the_unfused_chain(monkeypatch, model):
                                                        ignore_eos=True, logprobs=True))[0]
         return out.token_ids, torch.tensor(out.logprobs)
 
+    calls = []
+    fused_qkv = gemv.rmsnorm_qkv_rope_triton
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused_qkv(*args, **kwargs)
+
+    monkeypatch.setattr(gemv, "rmsnorm_qkv_rope_triton", counted)
     fused_tokens, fused_lp = run()
+    assert calls, "the fused single-token path did not run"
     monkeypatch.setattr(gemv, "FUSED_MAX_WEIGHT_ELEMS", 0)
+    calls.clear()
     plain_tokens, plain_lp = run()
+    assert not calls
     assert fused_tokens == plain_tokens
     assert (fused_lp - plain_lp).abs().max().item() < 1e-3
