@@ -102,6 +102,34 @@ def test_rank_shards_reassemble_the_single_rank_weights():
     assert torch.equal(ranks[1]["norm.weight"], fp["norm.weight"])
 
 
+def test_row_parallel_partials_are_summed_in_fp32_and_rounded_once(monkeypatch):
+    from draftgraph.distributed import layers
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    shards = [layers.RowParallelLinear(32, 32, TPInfo(r, 2)) for r in range(2)]
+    for r, lin in enumerate(shards):
+        lin.weight.data = w[:, 32 * r : 32 * (r + 1)].clone()
+    partial = [layers.fp32_linear(x[:, 32 * r : 32 * (r + 1)], shards[r].weight)
+               for r in range(2)]
+    reduced = []
+
+    def fake_all_reduce(t, tp):  # the other rank's partial arrives in the sum
+        reduced.append(t.dtype)
+        return t.add_(partial[1 - tp.rank])
+
+    monkeypatch.setattr(layers, "all_reduce", fake_all_reduce)
+    y = shards[0](x[:, :32])
+    assert reduced == [torch.float32]
+    assert y.dtype == torch.bfloat16
+    exact = x.float() @ w.float().t()
+    assert torch.equal(y, exact.to(torch.bfloat16))  # one rounding of the fp32 sum
+    # rounding each partial first (a bf16 all-reduce) lands elsewhere for some outputs
+    twice = (partial[0].to(torch.bfloat16) + partial[1].to(torch.bfloat16))
+    assert not torch.equal(twice, exact.to(torch.bfloat16))
+
+
 # ---- two processes over gloo ----------------------------------------------------------------
 
 def _engine(model: str, tp: int, spec: SpecConfig | None = None) -> LLMEngine:

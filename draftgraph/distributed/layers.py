@@ -17,6 +17,16 @@ from draftgraph.distributed.parallel import TPInfo, all_gather_last_dim, all_red
 from draftgraph.distributed.sharding import vocab_shard
 
 
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with the fp32 accumulator returned unrounded (cuBLAS out_dtype on CUDA)."""
+    if x.dtype == torch.float32:
+        return F.linear(x, weight)
+    if x.is_cuda:
+        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x.float(), weight.float())
+
+
 class RowParallelLinear(nn.Linear):
     """y = sum over ranks of x_r @ W_r^T: input features sharded, output replicated."""
 
@@ -25,7 +35,11 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight), self.tp)
+        if self.tp.size == 1:
+            return F.linear(x, self.weight)
+        # the partial sums travel in fp32 and the total is rounded once, as one rank's matmul
+        # rounds its own fp32 accumulator once: bf16 partials would add a rounding per rank
+        return all_reduce(fp32_linear(x, self.weight), self.tp).to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Embedding):
