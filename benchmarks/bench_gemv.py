@@ -226,6 +226,59 @@ def tune(models, ms, dtype, budget_s: float) -> list[dict]:
     return rows
 
 
+def tune_qkv_rope(models, dtype, budget_s: float) -> list[dict]:
+    """Sweep block sizes of the one-token norm + qkv + RoPE + KV-store kernel; print `TUNED`
+    lines keyed ("qkv_rope", N, K, 1) (block_n weight rows, i.e. block_n / 2 column pairs)."""
+    from draftgraph.models.llama import rope_cos_sin_cache
+
+    rows, lines = [], []
+    for model in models:
+        c = preset_config(model)
+        _, n, k = model_shapes(model)["qkv"]
+        op = Operands("norm", n, k, 1, dtype)
+        caches = [torch.zeros(16, c.num_key_value_heads, c.head_dim, dtype=dtype, device="cuda")
+                  for _ in range(2)]
+        pos = torch.tensor([5], device="cuda")
+        loc = torch.tensor([3], device="cuda")
+        cos_sin = rope_cos_sin_cache(c, 64).cuda()
+
+        def run(w, cfg=None, op=op, c=c, pos=pos, cos_sin=cos_sin, caches=caches, loc=loc):
+            return G.rmsnorm_qkv_rope_triton(
+                op.x, op.norm_w, EPS, w, None, op.residual, pos, cos_sin, *caches, loc,
+                c.num_attention_heads, c.num_key_value_heads, config=cfg)[0]
+
+        ref = G.rmsnorm_qkv_rope_ref(op.x, op.norm_w, EPS, op.weights[0], None, op.residual,
+                                     pos, cos_sin, *[t.clone() for t in caches], loc,
+                                     c.num_attention_heads, c.num_key_value_heads)[0]
+        default = G.TUNED.get(("qkv_rope", n, k, 1)) or G._config(1, 1, n, k, dtype)
+        results, t0 = [], time.time()
+        for cfg in [default] + [c2 for c2 in candidate_configs(1, n, k, dtype)
+                                if c2.block_n >= 2]:
+            if time.time() - t0 > budget_s:
+                break
+            try:
+                if rel_err(run(op.weights[0], cfg), ref) > 2e-2:
+                    continue
+                results.append((op.time(lambda w, cfg=cfg: run(w, cfg)), cfg))
+            except Exception as e:  # a config the compiler rejects
+                print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+        results.sort(key=lambda r: r[0])
+        best_us, best = results[0]
+        default_us = next((us for us, c2 in results if c2 == default), None)
+        key = ("qkv_rope", n, k, 1)
+        lines.append(f"    {key!r}: {best!r},  # {best_us:.2f} us, {model} qkv+rope")
+        rows.append({"model": model, "proj": "qkv_rope", "M": 1, "key": list(key),
+                     "best": best._asdict(), "best_us": best_us, "default_us": default_us,
+                     "tried": len(results),
+                     "top5": [{"us": us, **c2._asdict()} for us, c2 in results[:5]]})
+        print(f"{model:14s} qkv_rope M=1  best {best_us:8.2f} us (default "
+              f"{default_us or float('nan'):8.2f}, {len(results)} tried) {best}", flush=True)
+        op = None
+        torch.cuda.empty_cache()
+    print("\n".join(lines))
+    return rows
+
+
 def build_chain(model: str, dtype, device: str = "cuda"):
     """(step(fused, x0) -> logits, weight bytes) for one decode step's projections of every layer
     + final norm + LM head; the attention output is stood in for by q's slice of qkv."""
@@ -319,6 +372,8 @@ def main() -> int:
     with torch.no_grad():
         if args.tune:
             out["tune"] = tune(models, ms, dtype, args.tune_budget_s)
+            if 1 in ms:
+                out["tune"] += tune_qkv_rope(models, dtype, args.tune_budget_s)
         else:
             out["results"] = bench_shapes(models, ms, dtype)
             if not args.no_chain:

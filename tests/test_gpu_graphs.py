@@ -162,7 +162,7 @@ def test_fused_single_token_kernels_match_the_unfused_chain(monkeypatch, model):
     monkeypatch.setattr(gemv, "rmsnorm_qkv_rope_triton", counted)
     fused_tokens, fused_lp = run()
     assert calls, "the fused single-token path did not run"
-    monkeypatch.setattr(gemv, "FUSED_MAX_WEIGHT_ELEMS", 0)
+    monkeypatch.setattr(gemv, "GEMV_MAX_M", 0)  # every projection unfused
     calls.clear()
     plain_tokens, plain_lp = run()
     assert not calls

@@ -75,21 +75,22 @@ def decode_scratch(bs, num_splits):
                 kv_counters=torch.zeros(bs * HKV, dtype=torch.int32, device=DEVICE))
 
 
-def splits_with_keys(kv_indptr, num_splits, block_n):
+def splits_with_keys(kv_indptr, num_splits, block_n, min_tiles=1):
     """Per row, how many of the decode kernel's splits hold at least one key."""
     kv_lens = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
-    chunk = [-(-n // (num_splits * block_n)) * block_n for n in kv_lens]  # kernel's split_len
+    chunk = [max(-(-n // (num_splits * block_n)) * block_n, min_tiles * block_n)
+             for n in kv_lens]  # the kernel's split_len
     return [-(-n // c) if n else 0 for n, c in zip(kv_lens, chunk, strict=True)]
 
 
-def decode_twice(q, args, scratch, num_splits, block_n):
+def decode_twice(q, args, scratch, num_splits, block_n, min_tiles=1):
     """Run decode_attention twice on the same scratch (a graph replay reuses it): the counters
     must be zero after each call and both calls must give the same output."""
     outs = []
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         attn.decode_attention(q, *args, SCALE, out, **scratch, num_splits=num_splits,
-                              block_n=block_n)
+                              config=attn.DecodeConfig(block_n, min_tiles))
         assert (scratch["kv_counters"] == 0).all(), "the combining program must reset its counter"
         outs.append(out)
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
@@ -132,6 +133,36 @@ def test_decode_attention_mixed_rows_and_empty_list():
                                 positions, None, SCALE)
     assert (out[1] == 0).all()
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_short_rows_use_fewer_splits_with_min_tiles():
+    # 150 keys over 8 splits of >= 3 tiles of 16: 4 splits hold keys (48 each), 4 are empty
+    num_splits, block_n, min_tiles = 8, 16, 3
+    q, k_cache, v_cache, bufs, lists = setup([150, 20], [1, 1], None, torch.float32, seed=4)
+    assert splits_with_keys(lists.kv_indptr[:3], num_splits, block_n, min_tiles) == [4, 1]
+    args = (k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start, bufs.positions,
+            lists.window)
+    out = decode_twice(q, args, decode_scratch(2, num_splits), num_splits, block_n, min_tiles)
+    expect = reference(q, k_cache, v_cache, bufs, lists, 2)
+    torch.testing.assert_close(out.float(), expect.float(), atol=2e-5, rtol=2e-5)
+
+
+def test_decode_plan_takes_the_tuned_entry(monkeypatch):
+    tuned = (4, attn.DecodeConfig(32, 2, 8, 3))
+    monkeypatch.setitem(attn.DECODE_TUNED, (3, 64, 1), tuned)
+    assert attn.decode_plan(1, 9, 3, 64, 16) == tuned
+    assert attn.decode_plan(1, 9, 3, 64, 2) == (2, tuned[1])  # capped by the scratch
+    monkeypatch.delitem(attn.DECODE_TUNED, (3, 64, 8), raising=False)
+    monkeypatch.delitem(attn.DECODE_TUNED, (3, 64, 128), raising=False)
+    # untuned: many splits take short tiles, few splits long ones
+    assert attn.decode_plan(8, 9, 3, 64, 16) == (16, attn.DecodeConfig(block_n=32))
+    assert attn.decode_plan(128, 9, 3, 64, 16) == (1, attn.DecodeConfig(block_n=128))
+
+
+def test_decode_scratch_covers_every_batch_size():
+    rows = attn.decode_scratch_rows(40, 9, 3, 64, 32)
+    assert rows == max(bs * attn.decode_plan(bs, 9, 3, 64, 32)[0] for bs in range(1, 41))
+    assert rows < 40 * 32  # smaller than max_bs x max_splits
 
 
 def test_decode_attention_split_kv_needs_counters():

@@ -120,6 +120,23 @@ def test_rmsnorm_gemv_equals_rms_norm_then_linear(dtype, m, with_residual):
         assert new_residual is x  # first layer: the residual is the input itself
 
 
+@pytest.mark.parametrize("m,cfg", [(1, G.GemvConfig(1, 8, 64)),
+                                   (5, G.GemvConfig(16, 16, 64, use_dot=True))])
+def test_rms_prologue_over_rows_wider_than_one_load(m, cfg):
+    # K = 600 needs 1 prologue load at BLOCK_M 1 and 3 at BLOCK_M 16 (norm_block 256)
+    k = 600
+    assert G.norm_block(k, cfg.block_m, cfg.block_k) == (1024 if m == 1 else 256)
+    dtype = torch.float16 if cfg.use_dot else torch.float32  # tl.dot of fp32 is tf32 on GPUs
+    x = (randn(m, k) * torch.linspace(0.1, 5, k, device=DEVICE)).to(dtype)
+    residual = randn(m, k, dtype=dtype, seed=3)
+    norm_w = randn(k, seed=4) * 0.2 + 1
+    w = weight(48, k, dtype=dtype)
+    y, new_residual = G.rmsnorm_gemv_triton(x, norm_w, 1e-6, w, None, residual, config=cfg)
+    ref_y, ref_residual = G.rmsnorm_gemv_ref(x, norm_w, 1e-6, w, None, residual)
+    close(y, ref_y, dtype)
+    assert torch.equal(new_residual, ref_residual)
+
+
 def test_rmsnorm_gemv_norm_uses_the_full_row_in_every_column_block():
     # 4 column blocks each recompute the rms; a block seeing only its K slice would be wrong
     x = randn(2, K) * torch.linspace(0.1, 5, K, device=DEVICE)

@@ -8,11 +8,12 @@ variable-length extend kernel for every other phase. Nothing is read back to the
 whole forward can be captured in a CUDA graph.
 
 NOTE: the split-KV scratch (partials `mid_o` / `mid_lse`, per-(row, KV head) arrival counters
-`kv_counters`) is allocated once, sized for `max_bs` rows x `num_q_heads`; its addresses never
-change. Without `num_q_heads` it is allocated by the first decode forward, which must then run
-eagerly (graph runners warm up before capture); a decode batch that does not fit is an error,
-never a reallocation. Decode attention is one launch: the last split program of a (row, KV head)
-to bump its counter combines the partials and resets the counter to 0, so the counters are zero
+`kv_counters`) is allocated once, sized for the largest rows x splits of any batch up to
+`max_bs` (`decode_plan` gives each batch size its splits); its addresses never change. Without
+`num_q_heads` it is allocated by the first decode forward, which must then run eagerly (graph
+runners warm up before capture); a decode batch that does not fit is an error, never a
+reallocation. Decode attention is one launch: the last split program of a (row, KV head) to
+bump its counter combines the partials and resets the counter to 0, so the counters are zero
 between launches and a graph replay needs no memset (and no second reduce launch).
 """
 
@@ -42,7 +43,7 @@ class TritonBackend(AttentionBackend):
         *,
         max_bs: int = 256,
         num_q_heads: int | None = None,
-        max_kv_splits: int = 16,
+        max_kv_splits: int = 32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(kv_pool, req_to_token, sliding_window, scale)
@@ -59,12 +60,15 @@ class TritonBackend(AttentionBackend):
             self._alloc_scratch(num_q_heads)
 
     def _alloc_scratch(self, num_q_heads: int) -> None:
-        # split-KV partials of decode attention: normalised acc and log2-sum-exp per split
+        # split-KV partials of decode attention (normalised acc and log2-sum-exp per split),
+        # flat: each batch size views [bs, Hq, its splits, D] from the front
         self.num_q_heads = num_q_heads
-        self.mid_o = torch.empty(self.max_bs, num_q_heads, self.max_kv_splits, self.head_dim,
-                                 dtype=torch.float32, device=self.device)  # [max_bs, Hq, S, D]
-        self.mid_lse = torch.empty(self.max_bs, num_q_heads, self.max_kv_splits,
-                                   dtype=torch.float32, device=self.device)  # [max_bs, Hq, S]
+        rows = attn_kernels.decode_scratch_rows(self.max_bs, num_q_heads, self.num_kv_heads,
+                                                self.head_dim, self.max_kv_splits)
+        self.mid_o = torch.empty(rows * num_q_heads * self.head_dim, dtype=torch.float32,
+                                 device=self.device)  # [bs * S * Hq * D]
+        self.mid_lse = torch.empty(rows * num_q_heads, dtype=torch.float32,
+                                   device=self.device)  # [bs * S * Hq]
         # split programs that have finished, per (row, KV head); zero between launches
         self.kv_counters = torch.zeros(self.max_bs * self.num_kv_heads, dtype=torch.int32,
                                        device=self.device)  # [max_bs * Hkv] int32
@@ -97,18 +101,22 @@ class TritonBackend(AttentionBackend):
                     raise RuntimeError("TritonBackend: pass num_q_heads= (or run one eager "
                                        "decode forward) before capturing a decode graph")
                 self._alloc_scratch(q.shape[1])
-            if bs > self.max_bs or q.shape[1] > self.num_q_heads:
+            hq = q.shape[1]
+            num_splits, cfg = attn_kernels.decode_plan(bs, hq, self.num_kv_heads,
+                                                       self.head_dim, self.max_kv_splits)
+            if bs > self.max_bs or bs * num_splits * hq > self.mid_lse.numel():
                 raise ValueError(
-                    f"decode batch of {bs} rows x {q.shape[1]} query heads does not fit the "
+                    f"decode batch of {bs} rows x {hq} query heads does not fit the "
                     f"backend's scratch ({self.max_bs} x {self.num_q_heads}); build "
                     f"TritonBackend with max_bs= and num_q_heads= large enough"
                 )
-            num_splits = attn_kernels.decode_num_splits(bs, self.num_kv_heads,
-                                                        self.max_kv_splits)
+            n = bs * hq * num_splits
             attn_kernels.decode_attention(
                 q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start,
-                fb.positions, lists.window, self.scale, out, mid_o=self.mid_o,
-                mid_lse=self.mid_lse, kv_counters=self.kv_counters, num_splits=num_splits,
+                fb.positions, lists.window, self.scale, out,
+                mid_o=self.mid_o[: n * self.head_dim].view(bs, hq, num_splits, self.head_dim),
+                mid_lse=self.mid_lse[:n].view(bs, hq, num_splits),
+                kv_counters=self.kv_counters, num_splits=num_splits, config=cfg,
             )
         else:
             attn_kernels.extend_attention(

@@ -26,6 +26,7 @@ Softmax runs in base 2 with fp32 statistics and accumulation.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -115,14 +116,17 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     row0 = tl.load(kv_indptr + r)
     kv_len = tl.load(kv_indptr + r + 1) - row0
-    # each split takes a BLOCK_N-aligned chunk; short rows leave the later splits empty
+    # each split takes a BLOCK_N-aligned chunk of at least MIN_TILES tiles; short rows leave
+    # the later splits empty (they only report an empty partial)
     split_len = (kv_len + NUM_SPLITS * BLOCK_N - 1) // (NUM_SPLITS * BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, MIN_TILES * BLOCK_N)
     lo = split * split_len
     hi = tl.minimum(kv_len, lo + split_len)
 
@@ -264,12 +268,52 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+class DecodeConfig(NamedTuple):
+    block_n: int = 64  # keys per tile
+    min_tiles: int = 1  # fewest tiles per split: short rows use fewer splits
+    num_warps: int = 4
+    num_stages: int = 2
+
+
 def decode_num_splits(bs: int, num_kv_heads: int, max_splits: int = 32,
                       target_programs: int = 256) -> int:
     """Splits per row for decode: enough programs to fill the GPU at small batch. A power of
     two <= max_splits; fixed by shapes only, so a captured graph keeps its launch config."""
     want = max(1, target_programs // max(1, bs * num_kv_heads))
     return min(next_pow2(want), 1 << (max(1, max_splits).bit_length() - 1))
+
+
+# (group, head_dim, batch bucket) -> (num_splits, config): measured on an H200 by
+# `python benchmarks/bench_attention.py` (benchmarks/results/attn_tune_h200.json; us per layer
+# at 512 / 4096 keys, bf16, the untuned plan's in brackets). Other keys take the heuristic below,
+# which agrees with these picks except for num_stages.
+DECODE_TUNED: dict[tuple[int, int, int], tuple[int, DecodeConfig]] = {
+    (3, 64, 1): (32, DecodeConfig(32, 1, 4, 2)),  # SmolLM2-135M: 4.11 / 8.57 (4.38 / 13.76)
+    (4, 128, 1): (32, DecodeConfig(32, 1, 4, 2)),  # Llama-3.1-8B: 5.54 / 13.08 (7.25 / 20.04)
+    (4, 64, 8): (4, DecodeConfig(128, 1, 4, 2)),  # Llama-3.2-1B: 7.46 / 25.79 (9.32 / 54.59)
+    (4, 64, 32): (1, DecodeConfig(128, 1, 4, 3)),  # 13.89 / 75.85 (27.05 / 201.57)
+    (4, 64, 64): (1, DecodeConfig(128, 1, 4, 2)),  # 21.47 / 125.83 (32.51 / 221.97)
+}
+
+
+def decode_plan(bs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                max_splits: int) -> tuple[int, DecodeConfig]:
+    """(num_splits, config) of a decode batch: the tuned entry, else enough programs to fill
+    the GPU with short tiles when a row has many splits and long ones when it has few."""
+    cap = 1 << (max(1, max_splits).bit_length() - 1)
+    key = (num_q_heads // num_kv_heads, head_dim, min(next_pow2(max(bs, 1)), 64))
+    if key in DECODE_TUNED:
+        splits, cfg = DECODE_TUNED[key]
+        return min(splits, cap), cfg
+    splits = decode_num_splits(bs, num_kv_heads, max_splits)
+    return splits, DecodeConfig(block_n=32 if splits >= 16 else 64 if splits > 4 else 128)
+
+
+def decode_scratch_rows(max_bs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                        max_splits: int) -> int:
+    """The most (row, split) partials any decode batch of <= max_bs rows needs."""
+    return max(bs * decode_plan(bs, num_q_heads, num_kv_heads, head_dim, max_splits)[0]
+               for bs in range(1, max_bs + 1))
 
 
 def decode_attention(
@@ -288,9 +332,10 @@ def decode_attention(
     mid_lse: torch.Tensor | None = None,
     kv_counters: torch.Tensor | None = None,
     num_splits: int = 1,
-    block_n: int = 64,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """One query per request. q, out [bs, Hq, D]; positions [bs] (the query positions).
+    `config` sets the tile (keys per step), the fewest tiles a split takes, warps and stages.
 
     With num_splits > 1 (a power of two), mid_o [>= bs, Hq, >= num_splits, D] fp32,
     mid_lse [>= bs, Hq, >= num_splits] fp32 and kv_counters [>= bs * Hkv] int32 are
@@ -301,6 +346,7 @@ def decode_attention(
     if bs == 0:
         return out
     group = num_q_heads // num_kv_heads
+    cfg = config or DecodeConfig()
     assert num_splits == next_pow2(num_splits), "num_splits must be a power of two"
     if num_splits > 1:
         assert mid_o is not None and mid_lse is not None and kv_counters is not None, (
@@ -321,9 +367,10 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         *mo_strides, *ml_strides,
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_N=block_n,
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_N=cfg.block_n,
         BLOCK_D=next_pow2(head_dim), SLIDING=window is not None,
-        DOT_PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+        DOT_PRECISION=_precision(q.dtype), MIN_TILES=cfg.min_tiles,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -38,12 +38,10 @@ from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usabl
 
 # Rows up to which the fused kernels run. Measured on the H200 (benchmarks/results/gemv_h200.json):
 # at M = 1 the fused chain of a SmolLM2-135M step takes 458 us against 680 us unfused; at M = 8
-# the fused kernels lose on every shape, so only single-row steps take them.
+# the fused kernels lose on every shape, so only single-row steps take them. At M = 1 they beat
+# norm/activation + cuBLAS on every shape swept (gemv_tune2_h200.json), up to Llama-3.1-8B's
+# gate_up (57.3 vs 64.1 us) and LM head (237.7 vs 253.1 us).
 GEMV_MAX_M = 1
-# Weights above this many elements stream faster through cuBLAS at M = 1 (8B gate_up, 117M:
-# 70 vs 60 us); up to it the fused kernel wins against norm/activation + cuBLAS (8B o_proj 10.6
-# vs 12.6 us, qkv 17.7 vs 18.2, down 32.7 vs 33.0) and saves a launch in the graph.
-FUSED_MAX_WEIGHT_ELEMS = 64_000_000
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 _MODE_NAMES = {_PLAIN: "plain", _NORM: "norm", _SILU: "silu"}
@@ -59,15 +57,18 @@ class GemvConfig(NamedTuple):
 
 
 # (mode, N, K, M bucket) -> config, from `python benchmarks/bench_gemv.py --tune` on an H200
-# (benchmarks/results/gemv_tune_h200.json; us = the tuned time, default config's in brackets).
-# Only shapes the engine runs fused and where the sweep beat `default_config`.
+# (benchmarks/results/gemv_tune_h200.json and gemv_tune2_h200.json; us = the tuned time,
+# default config's in brackets). Only shapes the engine runs fused and where the sweep beat
+# `default_config`; "qkv_rope" keys the one-token norm + qkv + RoPE kernel.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     # SmolLM2-135M
+    ("qkv_rope", 960, 576, 1): GemvConfig(1, 2, 512, 4, 1),  # 3.61 us (3.72)
     ("plain", 576, 576, 1): GemvConfig(1, 2, 1024, 4, 3),  # o: 2.00 us (2.17)
-    ("norm", 3072, 576, 1): GemvConfig(1, 4, 512, 4, 3),  # gate_up: 4.31 us (4.78)
+    ("norm", 3072, 576, 1): GemvConfig(1, 8, 512, 8, 3),  # gate_up: 3.95 us (4.78)
     ("silu", 576, 1536, 1): GemvConfig(1, 1, 512, 4, 3),  # down: 3.19 us (3.87)
     # Llama-3.1-8B
     ("plain", 4096, 4096, 1): GemvConfig(1, 2, 2048, 2, 3),  # o: 10.05 us (10.55)
+    ("norm", 28672, 4096, 1): GemvConfig(1, 16, 256, 4, 3),  # gate_up: 57.31 us (58.99)
     ("silu", 4096, 14336, 1): GemvConfig(1, 4, 2048, 4, 3),  # down: 31.25 us (32.70)
 }
 
@@ -106,8 +107,9 @@ def _config(mode: int, m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig
 
 
 def pays(m: int, weight: torch.Tensor) -> bool:
-    """Whether the fused kernel beats norm/activation + cuBLAS for this shape (measured)."""
-    return use_gemv(m, weight.device) and weight.numel() <= FUSED_MAX_WEIGHT_ELEMS
+    """Whether the fused kernel beats norm/activation + cuBLAS for this shape (measured: for
+    every weight at M <= GEMV_MAX_M)."""
+    return use_gemv(m, weight.device)
 
 
 def use_gemv(m: int, device: torch.device | str) -> bool:
@@ -120,13 +122,15 @@ def use_gemv(m: int, device: torch.device | str) -> bool:
 
 @triton.jit
 def _rms_prologue(x_rows, res_in, res_out, rm, mask_m, pid_n, K, eps, stride_rim, stride_rom,
-                  HAS_RES_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HAS_RES_IN: tl.constexpr, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
     # 1 / rms of each row of h = x (+ res_in); every program recomputes it (x is tiny and
-    # L2-resident), program 0 of each row block writes h to res_out
+    # L2-resident), program 0 of each row block writes h to res_out. NORM_BLOCK is wide (the
+    # whole row where registers allow): each step of this loop is an L2 round trip that the
+    # weight stream waits behind.
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     writes_res = mask_m & ((tl.zeros([BLOCK_M], dtype=tl.int32) + pid_n) == 0)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, NORM_BLOCK):
+        rk = k0 + tl.arange(0, NORM_BLOCK)
         mask_x = mask_m[:, None] & (rk[None, :] < K)
         h = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
         if HAS_RES_IN:
@@ -161,6 +165,7 @@ def _gemv_kernel(
     MODE: tl.constexpr, HAS_RES_IN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES_ADD: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
 ):
     # MODE 0: a = x. MODE 1: h = x (+ res_in), a = rmsnorm(h) * norm_w, program 0 of each row
     # block writes h to res_out. MODE 2: x = [gate | up] of width 2K, a = silu(gate) * up.
@@ -178,7 +183,7 @@ def _gemv_kernel(
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if MODE == 1:
         rstd = _rms_prologue(x_rows, res_in, res_out, rm, mask_m, pid_n, K, eps, stride_rim,
-                             stride_rom, HAS_RES_IN, BLOCK_M, BLOCK_K)
+                             stride_rom, HAS_RES_IN, BLOCK_M, NORM_BLOCK)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -236,7 +241,7 @@ def _qkv_rope_kernel(
     stride_rim, stride_wn, stride_rom, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cs,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_RES_IN: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):
     # One token: qkv = rmsnorm(x (+ res_in)) @ W^T (+ bias), then neox RoPE on the q and k
     # heads, k and v stored into their KV slot. A program owns BLOCK_P column pairs
@@ -255,7 +260,7 @@ def _qkv_rope_kernel(
     mask_m = rm < 1
     act_dtype = w.dtype.element_ty
     rstd = _rms_prologue(x, res_in, res_out, rm, mask_m, pid, K, eps, stride_rim, stride_rom,
-                         HAS_RES_IN, 1, BLOCK_K)
+                         HAS_RES_IN, 1, NORM_BLOCK)
     acc1 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -302,6 +307,11 @@ def _qkv_rope_kernel(
     tl.store(vc + HALF, r2.to(v_cache.dtype.element_ty), mask=is_v)
 
 
+def norm_block(k: int, block_m: int, block_k: int) -> int:
+    """Width of the RMS prologue's loads: the whole row up to 4096 fp32 values per program."""
+    return min(max(16, next_pow2(k)), max(block_k, 4096 // block_m))
+
+
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     t2 = t.reshape(-1, width)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -335,6 +345,7 @@ def _launch(mode: int, x2, weight, k: int, *, norm_w=None, eps=0.0, res_in=None,
         MODE=mode, HAS_RES_IN=res_in is not None, HAS_BIAS=bias is not None,
         HAS_RES_ADD=res_add is not None, EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        NORM_BLOCK=norm_block(k, cfg.block_m, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y, res_out
@@ -389,8 +400,8 @@ def rmsnorm_qkv_rope_triton(x, norm_weight, eps, weight, bias, residual, positio
     res = _rows(residual, k) if residual is not None else None
     y = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
     res_out = torch.empty(1, k, dtype=x2.dtype, device=x2.device) if res is not None else None
-    cfg = config or _config(_NORM, 1, n, k, weight.dtype)
-    block_p = max(1, cfg.block_n // 2)  # the same weight rows per program as the plain gemv
+    cfg = config or TUNED.get(("qkv_rope", n, k, 1)) or _config(_NORM, 1, n, k, weight.dtype)
+    block_p = max(1, cfg.block_n // 2)  # block_n weight rows per program, as in the gemv
     dummy = y
     _qkv_rope_kernel[(cdiv(n // 2, block_p),)](
         x2, res if res is not None else dummy, norm_weight, weight,
@@ -402,7 +413,8 @@ def rmsnorm_qkv_rope_triton(x, norm_weight, eps, weight, bias, residual, positio
         cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HAS_RES_IN=res is not None, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_P=block_p, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        BLOCK_P=block_p, BLOCK_K=cfg.block_k, NORM_BLOCK=norm_block(k, 1, cfg.block_k),
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     new_residual = res_out.view(x.shape) if res_out is not None else x
