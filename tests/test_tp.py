@@ -111,7 +111,8 @@ def test_row_parallel_partials_are_summed_in_fp32_and_rounded_once(monkeypatch):
     shards = [layers.RowParallelLinear(32, 32, TPInfo(r, 2)) for r in range(2)]
     for r, lin in enumerate(shards):
         lin.weight.data = w[:, 32 * r : 32 * (r + 1)].clone()
-    partial = [layers.fp32_linear(x[:, 32 * r : 32 * (r + 1)], shards[r].weight)
+    partial = [layers.row_linear(x[:, 32 * r : 32 * (r + 1)], shards[r].weight,
+                                out_dtype=torch.float32)
                for r in range(2)]
     reduced = []
 

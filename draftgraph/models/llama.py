@@ -120,7 +120,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -133,13 +133,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, fb, backend, cos_sin_cache):
         attn, mlp = self.self_attn, self.mlp
-        m = x.shape[0]
-        # single-row steps on one GPU fuse norm into the projections and SwiGLU into down
-        # where it is measured to pay (kernels/gemv.py); everything else runs the plain chain
-        fuse = attn.o_proj.tp.size == 1 and x.is_cuda
+        # single-row steps on a GPU fuse norm into the projections and SwiGLU into down where
+        # it is measured to pay (kernels/gemv.py; the row-parallel o and down under TP too,
+        # distributed/layers.py); everything else runs the plain chain
+        fuse = gemv.pays(x.shape[0], attn.qkv_proj.weight)
         ln = self.input_layernorm
-        if fuse and gemv.pays(m, attn.qkv_proj.weight) and hasattr(backend, "attend") \
-                and cos_sin_cache.shape[-1] == attn.head_dim:
+        if fuse and hasattr(backend, "attend") and cos_sin_cache.shape[-1] == attn.head_dim:
             # norm, qkv, RoPE and the KV store in one launch; then attention alone
             pool = backend.kv_pool
             qkv, residual = gemv.rmsnorm_qkv_rope_triton(
@@ -150,7 +149,7 @@ class LlamaDecoderLayer(nn.Module):
             q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
             o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
         else:
-            if fuse and gemv.pays(m, attn.qkv_proj.weight):
+            if fuse:
                 qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
                                                   attn.qkv_proj.bias, residual)
             else:
@@ -159,18 +158,15 @@ class LlamaDecoderLayer(nn.Module):
                     residual = x
                 qkv = attn.qkv_proj(h)
             o = attn.attend(qkv, fb, backend, cos_sin_cache)
-        h = gemv.gemv(o, attn.o_proj.weight) if fuse and gemv.pays(m, attn.o_proj.weight) \
-            else attn.o_proj(o)
-        if fuse and gemv.pays(m, mlp.gate_up_proj.weight):
+        h = attn.o_proj(o)
+        if fuse:
             gate_up, residual = gemv.rmsnorm_gemv(h, self.post_attention_layernorm.weight,
                                                   self.post_attention_layernorm.eps,
                                                   mlp.gate_up_proj.weight, None, residual)
         else:
             h, residual = self.post_attention_layernorm(h, residual)
             gate_up = mlp.gate_up_proj(h)
-        if fuse and gemv.pays(m, mlp.down_proj.weight):
-            return gemv.silu_mul_gemv(gate_up, mlp.down_proj.weight), residual
-        return mlp.down_proj(ops.silu_and_mul(gate_up)), residual
+        return mlp.down_proj(gate_up, silu_mul=True), residual
 
 
 class LlamaForCausalLM(nn.Module):
