@@ -9,6 +9,8 @@
 #   - bench_spec.py (unless SKIP_SPEC=1): ms per step and acceptance length, code-edit and free-form, batch 1 and 32.
 # Call 1: `bash benchmarks/real_model_gpu.sh stage` with carry [".model1"];
 # call 2: `bash benchmarks/real_model_gpu.sh run` with carry [".model2", ".whl"] (gguf wheel).
+# On nvidia-h200-x2, `... tp` instead of `run`: TP = 2 against TP = 1 (tp_compare.py, bf16),
+# then the bf16 HumanEval share alone.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 D=/tmp/dg_model
@@ -23,11 +25,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/gguf-*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 M=$D/smollm2.gguf
+if [ "${1:-}" = tp ]; then
+  timeout 240 python3 benchmarks/tp_compare.py --model $M --dtype bfloat16 \
+    --prompt-ids benchmarks/data/humaneval_smollm2_ids.json --num-prompts 16 \
+    --out "$OUT/tp_real_bf16_h200x2.json" 2>&1 | grep -v Warning | tail -5
+  SKIP_FP32=1 SKIP_SPEC=1
+fi
 timeout 300 python3 benchmarks/eval_lossless.py --model $M --device cuda --dtype bfloat16 \
   --batch 32 --prompt-ids benchmarks/data/humaneval_smollm2_ids.json \
   --out "$OUT/lossless_humaneval_real_bf16_h200.json" 2>&1 | grep -v Warning | tail -12
 # fp32 on the same GPU: how much of the bf16 mismatch is rounding (kernel summation order)
-timeout 200 python3 benchmarks/eval_lossless.py --model $M --device cuda --dtype float32 \
+[ -n "${SKIP_FP32:-}" ] || timeout 200 python3 benchmarks/eval_lossless.py --model $M --device cuda --dtype float32 \
   --batch 32 --prompt-ids benchmarks/data/humaneval_smollm2_ids.json \
   --out "$OUT/lossless_humaneval_real_fp32_h200.json" 2>&1 | grep -v Warning | tail -12
 [ -n "${SKIP_SPEC:-}" ] || timeout 240 python3 benchmarks/bench_spec.py --model $M --device cuda --dtype bfloat16 \
