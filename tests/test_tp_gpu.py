@@ -69,13 +69,15 @@ def test_tp2_graph_replay_equals_tp1_in_fp32(model):
 
 
 def test_tp2_graph_replay_matches_tp1_in_bf16():
+    # Logits only: a random-weight model's greedy tokens are near-ties that any change of
+    # summation order flips in bf16 (1 of 8 prompts agree over 32 tokens on an H200, with the
+    # partials reduced in fp32). Token agreement is measured on the real default model by
+    # benchmarks/tp_compare.py (12 of 16 prompts identical over 32 tokens).
     model = "random:llama-3.2-1b"
-    ref_logits, ref_tokens, _ = _run(model, 1, "bfloat16")
-    logits, tokens, exitcodes = _run(model, 2, "bfloat16")
+    ref_logits, _, _ = _run(model, 1, "bfloat16")
+    logits, _, exitcodes = _run(model, 2, "bfloat16")
     scale = ref_logits.abs().max().item()
     assert (logits - ref_logits).abs().max().item() < 0.05 * scale
-    same = sum(a == b for a, b in zip(tokens, ref_tokens, strict=True))
-    assert same >= len(tokens) * 3 // 4, (same, len(tokens))
     assert exitcodes == [0]
 
 

@@ -110,6 +110,9 @@ class StepGraphRunner:
         # results: tokens [bs, T] | accept_lens [bs] | num_drafts [bs] | logprobs [bs, T] fp32
         out_lanes = max_bs * (T + 2) + (max_bs * T + 1) // 2
         self.out = torch.zeros(out_lanes, dtype=torch.int64, device=self.device)
+        if self.k == 0:  # decode emits one token per request and drafts none, every step
+            self._out_views(self.out, max_bs)[1].fill_(1)
+        self.no_drafts = torch.zeros(max_bs, 0, dtype=torch.int64, device=self.device)
         self.host_out = torch.zeros(out_lanes, dtype=torch.int64, pin_memory=True)
         self._host_out = [t.numpy() for t in self._out_views(self.host_out, max_bs)]
         self.done = torch.cuda.Event()
@@ -139,24 +142,23 @@ class StepGraphRunner:
     # ---- the captured body ----------------------------------------------------------------
     def _fb(self, bs: int, num_tokens: int) -> ForwardBatch:
         v = self._dev
-        phase = Phase.DECODE if self.k == 0 else Phase.VERIFY
-        return ForwardBatch(phase, self.packed_ids[:num_tokens], v["req_pool_indices"][:bs],
-                            self.seq_lens_after[:bs], self.extend_lens[:bs],
-                            self.packed_loc[:num_tokens], self.runner.meta)
+        if self.k == 0:  # decode reads the raw inputs themselves: one token per request
+            return ForwardBatch(Phase.DECODE, v["input_ids"][:bs], v["req_pool_indices"][:bs],
+                                v["seq_lens"][:bs], self.extend_lens[:bs],
+                                v["out_cache_loc"][:bs, 0], self.runner.meta)
+        return ForwardBatch(Phase.VERIFY, self.packed_ids[:num_tokens],
+                            v["req_pool_indices"][:bs], self.seq_lens_after[:bs],
+                            self.extend_lens[:bs], self.packed_loc[:num_tokens],
+                            self.runner.meta)
 
     def _prepare(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts and the packed 1 + d tokens of each request, on the device."""
         v, T, k = self._dev, self.tokens_per_req, self.k
         rows, seq, last = v["req_pool_indices"][:bs], v["seq_lens"][:bs], v["input_ids"][:bs]
         table = self.runner.token_table
-        if k == 0:
-            self.packed_ids[:bs].copy_(last)
-            self.packed_loc[:bs].copy_(v["out_cache_loc"][:bs, 0])
-            self.seq_lens_after[:bs].copy_(seq)
-            table[rows, seq - 1] = last
-            empty = torch.zeros(bs, 0, dtype=torch.int64, device=self.device)
-            return empty, torch.zeros(bs, dtype=torch.int64, device=self.device)
         table[rows, seq - 1] = last
+        if k == 0:
+            return self.no_drafts[:bs], None
         drafts, num_drafts = self.proposer.propose(table[rows], seq)  # [bs, k], [bs]
         num_drafts = torch.minimum(num_drafts, v["max_draft"][:bs])
         ext = 1 + num_drafts
@@ -200,7 +202,7 @@ class StepGraphRunner:
         if T == 1:
             tokens = target_argmax if greedy else sample(logits, temperature, top_p, top_k,
                                                          seeds, seq, target_argmax)
-            tokens, accept_lens = tokens[:, None], torch.ones_like(seq)
+            tokens, accept_lens = tokens[:, None], None
         elif greedy:
             tokens, accept_lens = greedy_accept_from_argmax(drafts, num_drafts,
                                                             target_argmax.view(bs, T))
@@ -210,10 +212,13 @@ class StepGraphRunner:
             tokens, accept_lens = rejection_sample(drafts, num_drafts, None,
                                                    probs.view(bs, T, vocab), seeds, seq,
                                                    temperature <= 0, target_argmax.view(bs, T))
-        # log_softmax of each emitted token (-1 past accept_lens reads token 0, never emitted)
-        logprobs = logits.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1) - lse
         o_tok, o_acc, o_nd, o_lp = self._out_views(self.out, bs)
         o_tok.copy_(tokens)
+        if T == 1:  # accept_lens (1) and num_drafts (0) were written once, at construction
+            torch.sub(logits.gather(1, tokens), lse[:, None], out=o_lp)  # log_softmax
+            return
+        # log_softmax of each emitted token (-1 past accept_lens reads token 0, never emitted)
+        logprobs = logits.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1) - lse
         o_acc.copy_(accept_lens)
         o_nd.copy_(num_drafts)
         o_lp.copy_(logprobs.view(bs, T))
