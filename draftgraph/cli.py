@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each decode step's tokens before launching the next")
     p.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -49,6 +51,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         use_graphs=not args.no_graphs,
+        async_scheduling=not args.no_async_scheduling,
         attention_backend=args.attention_backend,
         seed=args.engine_seed,
         tensor_parallel_size=args.tensor_parallel_size,

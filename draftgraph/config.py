@@ -69,6 +69,8 @@ class EngineConfig:
     device: str | None = None  # None: cuda if available
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     use_graphs: bool = True  # CUDA graphs on GPU; ignored on CPU
+    # launch decode step N + 1 before reading step N's tokens (graphs, no speculation)
+    async_scheduling: bool = True
     attention_backend: str | None = None  # None: triton on GPU, torch on CPU
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over

@@ -297,10 +297,9 @@ def follow(runner, tp: TPInfo, capacity: int) -> None:
                                      rows[2 * c :], loc, logit))
         elif kind == REPLAY:
             graphs = runner.spec_graphs if d else runner.graphs
-            graphs.done.synchronize()  # the last H2D copy has read the staging buffer
+            graphs.staged.synchronize()  # the last H2D copy has read the staging buffer
             graphs.staging.copy_(msg[HEADER : HEADER + c])
-            graphs.replay_staged(a, bool(b))
-            graphs.done.record()
+            graphs.replay_staged(a, bool(b), graphs.staged)
         elif kind == INIT_GRAPHS:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=tp.control)

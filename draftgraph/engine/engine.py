@@ -21,6 +21,7 @@ from draftgraph.engine.request import Request, RequestOutput, Status
 from draftgraph.engine.sampling import SamplingParams, sample
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
 from draftgraph.kernels.argmax import argmax_lse
+from draftgraph.runtime.kv_cache import OutOfKVSlots
 from draftgraph.runtime.model_runner import ModelRunner, StepBatch
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class LLMEngine:
         if self.device.type == "cuda" and config.use_graphs:
             self.runner.init_graphs(num_draft_tokens=k,
                                     proposer=self.proposer.proposer if self.proposer else None)
+        # async scheduling: requests of a launched decode replay whose tokens are not read yet
+        self.async_scheduling = config.async_scheduling and self.proposer is None
+        self._inflight: list[Request] | None = None
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
@@ -185,6 +189,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
+        if self._inflight is not None:
+            return outputs + self._step_ahead()
         # with speculative step graphs the drafts are made on the device, inside the graph;
         # otherwise on the host before scheduling
         device_drafts = self.runner.spec_graphs is not None
@@ -251,7 +257,8 @@ class LLMEngine:
                       [sr.out_cache_loc for sr in scheduled],
                       [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
                       [r.params.top_k for r in reqs], [r.seed for r in reqs], max_draft)
-        results = graphs.result()
+        ahead = graphs is self.runner.graphs and self._launch_ahead(reqs)
+        results = graphs.result(back=1 if ahead else 0)
         if graphs is self.runner.spec_graphs:
             for req, d, (tokens, _, num_drafts) in zip(reqs, max_draft, results, strict=True):
                 if num_drafts:
@@ -259,6 +266,68 @@ class LLMEngine:
                 elif d:
                     self.proposer.no_proposal(req)
         return [(tokens, logprobs) for tokens, logprobs, _ in results]
+
+    # ---- async scheduling: launch decode step N + 1 before reading step N ----------------
+    # The next step's last tokens are the ones step N samples, still on the device: they are
+    # staged as references to step N's output rows (graph_runner.replay). Rows are
+    # independent, so a request that finishes at step N only wastes its row of step N + 1
+    # (its token is dropped, its KV slot freed with the rest of its pages).
+
+    def _launch_ahead(self, reqs: list[Request]) -> bool:
+        """Launch the decode step after the one just launched for `reqs` (its tokens unread)
+        when every running request is in it and nothing waits; True when launched."""
+        for r in reqs:
+            r.ahead = 0
+        if not self.async_scheduling or self.scheduler.waiting:
+            return False
+        alive = [(j, r) for j, r in enumerate(reqs) if not r.finished]
+        if len(alive) != len(self.scheduler.running):
+            return False  # another request (prefilling, preempted) needs the normal path
+        # rows that surely end with step N's token need no next step
+        rows = [(j, r) for j, r in alive
+                if len(r.output_token_ids) + 1 < r.params.max_tokens
+                and r.num_tokens + 1 < self.max_model_len]
+        if not rows:
+            return False
+        alloc = self.runner.allocator
+        slots: list[list[int]] = []
+        try:
+            for _, r in rows:  # step N + 1 writes the KV of step N's token, at num_tokens
+                slots.append(alloc.extend(r.pages, r.num_tokens, 1))
+        except OutOfKVSlots:
+            for (_, r), _s in zip(rows, slots, strict=False):
+                alloc.truncate(r.pages, r.num_tokens)
+            return False  # the normal path preempts
+        ahead = [r for _, r in rows]
+        self.runner.graphs.replay(
+            [-(j + 1) for j, _ in rows], [r.req_pool_idx for r in ahead],
+            [r.num_tokens + 1 for r in ahead], slots, [r.params.temperature for r in ahead],
+            [r.params.top_p for r in ahead], [r.params.top_k for r in ahead],
+            [r.seed for r in ahead])
+        for r in ahead:
+            r.ahead = 1
+        self._inflight = ahead
+        return True
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Launch the next decode step if it can go, then read the one in flight."""
+        reqs, self._inflight = self._inflight, None
+        try:
+            ahead = self._launch_ahead(reqs)
+            results = self.runner.graphs.result(back=1 if ahead else 0)
+        except Exception as e:  # a failing step must not kill the engine
+            logger.exception("step failed for requests %s", [r.request_id for r in reqs])
+            self._inflight = None
+            outputs = []
+            for r in reqs + [r for r in list(self.scheduler.running) if r not in reqs]:
+                if not r.finished:
+                    r.error = f"internal error: {e}"
+                    self._finish(r, "error")
+                    outputs.append(self._output(r, []))
+            return outputs
+        return [self._append(r, tokens, logprobs, 1)
+                for r, (tokens, logprobs, _) in zip(reqs, results, strict=True)
+                if not r.finished]  # finished or aborted while its step ran: token dropped
 
     def _sample(self, rows, logits) -> list[tuple[list[int], list[float]]]:
         out: list[tuple[list[int], list[float]]] = []
@@ -318,10 +387,11 @@ class LLMEngine:
                 break
         if req.status == Status.RUNNING and req.num_tokens >= self.max_model_len:
             self._finish(req, "length")
-        # drop KV slots of tokens past the sequence (rejected drafts)
+        # drop KV slots of tokens past the sequence (rejected drafts); keep the slot a
+        # launched next step writes (async scheduling)
         if not req.finished:
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            self.runner.allocator.truncate(req.pages, req.num_computed_tokens)
+            self.runner.allocator.truncate(req.pages, req.num_computed_tokens + req.ahead)
         self.stats["generation_tokens"] += len(new)
         return self._output(req, new)
 

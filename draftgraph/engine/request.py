@@ -51,6 +51,7 @@ class Request:
         self.req_pool_idx = 0  # row in req_to_token; 0 = none
         self.pages: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.ahead = 0  # KV slots past them that a launched, unread step writes (async)
         # streaming state
         self.detokenizer = detokenizer
         self.text = ""  # full detokenized output, stop string cut off when finished

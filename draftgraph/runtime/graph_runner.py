@@ -36,6 +36,7 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.engine.sampling import processed_probs, sample
 from draftgraph.kernels.argmax import argmax_lse
+from draftgraph.kernels.tokens import record_last_tokens
 from draftgraph.spec.ngram import NgramProposer
 from draftgraph.spec.verify import greedy_accept_from_argmax, rejection_sample
 
@@ -113,12 +114,17 @@ class StepGraphRunner:
         if self.k == 0:  # decode emits one token per request and drafts none, every step
             self._out_views(self.out, max_bs)[1].fill_(1)
         self.no_drafts = torch.zeros(max_bs, 0, dtype=torch.int64, device=self.device)
-        self.host_out = torch.zeros(out_lanes, dtype=torch.int64, pin_memory=True)
-        self._host_out = [t.numpy() for t in self._out_views(self.host_out, max_bs)]
-        self.done = torch.cuda.Event()
+        # two pinned result buffers: a step may be launched before the previous one is read
+        self.host_out = [torch.zeros(out_lanes, dtype=torch.int64, pin_memory=True)
+                         for _ in range(2)]
+        self._host_out = [[t.numpy() for t in self._out_views(h, max_bs)]
+                          for h in self.host_out]
+        self.done = [torch.cuda.Event() for _ in range(2)]  # per result buffer: D2H finished
+        self.staged = torch.cuda.Event()  # the H2D copy has read the staging buffer
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.last_bs = 0
+        self._launched = 0  # replays so far; replay n writes result buffer n % 2
+        self._bs = [0, 0]
 
     # ---- buffer views ---------------------------------------------------------------------
     def _split(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -156,7 +162,10 @@ class StepGraphRunner:
         v, T, k = self._dev, self.tokens_per_req, self.k
         rows, seq, last = v["req_pool_indices"][:bs], v["seq_lens"][:bs], v["input_ids"][:bs]
         table = self.runner.token_table
-        table[rows, seq - 1] = last
+        # last tokens staged as -(j + 1) are row j of the previous replay's output (async
+        # scheduling); resolved in place, then recorded in the token table
+        record_last_tokens(last, self._out_views(self.out, self.max_bs)[0][:, 0], table, rows,
+                           seq)
         if k == 0:
             return self.no_drafts[:bs], None
         drafts, num_drafts = self.proposer.propose(table[rows], seq)  # [bs, k], [bs]
@@ -270,14 +279,18 @@ class StepGraphRunner:
     def replay(self, input_ids: list[int], req_pool_indices: list[int], seq_lens: list[int],
                out_cache_loc: list[list[int]], temperature: list[float], top_p: list[float],
                top_k: list[int], seeds: list[int], max_draft: list[int] | None = None) -> int:
-        """Stage, copy once, replay, start the one D2H copy. Returns the padded batch size.
+        """Stage, copy once, replay, start the one D2H copy. Returns the padded batch size;
+        `result()` waits for the tokens. A replay may be launched before the previous one's
+        result is read (two result buffers; read each before launching the one after next).
 
+        input_ids: each request's last token, or -(j + 1) for the token row j of the previous
+        replay of this runner sampled (still on the device, not yet read back);
         seq_lens: tokens of each sequence including the last (un-cached) one;
         out_cache_loc: per request 1 + k reserved KV slots (only the first is used at k = 0).
         """
         bs = len(input_ids)
         bucket = self.bucket_for(bs)
-        self.done.synchronize()  # the previous replay's copies have finished with the buffers
+        self.staged.synchronize()  # the previous replay's H2D copy has read the staging buffer
         h = self._host
         h["input_ids"][:bs] = input_ids
         h["req_pool_indices"][:bs] = req_pool_indices
@@ -292,26 +305,33 @@ class StepGraphRunner:
         greedy = all(t == 0 for t in temperature)
         if self.runner.tp_driver is not None:  # TP: ranks > 0 replay the same graph
             self.runner.tp_driver.send_replay(self.k, bucket, greedy, self.staging)
-        self.replay_staged(bucket, greedy)
-        self.host_out.copy_(self.out, non_blocking=True)  # the one D2H copy
-        self.done.record()
-        self.last_bs = bs
+        self.replay_staged(bucket, greedy, self.staged)
+        i = self._launched % 2
+        self.host_out[i].copy_(self.out, non_blocking=True)  # the one D2H copy
+        self.done[i].record()
+        self._bs[i] = bs
+        self._launched += 1
         return bucket
 
-    def replay_staged(self, bucket: int, greedy: bool) -> None:
+    def replay_staged(self, bucket: int, greedy: bool,
+                      staged: torch.cuda.Event | None = None) -> None:
         """The one H2D copy of the staged raw inputs, then the replay (on every TP rank)."""
         self.raw.copy_(self.staging, non_blocking=True)  # the one H2D copy
+        if staged is not None:
+            staged.record()
         if not self.metadata_in_graph:
             self._eager_metadata(bucket)
         self.graphs[(bucket, greedy)].replay()
 
-    def result(self) -> list[tuple[list[int], list[float], int]]:
-        """Wait for the last replay; per request (emitted tokens, their logprobs, drafts)."""
-        self.done.synchronize()
-        bs = self.last_bs
-        tokens, accept_lens, num_drafts, logprobs = (v[:bs].tolist() for v in self._host_out)
-        return [(tokens[i][: accept_lens[i]], logprobs[i][: accept_lens[i]], num_drafts[i])
-                for i in range(self.last_bs)]
+    def result(self, back: int = 0) -> list[tuple[list[int], list[float], int]]:
+        """Wait for the latest replay (back=1: the one before it); per request (emitted
+        tokens, their logprobs, drafts)."""
+        i = (self._launched - 1 - back) % 2
+        self.done[i].synchronize()
+        bs = self._bs[i]
+        tokens, accept_lens, num_drafts, logprobs = (v[:bs].tolist() for v in self._host_out[i])
+        return [(tokens[j][: accept_lens[j]], logprobs[j][: accept_lens[j]], num_drafts[j])
+                for j in range(bs)]
 
     @torch.inference_mode()
     def run_eager(self, bs: int, greedy: bool) -> None:

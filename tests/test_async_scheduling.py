@@ -1,0 +1,137 @@
+"""Async scheduling on CPU: decode step N + 1 is launched before step N's tokens are read.
+
+The graph runner is CUDA-only, so an eager stand-in with its replay/result contract serves
+here: it resolves last tokens staged as -(j + 1) from its previous step's sampled row j, as
+the graphs do on the device (kernels/tokens.py). Outputs must equal the engine without async
+scheduling token for token, whatever finishes, aborts or arrives mid-run, and every KV slot
+must come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import tiny_engine, tiny_hf_model
+
+from draftgraph.attention.backend import Phase
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.runtime.model_runner import StepBatch
+
+
+class EagerStepGraphs:
+    """StepGraphRunner's host contract (k = 0, greedy) over eager forwards."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.results: list[list] = []
+        self.prev_tokens: list[int] = []
+        self.refs = 0  # last tokens that were references to the previous step
+
+    def bucket_for(self, bs):
+        return bs
+
+    def replay(self, input_ids, req_pool_indices, seq_lens, out_cache_loc, temperature, top_p,
+               top_k, seeds, max_draft=None):
+        assert all(t == 0 for t in temperature)
+        self.refs += sum(t < 0 for t in input_ids)
+        ids = [self.prev_tokens[-t - 1] if t < 0 else t for t in input_ids]
+        bs = len(ids)
+        logits = self.engine.runner.forward(StepBatch(
+            Phase.DECODE, ids, req_pool_indices, seq_lens, [1] * bs,
+            [loc[0] for loc in out_cache_loc], list(range(bs))))
+        tokens = logits.argmax(-1)
+        lps = (logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(-1)).tolist()
+        self.prev_tokens = tokens.tolist()
+        self.results.append([([t], [lp], 0) for t, lp in zip(self.prev_tokens, lps,
+                                                            strict=True)])
+        return bs
+
+    def result(self, back=0):
+        return self.results[-1 - back]
+
+
+def _engine(hf, async_on: bool, kv_tokens: int = 2048):
+    engine = tiny_engine(hf, max_num_seqs=8, budget=64, kv_tokens=kv_tokens)
+    engine.async_scheduling = async_on
+    engine.runner.graphs = EagerStepGraphs(engine)
+    return engine
+
+
+def _run(engine, prompts, params, abort_at=None, late=None):
+    """Drive step() by hand: abort request `abort_at[1]` after step abort_at[0]; add `late`
+    (prompt, params) after step 3. Returns {request id: (tokens, logprobs, reason)}."""
+    ids = [engine.add_request(p, sp, request_id=f"r{i}")
+           for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    done, step = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.logprobs, out.finish_reason)
+        step += 1
+        if abort_at and step == abort_at[0]:
+            engine.abort(ids[abort_at[1]])
+        if late and step == 3:
+            engine.add_request(late[0], late[1], request_id="late")
+    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    return done
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(seed=0)
+
+
+def _prompts(n=5):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 128, (m,), generator=g).tolist() for m in (5, 30, 12, 9, 21)[:n]]
+
+
+def test_async_steps_equal_sync_steps_with_requests_ending_at_different_steps(hf):
+    prompts = _prompts()
+    # different lengths, and one stop token the random model emits at some point
+    sync = _engine(hf, False)
+    probe = sync.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0,
+                                                      ignore_eos=True))[0].token_ids
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=True)
+              for n in (3, 17, 9, 25, 1)]
+    params[0] = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=True,
+                               stop_token_ids=[probe[6]])
+    ref = _run(_engine(hf, False), prompts, params)
+    engine = _engine(hf, True)
+    got = _run(engine, prompts, params)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
+    assert {k: v[2] for k, v in got.items()} == {k: v[2] for k, v in ref.items()}
+    assert ref["r0"][2] == "stop" and len(ref["r0"][0]) <= 7
+    for k in ref:
+        torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(ref[k][1]))
+    assert engine.runner.graphs.refs > 20  # the steps really were launched ahead
+    assert engine._inflight is None
+
+
+def test_async_steps_survive_an_abort_and_a_late_arrival(hf):
+    prompts = _prompts(4)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 4
+    late = (_prompts(5)[4], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    ref = _run(_engine(hf, False), prompts, params, abort_at=(5, 2), late=late)
+    engine = _engine(hf, True)
+    got = _run(engine, prompts, params, abort_at=(5, 2), late=late)
+    assert got["r2"][2] == ref["r2"][2] == "abort"
+    for k in ("r0", "r1", "r3", "late"):
+        assert got[k] == ref[k], k
+    assert engine.runner.graphs.refs > 0
+
+
+def test_without_async_scheduling_no_step_is_launched_ahead(hf):
+    engine = _engine(hf, False)
+    _run(engine, _prompts(3), [SamplingParams(max_tokens=8, temperature=0,
+                                              ignore_eos=True)] * 3)
+    assert engine.runner.graphs.refs == 0
+
+
+def test_async_scheduling_falls_back_when_kv_runs_short(hf):
+    # a pool too small for every request's next slot: the launch ahead is skipped (the normal
+    # path preempts) and the outputs still equal the synchronous engine's
+    prompts = _prompts(4)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 4
+    ref = _run(_engine(hf, False, kv_tokens=90), prompts, params)
+    got = _run(_engine(hf, True, kv_tokens=90), prompts, params)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
