@@ -90,9 +90,10 @@ def kernel_table(engine: LLMEngine, graph, steps: int) -> tuple[str, list[dict]]
 
 
 def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph: bool,
-            kernels: bool = False) -> dict:
+            kernels: bool = False, async_scheduling: bool = True) -> dict:
     from draftgraph.runtime.graph_runner import StepGraphRunner
 
+    engine.async_scheduling = async_scheduling
     runner = engine.runner
     graphs = StepGraphRunner(runner, runner.max_num_seqs, metadata_in_graph=metadata_in_graph)
     graphs.capture()
@@ -134,6 +135,7 @@ def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph:
     engine.step()
     return {
         "metadata_in_graph": metadata_in_graph,
+        "async_scheduling": async_scheduling,
         "ms_per_step": ms_step,
         "tokens_per_s": bs / ms_step * 1e3,
         "replay_gpu_ms": gpu_ms,
@@ -169,11 +171,15 @@ def main() -> int:
     results = []
     for bs in sizes:
         row = {"batch_size": bs, "arms": []}
-        arms = [True] if args.no_ab else [True, False]
-        for arm in arms:
-            r = run_arm(engine, bs, args.context, args.steps, arm, args.kernels)
+        # (metadata in graph, async scheduling): the main arm, the same step read back before
+        # the next launch, and the eager-metadata A arm
+        arms = [(True, True), (True, False)] + ([] if args.no_ab else [(False, True)])
+        for arm, async_on in arms:
+            r = run_arm(engine, bs, args.context, args.steps, arm,
+                        args.kernels and arm and async_on, async_on)
             row["arms"].append(r)
-            print(f"bs={bs:3d} metadata_in_graph={arm!s:5}  {r['ms_per_step']:.3f} ms/step  "
+            print(f"bs={bs:3d} metadata_in_graph={arm!s:5} async={async_on!s:5} "
+                  f"{r['ms_per_step']:.3f} ms/step  "
                   f"replay {r['replay_gpu_ms'] or float('nan'):.3f} ms  "
                   f"{r['tokens_per_s']:.0f} tok/s  per step {r['per_step']}", flush=True)
             for k in (r.get("kernels") or [])[:25]:

@@ -168,3 +168,36 @@ def test_fused_single_token_kernels_match_the_unfused_chain(monkeypatch, model):
     assert not calls
     assert fused_tokens == plain_tokens
     assert (fused_lp - plain_lp).abs().max().item() < 1e-3
+
+
+def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs():
+    g = torch.Generator().manual_seed(5)
+    outs, launched_ahead = {}, {}
+    for async_on in (False, True):
+        engine = _engine(use_graphs=True)
+        engine.async_scheduling = async_on
+        graphs, seen = engine.runner.graphs, []
+        replay = graphs.replay
+
+        def counted(ids, *args, replay=replay, seen=seen, **kwargs):
+            seen.append(any(t < 0 for t in ids))
+            return replay(ids, *args, **kwargs)
+
+        graphs.replay = counted
+        vocab = engine.model_config.vocab_size
+        g.manual_seed(5)
+        prompts = [torch.randint(0, vocab, (n,), generator=g).tolist()
+                   for n in (7, 90, 33, 12, 51, 4)]
+        # greedy and seeded sampling, different lengths
+        params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, ignore_eos=True,
+                                 logprobs=True)
+                  for m, t in zip((30, 9, 22, 1, 17, 26), (0, 0.8, 0, 0.8, 0, 1.0),
+                                  strict=True)]
+        res = engine.generate(prompts, params)
+        outs[async_on] = [(o.token_ids, torch.tensor(o.logprobs)) for o in res]
+        launched_ahead[async_on] = sum(seen)
+        assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    assert launched_ahead[False] == 0 and launched_ahead[True] > 10
+    for (ta, la), (tb, lb) in zip(outs[False], outs[True], strict=True):
+        assert ta == tb
+        assert (la - lb).abs().max().item() < 1e-4
