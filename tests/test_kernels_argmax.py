@@ -121,3 +121,23 @@ def test_logprob_from_lse_equals_log_softmax():
     logprobs = logits.gather(1, tokens).squeeze(1) - lse
     ref = torch.log_softmax(logits, -1).gather(1, tokens).squeeze(1)
     torch.testing.assert_close(logprobs, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_argmax_lse_writes_into_given_buffers_with_the_argmax_logprob():
+    logits = randn(5, V, seed=9)
+    logits[3, 17] = NEG_INF
+    logits[4] = NEG_INF  # an all -inf row: NaN logprob, like the gather path
+    out = torch.full((5,), -1, dtype=torch.int64, device=DEVICE)
+    lp = torch.full((5,), 7.0, device=DEVICE)
+    idx, lse = A.argmax_lse_triton(logits, chunk=SMALL_CHUNK, out=out, top_logprob=lp)
+    assert idx.data_ptr() == out.data_ptr()
+    ref_idx, ref_lse = A.argmax_lse_ref(logits)
+    assert torch.equal(out, ref_idx)
+    expect = logits.float().gather(1, ref_idx[:, None])[:, 0] - ref_lse
+    torch.testing.assert_close(lp[:4], expect[:4], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(lp[4]) and torch.isnan(expect[4])
+    # the twin fills the same buffers
+    out2, lp2 = torch.zeros_like(out), torch.zeros_like(lp)
+    A.argmax_lse_ref(logits, out=out2, top_logprob=lp2)
+    assert torch.equal(out2, ref_idx)
+    torch.testing.assert_close(lp2[:4], expect[:4])

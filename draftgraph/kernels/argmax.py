@@ -1,6 +1,8 @@
 """Row argmax and logsumexp of the logits in one pass: the tail of every decode step.
 
     argmax_lse(logits [n, V]) -> (argmax [n] int64, lse [n] fp32)
+    argmax_lse(logits, out=tokens, top_logprob=lp)   also: into given buffers, and the
+                                                     argmax's logprob (greedy decode's tail)
 
 The argmax is the greedy token (ties go to the first index, like `torch.argmax`); with the lse
 the logprob of any emitted token is `logits.gather(1, tok) - lse`, with no full log_softmax.
@@ -62,8 +64,8 @@ def _argmax_lse_chunk_kernel(
 
 @triton.jit
 def _argmax_lse_combine_kernel(
-    part_max, part_idx, part_sum, argmax, lse, vocab, num_chunks,
-    BLOCK_C: tl.constexpr,
+    part_max, part_idx, part_sum, argmax, lse, top_logprob, vocab, num_chunks,
+    HAS_TOP_LP: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -77,12 +79,16 @@ def _argmax_lse_combine_kernel(
     first = tl.min(tl.where((m == big_m) & cmask, i, vocab), axis=0)
     m_safe = tl.where(big_m == float("-inf"), 0.0, big_m)
     total = tl.sum(s * tl.exp(m - m_safe), axis=0)  # an all -inf chunk: 0 * 0
+    row_lse = m_safe + tl.log(total)  # total = 0 (all -inf row): -inf
     tl.store(argmax + row, first.to(tl.int64))
-    tl.store(lse + row, m_safe + tl.log(total))  # total = 0 (all -inf row): -inf
+    tl.store(lse + row, row_lse)
+    if HAS_TOP_LP:  # the argmax's log_softmax: its logit is the row max
+        tl.store(top_logprob + row, big_m - row_lse)
 
 
 def argmax_lse_triton(
-    logits: torch.Tensor, chunk: int = CHUNK
+    logits: torch.Tensor, chunk: int = CHUNK, *, out: torch.Tensor | None = None,
+    top_logprob: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same semantics as `argmax_lse_ref`. logits [n, V] fp32 / fp16 / bf16 (read in fp32);
     `chunk` (a power of two) is the stage-1 slice width, smaller in tests."""
@@ -90,8 +96,12 @@ def argmax_lse_triton(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     n, vocab = logits.shape
-    argmax = torch.empty(n, dtype=torch.int64, device=logits.device)  # [n] int64
+    argmax = out if out is not None else torch.empty(n, dtype=torch.int64,
+                                                     device=logits.device)  # [n] int64
+    assert argmax.dtype == torch.int64 and argmax.is_contiguous()
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # [n] fp32
+    if top_logprob is not None:
+        assert top_logprob.dtype == torch.float32 and top_logprob.is_contiguous()
     if n == 0:
         return argmax, lse
     num_chunks = cdiv(vocab, chunk)
@@ -105,20 +115,32 @@ def argmax_lse_triton(
     )
     block_c = max(next_pow2(num_chunks), 2)
     _argmax_lse_combine_kernel[(n,)](
-        part_max, part_idx, part_sum, argmax, lse, vocab, num_chunks,
-        BLOCK_C=block_c, num_warps=1 if block_c <= 256 else 4,
+        part_max, part_idx, part_sum, argmax, lse,
+        top_logprob if top_logprob is not None else lse, vocab, num_chunks,
+        HAS_TOP_LP=top_logprob is not None, BLOCK_C=block_c,
+        num_warps=1 if block_c <= 256 else 4,
     )
     return argmax, lse
 
 
-def argmax_lse_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax [n] int64, first index on ties; logsumexp [n] fp32) of logits [n, V], in fp32."""
+def argmax_lse_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None,
+                   top_logprob: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [n] int64, first index on ties; logsumexp [n] fp32) of logits [n, V], in fp32.
+    `out` receives the argmax, `top_logprob` [n] fp32 its log_softmax, when given."""
     x = logits.float()
-    return x.argmax(dim=-1), torch.logsumexp(x, dim=-1)
+    argmax, lse = x.argmax(dim=-1), torch.logsumexp(x, dim=-1)
+    if top_logprob is not None:
+        top_logprob.copy_(x.gather(1, argmax[:, None])[:, 0] - lse)
+    if out is not None:
+        argmax = out.copy_(argmax)
+    return argmax, lse
 
 
-def argmax_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel only on CUDA (like `ops`): on CPU, even in the interpreter, the twin runs."""
+def argmax_lse(logits: torch.Tensor, *, out: torch.Tensor | None = None,
+               top_logprob: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel only on CUDA (like `ops`): on CPU, even in the interpreter, the twin runs.
+    Optional outputs written in place: `out` [n] int64 the argmax, `top_logprob` [n] fp32
+    the argmax's log_softmax (its logit is the row max: no gather)."""
     if logits.is_cuda and triton_usable(logits):
-        return argmax_lse_triton(logits)
-    return argmax_lse_ref(logits)
+        return argmax_lse_triton(logits, out=out, top_logprob=top_logprob)
+    return argmax_lse_ref(logits, out=out, top_logprob=top_logprob)

@@ -66,10 +66,12 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("plain", 576, 576, 1): GemvConfig(1, 2, 1024, 4, 3),  # o: 2.00 us (2.17)
     ("norm", 3072, 576, 1): GemvConfig(1, 8, 512, 8, 3),  # gate_up: 3.95 us (4.78)
     ("silu", 576, 1536, 1): GemvConfig(1, 1, 512, 4, 3),  # down: 3.19 us (3.87)
+    ("norm", 49152, 576, 1): GemvConfig(1, 32, 64, 2, 1),  # final norm + LM head: 16.47 (36.86)
     # Llama-3.1-8B
     ("plain", 4096, 4096, 1): GemvConfig(1, 2, 2048, 2, 3),  # o: 10.05 us (10.55)
     ("norm", 28672, 4096, 1): GemvConfig(1, 16, 256, 4, 3),  # gate_up: 57.31 us (58.99)
     ("silu", 4096, 14336, 1): GemvConfig(1, 4, 2048, 4, 3),  # down: 31.25 us (32.70)
+    ("norm", 128256, 4096, 1): GemvConfig(1, 16, 256, 4, 1),  # norm + LM head: 237.69 (243.67)
 }
 
 

@@ -202,18 +202,31 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch,
-                backend: AttentionBackend) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, backend: AttentionBackend,
+                final_norm: bool = True):
+        """Hidden states [num_tokens, hidden] after the final norm; with final_norm=False the
+        pair (x, residual) before it, for `compute_logits(x, residual)`."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, fb, backend, self.cos_sin_cache)
+        if not final_norm:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] fp32, the full vocabulary on every rank."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] fp32, the full vocabulary on every rank. With `residual`,
+        hidden is the last layer's output before the final norm: one row on one GPU then runs
+        norm and LM head as one fused kernel (kernels/gemv.py)."""
+        if residual is not None:
+            w = self.lm_head_weight
+            if self.tp.size == 1 and gemv.pays(hidden.shape[0], w):
+                logits, _ = gemv.rmsnorm_gemv(hidden, self.norm.weight, self.norm.eps, w,
+                                              None, residual)
+                return logits.float()
+            hidden, _ = self.norm(hidden, residual)
         return parallel_lm_head(hidden, self.lm_head_weight, self.config.vocab_size, self.tp)
 
     # ---- weights -------------------------------------------------------------------------

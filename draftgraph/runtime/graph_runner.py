@@ -12,6 +12,8 @@ into one memory pool, and per sampling mode (greedy, sampled). A graph holds the
 
 Both read the logits once for (argmax, logsumexp) per row (`kernels.argmax`, two small
 launches): the argmax is the greedy token, and an emitted token's logprob is its logit - lse.
+Greedy decode writes the argmax and its logprob (row max - lse) straight into the output
+buffer, and its final norm runs inside the LM head kernel (one row: `compute_logits`).
 
 A replay copies only the raw inputs — last tokens, req_pool_indices, seq_lens, out_cache_loc
 (1 + k reserved slots per request), max_draft and the sampling parameters — from one pinned
@@ -196,21 +198,26 @@ class StepGraphRunner:
         fb = self._fb(bs, num_tokens)
         if self.metadata_in_graph:
             self.backend.build_metadata(fb)
-        hidden = self.model(fb.input_ids, fb, self.backend)
-        if T > 1:
+        if T == 1:  # every row is a logit row: the final norm goes into the LM head kernel
+            logits = self.model.compute_logits(*self.model(fb.input_ids, fb, self.backend,
+                                                           final_norm=False))
+        else:
+            hidden = self.model(fb.input_ids, fb, self.backend)
             qo_start = self.extend_lens[:bs].cumsum(0) - self.extend_lens[:bs]
             idx = (qo_start[:, None] + torch.arange(T, device=self.device)).clamp_max(
                 num_tokens - 1)
-            hidden = hidden[idx.flatten()]
-        logits = self.model.compute_logits(hidden)  # [bs * T, V] fp32
+            logits = self.model.compute_logits(hidden[idx.flatten()])  # [bs * T, V] fp32
         vocab = logits.shape[-1]
+        o_tok, o_acc, o_nd, o_lp = self._out_views(self.out, bs)
+        if T == 1 and greedy:  # the argmax and its logprob go straight into the outputs
+            argmax_lse(logits, out=o_tok[:, 0], top_logprob=o_lp[:, 0])
+            return
         # one pass over the vocabulary: the greedy tokens and the logsumexp of every row
         target_argmax, lse = argmax_lse(logits)  # [bs * T] int64, [bs * T] fp32
         temperature, top_p, top_k = v["temperature"][:bs], v["top_p"][:bs], v["top_k"][:bs]
         seeds, seq = v["seeds"][:bs], v["seq_lens"][:bs]
         if T == 1:
-            tokens = target_argmax if greedy else sample(logits, temperature, top_p, top_k,
-                                                         seeds, seq, target_argmax)
+            tokens = sample(logits, temperature, top_p, top_k, seeds, seq, target_argmax)
             tokens, accept_lens = tokens[:, None], None
         elif greedy:
             tokens, accept_lens = greedy_accept_from_argmax(drafts, num_drafts,
@@ -221,7 +228,6 @@ class StepGraphRunner:
             tokens, accept_lens = rejection_sample(drafts, num_drafts, None,
                                                    probs.view(bs, T, vocab), seeds, seq,
                                                    temperature <= 0, target_argmax.view(bs, T))
-        o_tok, o_acc, o_nd, o_lp = self._out_views(self.out, bs)
         o_tok.copy_(tokens)
         if T == 1:  # accept_lens (1) and num_drafts (0) were written once, at construction
             torch.sub(logits.gather(1, tokens), lse[:, None], out=o_lp)  # log_softmax
