@@ -90,8 +90,11 @@ class LLMEngine:
         if self.device.type == "cuda" and config.use_graphs:
             self.runner.init_graphs(num_draft_tokens=k,
                                     proposer=self.proposer.proposer if self.proposer else None)
-        # async scheduling: requests of a launched decode replay whose tokens are not read yet
-        self.async_scheduling = config.async_scheduling and self.proposer is None
+        # async scheduling: requests of a launched decode replay whose tokens are not read yet.
+        # NOTE: off with speculation, and under TP until it has run on GPUs (the ranks > 0
+        # would resolve the token references from their own, identical, output buffers)
+        self.async_scheduling = (config.async_scheduling and self.proposer is None
+                                 and config.tensor_parallel_size == 1)
         self._inflight: list[Request] | None = None
 
     # ---- requests ---------------------------------------------------------------------
