@@ -169,10 +169,16 @@ def test_use_gemv_only_for_small_batches_on_cuda():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dispatch")
-def test_cpu_dispatch_runs_the_twins():
+def test_cpu_dispatch_runs_the_unfused_chain_equal_to_the_twins():
     x, w, norm_w = randn(2, K), weight(), randn(K, seed=4)
     residual, gate_up = randn(2, K, seed=3), randn(2, 2 * K, seed=5)
     assert torch.equal(G.gemv(x, w), G.gemv_ref(x, w))
+    # out_dtype fp32 keeps a bf16 product unrounded
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    y32 = G.gemv(xb, wb, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32, xb.float() @ wb.float().t())
+    assert not torch.equal(y32, G.gemv(xb, wb).float())
     y, res = G.rmsnorm_gemv(x, norm_w, 1e-6, w, residual=residual)
     ref_y, ref_res = G.rmsnorm_gemv_ref(x, norm_w, 1e-6, w, residual=residual)
     assert torch.equal(y, ref_y) and torch.equal(res, ref_res)

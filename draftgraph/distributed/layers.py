@@ -15,30 +15,7 @@ from torch import nn
 
 from draftgraph.distributed.parallel import TPInfo, all_gather_last_dim, all_reduce
 from draftgraph.distributed.sharding import vocab_shard
-from draftgraph.kernels import gemv, ops
-
-
-def row_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ weight^T, output in out_dtype (default x.dtype; fp32 returns the accumulator
-    unrounded). One row on CUDA runs the fused GEMV (kernels/gemv.py); more rows cuBLAS
-    (out_dtype fp32 through `torch.mm(..., out_dtype=)`). silu_mul: x is [gate | up] and is
-    multiplied as silu(gate) * up first, rounded to x.dtype as `ops.silu_and_mul` rounds."""
-    out_dtype = out_dtype or x.dtype
-    rows = x.numel() // x.shape[-1]
-    if x.is_cuda and gemv.pays(rows, weight):
-        y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=out_dtype, device=x.device)
-        launch = gemv.silu_mul_gemv_triton if silu_mul else gemv.gemv_triton
-        launch(x, weight, out=y.view(rows, -1))
-        return y
-    if silu_mul:
-        x = ops.silu_and_mul(x)
-    if out_dtype == x.dtype:
-        return F.linear(x, weight)
-    if x.is_cuda:
-        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)
-        return y.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x.to(out_dtype), weight.to(out_dtype))
+from draftgraph.kernels import gemv
 
 
 class RowParallelLinear(nn.Linear):
@@ -52,12 +29,12 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        project = gemv.silu_mul_gemv if silu_mul else gemv.gemv
         if self.tp.size == 1:
-            return row_linear(x, self.weight, silu_mul)
+            return project(x, self.weight)
         # the partial sums travel in fp32 and the total is rounded once, as one rank's matmul
         # rounds its own fp32 accumulator once: bf16 partials would add a rounding per rank
-        partial = row_linear(x, self.weight, silu_mul, torch.float32)
-        return all_reduce(partial, self.tp).to(x.dtype)
+        return all_reduce(project(x, self.weight, out_dtype=torch.float32), self.tp).to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Embedding):

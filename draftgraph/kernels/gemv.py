@@ -8,9 +8,10 @@
 
 Twins: `gemv_ref`, `rmsnorm_gemv_ref`, `silu_mul_gemv_ref`, `rmsnorm_qkv_rope_ref`. The first
 three public functions dispatch: the Triton kernel when `use_gemv(M, device)` (CUDA,
-M <= GEMV_MAX_M), else the unfused path (`ops.rms_norm` / `ops.silu_and_mul` + cuBLAS) on CUDA,
-or the twin on CPU; tests call the `*_triton` launchers directly (real launches on CUDA, the
-interpreter on CPU).
+M <= GEMV_MAX_M), else the unfused chain (`ops.rms_norm` / `ops.silu_and_mul`, whose twins run
+on CPU, + F.linear); tests call the `*_triton` launchers directly (real launches on CUDA, the
+interpreter on CPU). `gemv` and `silu_mul_gemv` take out_dtype=torch.float32 for an unrounded
+result (the partial sums a row-parallel layer all-reduces).
 
 One kernel serves the first three (`MODE` constexpr picks the activation prologue). Each
 program owns BLOCK_N output columns for BLOCK_M rows and streams its [BLOCK_N, K] weight slice
@@ -473,18 +474,35 @@ def rmsnorm_qkv_rope_ref(x, norm_weight, eps, weight, bias, residual, positions,
 
 
 def _fused(x: torch.Tensor, k: int) -> bool:
-    """Kernel only on CUDA (like `ops`): on CPU, even in the interpreter, the twin runs."""
+    """Kernel only on CUDA (like `ops`): on CPU, even in the interpreter, the chain runs."""
     return x.is_cuda and triton_usable(x) and use_gemv(x.numel() // max(k, 1), x.device)
 
 
-def gemv(x, weight, bias=None, residual=None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]), x.dtype."""
+def _linear(x, weight, bias, out_dtype) -> torch.Tensor:
+    """F.linear, or with out_dtype fp32 the accumulator unrounded (cuBLAS out_dtype on CUDA)."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    if not x.is_cuda:
+        return F.linear(x.to(out_dtype), weight.to(out_dtype),
+                        bias.to(out_dtype) if bias is not None else None)
+    y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y + bias if bias is not None else y
+
+
+def _out(x: torch.Tensor, n: int, out_dtype) -> torch.Tensor | None:
+    if out_dtype is None or out_dtype == x.dtype:
+        return None
+    return torch.empty(x.numel() // x.shape[-1], n, dtype=out_dtype, device=x.device)
+
+
+def gemv(x, weight, bias=None, residual=None, *, out_dtype=None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]), in out_dtype
+    (default x.dtype; fp32: the accumulator unrounded, e.g. a row-parallel partial sum)."""
     if _fused(x, weight.shape[1]):
-        return gemv_triton(x, weight, bias, residual)
-    if x.is_cuda:
-        y = F.linear(x, weight, bias)
-        return y + residual if residual is not None else y
-    return gemv_ref(x, weight, bias, residual)
+        return gemv_triton(x, weight, bias, residual, out=_out(x, weight.shape[0], out_dtype))
+    y = _linear(x, weight, bias, out_dtype)
+    return y + residual if residual is not None else y
 
 
 def rmsnorm_gemv(x, norm_weight, eps, weight, bias=None,
@@ -493,21 +511,18 @@ def rmsnorm_gemv(x, norm_weight, eps, weight, bias=None,
     (+ bias). new_residual is h (x itself when residual is None)."""
     if _fused(x, weight.shape[1]):
         return rmsnorm_gemv_triton(x, norm_weight, eps, weight, bias, residual)
-    if x.is_cuda:
-        from draftgraph.kernels import ops
+    from draftgraph.kernels import ops
 
-        normed, new_residual = ops.rms_norm(x, norm_weight, eps, residual)
-        return F.linear(normed, weight, bias), new_residual if new_residual is not None else x
-    return rmsnorm_gemv_ref(x, norm_weight, eps, weight, bias, residual)
+    normed, new_residual = ops.rms_norm(x, norm_weight, eps, residual)
+    return F.linear(normed, weight, bias), new_residual if new_residual is not None else x
 
 
-def silu_mul_gemv(gate_up, weight, residual=None) -> torch.Tensor:
-    """y [M, N] = (silu(gate) * up) @ W^T (+ residual [M, N]); gate_up [M, 2I], W [N, I]."""
+def silu_mul_gemv(gate_up, weight, residual=None, *, out_dtype=None) -> torch.Tensor:
+    """y [M, N] = (silu(gate) * up) @ W^T (+ residual [M, N]); gate_up [M, 2I], W [N, I]; in
+    out_dtype as `gemv`."""
     if _fused(gate_up, 2 * weight.shape[1]):
-        return silu_mul_gemv_triton(gate_up, weight, residual)
-    if gate_up.is_cuda:
-        from draftgraph.kernels import ops
+        return silu_mul_gemv_triton(gate_up, weight, residual,
+                                    out=_out(gate_up, weight.shape[0], out_dtype))
+    from draftgraph.kernels import ops
 
-        y = F.linear(ops.silu_and_mul(gate_up), weight)
-        return y + residual if residual is not None else y
-    return silu_mul_gemv_ref(gate_up, weight, residual)
+    return gemv(ops.silu_and_mul(gate_up), weight, residual=residual, out_dtype=out_dtype)
