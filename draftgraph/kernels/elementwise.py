@@ -63,6 +63,16 @@ def rms_norm_triton(
 
 
 @triton.jit
+def _cos_sin(cos_sin_cache, pos, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # [1, BLOCK_HALF] fp32 cos and sin of position pos (cache rows: cos | sin)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    cs = cos_sin_cache + pos * stride_cs
+    cos = tl.load(cs + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rope_heads(
     src, dst, t, stride_st, stride_sh, stride_dt, stride_dh, cos, sin, num_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_TAIL: tl.constexpr,
@@ -95,10 +105,7 @@ def _rope_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    cs = cos_sin_cache + pos * stride_cs
-    cos = tl.load(cs + i, mask=i < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(cos_sin_cache, pos, stride_cs, HALF, BLOCK_HALF)
     _rope_heads(q, q_out, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
                 NUM_Q_HEADS, HALF, HEAD_DIM, COPY_TAIL, BLOCK_HQ, BLOCK_HALF, BLOCK_D)
     _rope_heads(k, k_out, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
@@ -152,10 +159,7 @@ def _rope_store_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     slot = tl.load(out_cache_loc + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    cs = cos_sin_cache + pos * stride_cs
-    cos = tl.load(cs + i, mask=i < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(cos_sin_cache, pos, stride_cs, HALF, BLOCK_HALF)
     _rope_heads(q, q_out, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
                 NUM_Q_HEADS, HALF, HEAD_DIM, COPY_TAIL, BLOCK_HQ, BLOCK_HALF, BLOCK_D)
     _rope_heads(k, k_cache + slot * stride_kcs, t, stride_kt, stride_kh, 0, stride_kch, cos,
