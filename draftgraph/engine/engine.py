@@ -292,15 +292,12 @@ class LLMEngine:
                 and r.num_tokens + 1 < self.max_model_len]
         if not rows:
             return False
-        alloc = self.runner.allocator
-        slots: list[list[int]] = []
-        try:
-            for _, r in rows:  # step N + 1 writes the KV of step N's token, at num_tokens
-                slots.append(alloc.extend(r.pages, r.num_tokens, 1))
+        try:  # step N + 1 writes the KV of step N's token, at num_tokens
+            slots = [self.runner.allocator.extend(r.pages, r.num_tokens, 1) for _, r in rows]
         except OutOfKVSlots:
-            for (_, r), _s in zip(rows, slots, strict=False):
-                alloc.truncate(r.pages, r.num_tokens)
-            return False  # the normal path preempts
+            # the normal path preempts; slots already taken go back when step N's tokens are
+            # appended (truncation to the computed tokens, `ahead` being 0)
+            return False
         ahead = [r for _, r in rows]
         self.runner.graphs.replay(
             [-(j + 1) for j, _ in rows], [r.req_pool_idx for r in ahead],
