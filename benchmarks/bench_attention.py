@@ -9,7 +9,7 @@ The tuner searches in two stages: the split layout (num_splits, keys per tile, f
 per split) at 4 warps / 2 stages, then warps and stages around the best three layouts. The
 pick is the fastest at the short context among configs within 1.25x of the best at the long
 one, so long contexts are not given up for a short benchmark. Prints `DECODE_TUNED` lines
-for draftgraph/kernels/attention.py.
+for src/draftgraph/kernels/attention.py.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump({"benchmark": "decode_attention_tune", **run_header(), "dtype": args.dtype,
                    "results": rows}, f, indent=1)
-    print("\n# paste into draftgraph/kernels/attention.py: DECODE_TUNED = {")
+    print("\n# paste into src/draftgraph/kernels/attention.py: DECODE_TUNED = {")
     print("\n".join(r["line"] for r in rows))
     print("# }")
     return 0

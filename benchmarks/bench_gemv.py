@@ -182,7 +182,7 @@ def candidate_configs(m: int, n: int, k: int, dtype) -> list[G.GemvConfig]:
 
 def tune(models, ms, dtype, budget_s: float) -> list[dict]:
     """Sweep block sizes per (projection, M); print a `TUNED` line per shape to paste into
-    draftgraph/kernels/gemv.py."""
+    src/draftgraph/kernels/gemv.py."""
     rows, lines = [], []
     for model in models:
         for proj, (mode, n, k) in model_shapes(model).items():
@@ -220,7 +220,7 @@ def tune(models, ms, dtype, budget_s: float) -> list[dict]:
                       f"{len(results)} tried) {best}", flush=True)
                 op = None  # free the weight copies before the next shape
                 torch.cuda.empty_cache()
-    print("\n# paste into draftgraph/kernels/gemv.py: TUNED = {")
+    print("\n# paste into src/draftgraph/kernels/gemv.py: TUNED = {")
     print("\n".join(lines))
     print("# }")
     return rows

@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 timeout 200 python3 -m pytest -q -p no:cacheprovider \
   ${GPU_TESTS:-tests/test_gpu_graphs.py tests/test_kernels_*.py} > "$OUT/gpu_tests.log" 2>&1

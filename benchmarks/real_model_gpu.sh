@@ -23,7 +23,7 @@ cat $D/part00 .model2/part01 > $D/smollm2.gguf
 echo "$(cat .model2/sha256)  $D/smollm2.gguf" | sha256sum -c - || exit 4
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/gguf-*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 M=$D/smollm2.gguf
 if [ "${1:-}" = tp ]; then
   timeout 240 python3 benchmarks/tp_compare.py --model $M --dtype bfloat16 \

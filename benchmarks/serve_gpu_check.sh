@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 MODEL=${MODEL:-random:smollm2-135m}
 for arm in ${ARMS:-plain ngram}; do
   extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"

@@ -7,7 +7,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 # NVLink multicast stays off in every process (the engine also sets these for its workers)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 timeout 220 python3 -m pytest -v -p no:cacheprovider tests/test_tp_gpu.py > "$OUT/tp_tests.log" 2>&1
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tp_tests.log"

@@ -4,7 +4,7 @@
 # the batch-1 decode benchmarks with per-kernel times. Results land in $OUT.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 cd benchmarks
 timeout 90 python3 -m pytest -q -p no:cacheprovider ../tests/test_kernels_gemv.py \
   ../tests/test_kernels_attention.py 2>&1 | tail -3

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from draftgraph.engine.sampling import processed_probs
+from draftgraph.runtime.sampling import processed_probs
 from draftgraph.spec import verify
 from draftgraph.spec.verify import (
     first_stop_index,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from draftgraph.engine.sampling import (
+from draftgraph.runtime.sampling import (
     STREAM_ACCEPT,
     STREAM_RESIDUAL,
     STREAM_SAMPLE,

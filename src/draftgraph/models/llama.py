@@ -97,7 +97,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if q.is_cuda and hasattr(backend, "attend"):
+        if q.is_cuda and backend.fused_kv_store:
             # one launch rotates q/k and stores k/v into the pool; then attention alone
             from draftgraph.kernels.elementwise import rope_and_store_kv
 
@@ -138,7 +138,7 @@ class LlamaDecoderLayer(nn.Module):
         # distributed/layers.py); everything else runs the plain chain
         fuse = gemv.pays(x.shape[0], attn.qkv_proj.weight)
         ln = self.input_layernorm
-        if fuse and hasattr(backend, "attend") and cos_sin_cache.shape[-1] == attn.head_dim:
+        if fuse and backend.fused_kv_store and cos_sin_cache.shape[-1] == attn.head_dim:
             # norm, qkv, RoPE and the KV store in one launch; then attention alone
             pool = backend.kv_pool
             qkv, residual = gemv.rmsnorm_qkv_rope_triton(

@@ -57,6 +57,7 @@ class AttentionBackend:
     name = "base"
     in_graph_metadata = False
     draft_step_update = False
+    fused_kv_store = False  # `attend` reads K/V a fused projection kernel already stored
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, sliding_window: int | None,
                  scale: float) -> None:

@@ -33,6 +33,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     in_graph_metadata = True
     draft_step_update = False
+    fused_kv_store = True
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
-from draftgraph.engine.sampling import processed_probs, sample
+from draftgraph.runtime.sampling import processed_probs, sample
 from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.kernels.tokens import record_last_tokens
 from draftgraph.spec.ngram import NgramProposer

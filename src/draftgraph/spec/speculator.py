@@ -12,7 +12,7 @@ import torch
 
 from draftgraph.config import SpecConfig
 from draftgraph.engine.request import Request
-from draftgraph.engine.sampling import processed_probs
+from draftgraph.runtime.sampling import processed_probs
 from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.spec.ngram import NgramProposer
 from draftgraph.spec.verify import greedy_accept_from_argmax, rejection_sample

@@ -18,7 +18,8 @@ import torch
 from draftgraph.attention.backend import Phase
 from draftgraph.config import EngineConfig
 from draftgraph.engine.request import Request, RequestOutput, Status
-from draftgraph.engine.sampling import SamplingParams, sample
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.runtime.sampling import sample
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
 from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.runtime.kv_cache import OutOfKVSlots
