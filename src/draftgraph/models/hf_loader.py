@@ -16,7 +16,7 @@ from draftgraph.models.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def is_hf_dir(path: str) -> bool:
@@ -72,11 +72,16 @@ def iter_safetensors_weights(path: str,
                 yield name, f.get_tensor(name).to(dtype)
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether an HF directory has tokenizer files."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
 def hf_tokenizer(path: str, config: ModelConfig) -> Tokenizer | None:
     """Tokenizer from tokenizer.json / tokenizer_config.json, or None if the directory has none."""
-    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        logger.warning("%s has no tokenizer files (%s); loading without a tokenizer",
-                       path, ", ".join(_TOKENIZER_FILES))
+    if not has_tokenizer(path):
+        logger.warning("%s has weights but no tokenizer files (%s); loading without a "
+                       "tokenizer", path, ", ".join(TOKENIZER_FILES))
         return None
     from transformers import AutoTokenizer
 

@@ -7,10 +7,14 @@
 
 The model is built on the meta device, materialised once on the target device in the target
 dtype, and filled tensor by tensor, so loading never holds two copies of the weights.
+
+A GGUF's dequantised weights, config and tokenizer are cached (models/weight_cache.py) after
+the first load; later loads read them back in a fraction of a second.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from draftgraph.models import gguf_loader, hf_loader, presets
+from draftgraph.models import gguf_loader, hf_loader, presets, weight_cache
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import LlamaForCausalLM, rope_cos_sin_cache
 from draftgraph.models.tokenizer import Tokenizer
@@ -105,13 +109,32 @@ def _apply_max_model_len(config: ModelConfig, max_model_len: int | None) -> None
     config.max_position_embeddings = max_model_len
 
 
+def missing_tokenizer_reason(model: str, loaded: bool = False) -> str | None:
+    """Why `model` cannot take text prompts, or None when it has (or may have) a tokenizer.
+
+    Before loading (`loaded=False`) a GGUF is not opened, so only random presets and HF
+    directories without tokenizer files are known; once loaded without a tokenizer, the
+    reason for any source."""
+    source = model if model.startswith(RANDOM_PREFIX) else resolve_model_path(model)
+    if source.startswith(RANDOM_PREFIX):
+        return f"{model} has random weights and no tokenizer"
+    if os.path.isdir(source) and not hf_loader.has_tokenizer(source):
+        return (f"{source} has weights but no tokenizer files "
+                f"({', '.join(hf_loader.TOKENIZER_FILES)})")
+    if loaded:
+        return f"{source} has no tokenizer (no tokenizer.ggml.tokens in its metadata)"
+    return None
+
+
 def load_model(model: str, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, weight_cache: bool | None = None) -> LoadedModel:
     """Load `model` ("default", a .gguf file, an HF directory or random:<preset>).
 
     `max_model_len` caps the positions the rope cache covers (random presets default to
-    `presets.DEFAULT_PRESET_MAX_LEN`); `seed` seeds random presets."""
+    `presets.DEFAULT_PRESET_MAX_LEN`); `seed` seeds random presets. `weight_cache` reads and
+    writes the cache of a GGUF's dequantised weights (None: on unless
+    DRAFTGRAPH_WEIGHT_CACHE=0)."""
     source = resolve_model_path(model)
     t0 = time.perf_counter()
     tokenizer: Tokenizer | None = None
@@ -129,15 +152,7 @@ def load_model(model: str, device: str | torch.device = "cpu",
                                    hf_loader.count_tensors(source)))
         tokenizer = hf_loader.hf_tokenizer(source, config)
     elif source.endswith(".gguf") or _looks_like_gguf(source):
-        reader = gguf_loader.open_gguf(source)
-        config = gguf_loader.gguf_config(reader, source)
-        _apply_max_model_len(config, max_model_len)
-        net = empty_model(config, device, dtype)
-        net.load_weights(_progress(gguf_loader.iter_gguf_weights(reader, config, dtype),
-                                   len(reader.tensors)))
-        tokenizer = gguf_loader.gguf_tokenizer(reader, source)
-        logger.info("%s: %s tensors", os.path.basename(source),
-                    gguf_loader.gguf_reader_summary(reader))
+        net, config, tokenizer = _load_gguf(source, device, dtype, max_model_len, weight_cache)
     else:
         raise ValueError(f"{source}: unrecognised model file (expected a .gguf file); "
                          f"{_usage()}")
@@ -148,9 +163,45 @@ def load_model(model: str, device: str | torch.device = "cpu",
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, source=source)
 
 
-def _progress(weights, total: int):
+def _load_gguf(source: str, device, dtype: torch.dtype, max_model_len: int | None,
+               use_cache: bool | None):
+    """(model, config, tokenizer) of a GGUF file: from the weight cache when it has the file,
+    else dequantised (and then cached)."""
+    entry = weight_cache.entry_dir(source, dtype) if weight_cache.wanted(source, use_cache) \
+        else None
+    config = weight_cache.read_config(entry) if entry is not None else None
+    if config is not None:
+        _apply_max_model_len(config, max_model_len)
+        net = empty_model(config, device, dtype)
+        if net.tp.size == 1:
+            try:
+                weight_cache.read_weights(entry, net)
+                tokenizer = weight_cache.read_tokenizer(entry)
+                logger.info("%s: dequantised weights read from the cache (%s)",
+                            os.path.basename(source), entry)
+                return net, config, tokenizer
+            except Exception as e:  # a damaged or stale entry: dequantise and rewrite it
+                logger.warning("weight cache entry %s is unusable (%s); dequantising %s again",
+                               entry, e, source)
+                weight_cache.remove(entry)
+    reader = gguf_loader.open_gguf(source)
+    config = gguf_loader.gguf_config(reader, source)
+    file_config = copy.deepcopy(config)
+    _apply_max_model_len(config, max_model_len)
+    net = empty_model(config, device, dtype)
+    net.load_weights(_progress(gguf_loader.iter_gguf_weights(reader, config, dtype),
+                               len(reader.tensors), "dequantising weights"))
+    tokenizer = gguf_loader.gguf_tokenizer(reader, source)
+    logger.info("%s: %s tensors", os.path.basename(source),
+                gguf_loader.gguf_reader_summary(reader))
+    if entry is not None and net.tp.size == 1:
+        weight_cache.write(entry, source, net, file_config, tokenizer)
+    return net, config, tokenizer
+
+
+def _progress(weights, total: int, desc: str = "loading weights"):
     """A progress bar over the tensors being loaded (shown on a terminal only)."""
-    return tqdm(weights, total=total, desc="loading weights", unit="tensor", disable=None,
+    return tqdm(weights, total=total, desc=desc, unit="tensor", disable=None,
                 leave=False)
 
 
