@@ -1,4 +1,9 @@
-"""`draftgraph generate | serve | bench` — the command-line entry points."""
+"""`draftgraph generate | serve | bench` — the command-line entry points.
+
+One grammar for every subcommand: the model as the first positional or `--model`, every flag
+with help and its default shown, the subcommand's usage on an error, and arguments checked
+before the model loads. The engine flags live in `draftgraph.flags`.
+"""
 
 from __future__ import annotations
 
@@ -6,68 +11,82 @@ import argparse
 import json
 import logging
 import sys
+import time
+from importlib import metadata
 
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.flags import (
+    Formatter,
+    add_engine_args,
+    add_model_args,
+    apply_process_flags,
+    engine_config_from_args,
+    looks_like_model,
+    resolve_model,
+    usage_error,
+)
 
-
-def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    if model_positional:
-        p.add_argument("model", nargs="?", default="default",
-                       help="'default', a .gguf file, a HF directory or random:<preset>")
-    else:
-        p.add_argument("--model", default="default",
-                       help="'default' (SmolLM2-135M-Instruct), a .gguf file, a Hugging Face "
-                            "directory, or random:<preset> (smollm2-135m, llama-3.2-1b, "
-                            "llama-3.1-8b)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="default: cuda if available")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="read each decode step's tokens before launching the next")
-    p.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-waiting", type=int, default=1024)
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
-    p.add_argument("--speculative", choices=["ngram"], default=None)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=4)
-    p.add_argument("--no-adaptive-draft", action="store_true",
-                   help="keep the draft length fixed even when acceptance is low")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split the model over N processes (one GPU each; gloo on --device cpu)")
-    p.add_argument("--engine-seed", type=int, default=0)
-    p.add_argument("-v", "--verbose", action="store_true")
+DEFAULT_PROMPT = "Write a haiku about graphs."
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        use_graphs=not args.no_graphs,
-        async_scheduling=not args.no_async_scheduling,
-        attention_backend=args.attention_backend,
-        seed=args.engine_seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        cache=CacheConfig(page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting=args.max_waiting,
-                                  max_model_len=args.max_model_len),
-        spec=SpecConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
-                        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                        adaptive=not args.no_adaptive_draft),
-    )
+def version() -> str:
+    try:
+        return metadata.version("draftgraph")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompts)
+# ---- generate -------------------------------------------------------------------------------
+
+def add_generate_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help="prompts (default: one, 'Write a haiku about graphs.'); the first "
+                        "is the model instead when it names one ('default', random:<preset>, "
+                        "a .gguf path or a directory): `generate MODEL PROMPT`")
+    add_model_args(g, positional=False)
+    add_engine_args(g)
+    s = g.add_argument_group("sampling and output")
+    s.add_argument("--max-tokens", type=int, default=128,
+                   help="tokens to generate per prompt; the prompt plus these must fit in "
+                        "--max-model-len (an error otherwise, as in the server)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    s.add_argument("--top-k", type=int, default=-1, help="-1 keeps every token")
+    s.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: drawn from --engine-seed)")
+    s.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--raw", action="store_true", help="no chat template")
+    s.add_argument("--prompts-file",
+                   help='JSONL file, one {"prompt": "..."} per line (added after PROMPTs)')
+    s.add_argument("--prompt-ids", action="append", metavar="ID,ID,...",
+                   help="a prompt given as token ids, e.g. 1,2,3 (repeatable; for models "
+                        "without a tokenizer such as random:<preset>)")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt on stdout, nothing streamed")
+
+
+def split_model_positional(args: argparse.Namespace) -> None:
+    """`generate MODEL PROMPT...`: move a first positional that names a model to model_pos."""
+    args.model_pos = None
+    if args.prompts and looks_like_model(args.prompts[0]):
+        args.model_pos = args.prompts.pop(0)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers, "
+                         "e.g. 1,2,3") from None
+    if not ids or min(ids) < 0:
+        raise ValueError(f"--prompt-ids {text!r}: expected non-negative token ids, e.g. 1,2,3")
+    return ids
+
+
+def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    """Text prompts (positional, then --prompts-file) and token-id prompts (--prompt-ids);
+    ValueError for an empty prompt or an unreadable file."""
+    prompts: list[str | list[int]] = list(args.prompts)
     if args.prompts_file:
         try:
             with open(args.prompts_file) as f:
@@ -75,35 +94,104 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
                     if not line.strip():
                         continue
                     try:
-                        obj = json.loads(line)
-                        prompts.append(obj["prompt"])
+                        prompts.append(json.loads(line)["prompt"])
                     except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise SystemExit(f"{args.prompts_file}:{n}: expected a JSON object "
+                        raise ValueError(f"{args.prompts_file}:{n}: expected a JSON object "
                                          f'like {{"prompt": "..."}} ({e})') from None
         except OSError as e:
-            raise SystemExit(f"cannot read --prompts-file: {e}") from None
+            raise ValueError(f"cannot read --prompts-file: {e}") from None
+    for i, p in enumerate(prompts, 1):
+        if not isinstance(p, str) or not p.strip():
+            raise ValueError(f"prompt {i} is empty" if isinstance(p, str) else
+                             f"prompt {i} is not a string: {p!r}")
+    prompts += [_parse_ids(t) for t in args.prompt_ids or []]
     if not prompts:
-        prompts = ["Write a haiku about graphs."]
+        prompts = [DEFAULT_PROMPT]
     return prompts
+
+
+def _check_before_loading(args: argparse.Namespace, prompts: list) -> None:
+    """What can be checked without the weights: a model without a tokenizer given text, a
+    --max-tokens that cannot fit in --max-model-len."""
+    from draftgraph.models.loader import missing_tokenizer_reason
+
+    if any(isinstance(p, str) for p in prompts):
+        reason = missing_tokenizer_reason(resolve_model(args))
+        if reason:
+            raise ValueError(f"{reason}: pass prompts as token ids (--prompt-ids 1,2,3)")
+    if args.max_model_len is not None and args.max_tokens >= args.max_model_len:
+        raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+                         f"--max-model-len {args.max_model_len}")
+
+
+def encode_prompts(engine, prompts: list, max_tokens: int, raw: bool) -> list[list[int]]:
+    """Token ids of every prompt; the server's rule for max_tokens (EngineError when the
+    prompt plus max_tokens overflow the context: never a silent cap)."""
+    from draftgraph.engine.engine import EngineError
+
+    out = []
+    for i, p in enumerate(prompts, 1):
+        ids = engine.encode_prompt(p, use_chat_template=not raw)
+        room = engine.max_model_len - len(ids)
+        if max_tokens > room:
+            raise EngineError(f"prompt {i} has {len(ids)} tokens and --max-tokens is "
+                              f"{max_tokens}; the model's context is {engine.max_model_len} "
+                              f"tokens (--max-model-len): ask for at most {room}")
+        out.append(ids)
+    return out
+
+
+def summary_line(outputs: list, seconds: float, speculating: bool = False) -> str:
+    """One line for stderr: tokens, tokens/s, first-token time, accept length if speculating
+    (tokens gained per verify step, drafts accepted + 1)."""
+    tokens = sum(len(o.token_ids) for o in outputs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    ttfts = [o.metrics["ttft"] for o in outputs if o.metrics.get("ttft") is not None]
+    parts = [f"{len(outputs)} prompt{'s' if len(outputs) != 1 else ''} ({prompt_tokens} "
+             f"tokens): {tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} "
+             "tok/s"]
+    if ttfts:
+        parts.append(f"first token after {min(ttfts):.2f} s")
+    steps = sum(o.metrics.get("verify_steps", 0) for o in outputs)
+    if steps:
+        accepted = sum(o.metrics.get("accepted_tokens", 0) for o in outputs)
+        parts.append(f"accept length {(accepted + steps) / steps:.2f} over {steps} "
+                     "verify steps")
+    elif speculating:
+        parts.append("accept length n/a (no drafts proposed)")
+    return "draftgraph: " + ", ".join(parts)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from draftgraph.engine.engine import LLMEngine
     from draftgraph.engine.sampling import SamplingParams
 
-    try:
+    try:  # everything that needs no model, before the model loads
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
         )
         config = engine_config_from_args(args)
-        prompts = _read_prompts(args)
+        prompts = read_prompts(args)
+        _check_before_loading(args, prompts)
+    except (ValueError, FileNotFoundError) as e:
+        usage_error(args, str(e))
+    apply_process_flags(args)
+    try:
         engine = LLMEngine(config)
-        ids = [engine.add_request(p, params, use_chat_template=not args.raw) for p in prompts]
+        if engine.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            from draftgraph.models.loader import missing_tokenizer_reason
+
+            raise ValueError(f"{missing_tokenizer_reason(engine.loaded.source, loaded=True)}: "
+                             "pass prompts as token ids (--prompt-ids 1,2,3)")
+        encoded = encode_prompts(engine, prompts, args.max_tokens, args.raw)
+        t0 = time.perf_counter()
+        ids = [engine.add_request(e, params) for e in encoded]
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stream = not args.json and len(prompts) == 1
+    has_text = engine.tokenizer is not None
+    stream = not args.json and len(prompts) == 1 and has_text
     final = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -112,8 +200,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             if out.finished:
                 final[out.request_id] = out
-    for rid, prompt in zip(ids, prompts, strict=True):
-        out = final[rid]
+    seconds = time.perf_counter() - t0
+    outputs = [final[rid] for rid in ids]
+    rc = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
         if args.json:
             print(json.dumps({
                 "prompt": prompt,
@@ -126,34 +216,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif stream:
             sys.stdout.write("\n")
         else:
-            print(f"--- {prompt!r}\n{out.text}")
+            shown = out.text if has_text else " ".join(map(str, out.token_ids))
+            print(f"--- {prompt!r}\n{shown}")
         if out.error:
             print(f"error: request failed: {out.error}", file=sys.stderr)
-            return 1
-    return 0
+            rc = 1
+    print(summary_line(outputs, seconds, config.spec.method is not None), file=sys.stderr,
+          flush=True)
+    return rc
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="draftgraph", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---- the parser -------------------------------------------------------------------------------
 
-    g = sub.add_parser("generate", help="generate text for prompts")
-    g.add_argument("prompts", nargs="*", metavar="PROMPT")
-    add_engine_args(g)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--raw", action="store_true", help="no chat template")
-    g.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    g.set_defaults(func=cmd_generate)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftgraph", description=__doc__.split("\n")[0],
+                                     formatter_class=Formatter)
+    parser.add_argument("--version", action="version", version=f"draftgraph {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(s, model_positional=True)
+    g = sub.add_parser("generate", help="generate text for prompts", formatter_class=Formatter,
+                       description="Generate text for prompts; a one-line summary (tokens, "
+                                   "tokens/s, accept length) goes to stderr.")
+    add_generate_args(g)
+    g.set_defaults(func=cmd_generate, _parser=g)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=Formatter,
+                       description="Serve MODEL (or --model) over an OpenAI-compatible API.")
+    add_model_args(s, positional=True)
+    add_engine_args(s)
+    s.set_defaults(_parser=s)
     try:
         from draftgraph.server.cli import add_serve_args, cmd_serve
 
@@ -162,15 +253,35 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         s.set_defaults(func=lambda a, e=e: _missing(e, "server"))
 
-    b = sub.add_parser("bench", help="benchmarks against an OpenAI-compatible server")
+    b = sub.add_parser("bench", help="benchmarks against an OpenAI-compatible server",
+                       formatter_class=Formatter)
+    b.set_defaults(_parser=b)
     try:
         from draftgraph.bench.cli import add_bench_args
 
         add_bench_args(b)
     except ImportError as e:
         b.set_defaults(func=lambda a, e=e: _missing(e, "bench"))
+    return parser
 
-    args = parser.parse_args(argv)
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse; an unknown flag is reported with the usage of the subcommand it was given to."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        usage_error(args, f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "generate":
+        split_model_positional(args)
+    try:
+        resolve_model(args)
+    except ValueError as e:
+        usage_error(args, str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -1,4 +1,8 @@
-"""`draftgraph serve MODEL`: the engine flags plus the HTTP ones.
+"""`draftgraph serve [MODEL]`: the engine flags (draftgraph.flags) plus the HTTP ones.
+
+Everything that can fail without the model is checked first: the flags, then the port is
+bound, and only then does the model load (a busy port is an immediate error, not one after
+the weights have loaded).
 
 Top-level imports stay light (no FastAPI/uvicorn): `draftgraph.cli` imports this module to
 build its parser on machines without the server extras.
@@ -7,24 +11,53 @@ build its parser on machines without the server extras.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
+
+from draftgraph.flags import (
+    apply_process_flags,
+    engine_config_from_args,
+    resolve_model,
+    usage_error,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("DRAFTGRAPH_API_KEY"),
+    h = p.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="interface to bind")
+    h.add_argument("--port", type=int, default=8000, help="TCP port to bind")
+    h.add_argument("--api-key", default=os.environ.get("DRAFTGRAPH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes "
                         "(default: $DRAFTGRAPH_API_KEY; unset: no key)")
-    p.add_argument("--served-model-name", action="append", default=None,
+    h.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use in 'model' (repeatable; default: the model arg)")
-    p.add_argument("--log-level", default="info",
+    h.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready socket bound to host:port; ValueError saying what to change when
+    the port is taken or the address is not this machine's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use (another server?); "
+                             "pick a free one with --port") from None
+        raise ValueError(f"cannot bind {host}:{port} ({e.strerror}); check --host and "
+                         "--port") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def build_server(engine_config, server_config, loaded=None):
@@ -39,7 +72,6 @@ def build_server(engine_config, server_config, loaded=None):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from draftgraph.cli import engine_config_from_args
     from draftgraph.server.config import ServerConfig
 
     try:
@@ -47,17 +79,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"error: {e}. Install with: pip install 'draftgraph[server]'", file=sys.stderr)
         return 2
-    try:
+    try:  # everything that needs no model, before the model loads
         engine_config = engine_config_from_args(args)
         server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                                     served_model_names=args.served_model_name or [args.model])
+                                     served_model_names=args.served_model_name
+                                     or [resolve_model(args)])
+        sock = bind_socket(args.host, args.port)
+    except ValueError as e:
+        usage_error(args, str(e))
+    apply_process_flags(args)
+    try:
         app, _ = build_server(engine_config, server_config)
     except (ValueError, FileNotFoundError, ImportError) as e:
+        sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.getLogger("draftgraph").setLevel(logging.INFO)
+    port = sock.getsockname()[1]
     print(f"draftgraph: serving {server_config.served_model_names[0]} on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+          f"http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
     return 0

@@ -1,0 +1,208 @@
+"""The engine's command-line flags, defined once for `draftgraph generate` and `serve`.
+
+`add_model_args` + `add_engine_args` build the flags, `engine_config_from_args` maps them to an
+`EngineConfig` (`spec_config_from_args` is the one flag -> `SpecConfig` mapping), and
+`apply_process_flags` applies the ones that act on the process (`--threads`,
+`--no-weight-cache`) before the model loads. Both front ends import this module; neither
+imports the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+
+logger = logging.getLogger(__name__)
+
+MODEL_HELP = ("'default' (SmolLM2-135M-Instruct GGUF), a .gguf file, a Hugging Face directory "
+              "(config.json, *.safetensors, tokenizer.json), or random:<preset> (random weights: "
+              "tiny, smollm2-135m, llama-3.2-1b, llama-3.1-8b)")
+WEIGHT_CACHE_ENV = "DRAFTGRAPH_WEIGHT_CACHE"  # "0": never read or write the weight cache
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows every flag's default; the default of a flag whose help already says
+    what its default means ("default: ...") or that has none is not repeated."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default:" in text or action.default is None or action.default is False or \
+                action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+def physical_cores() -> int:
+    """Physical CPU cores this process may run on (hyper-threads counted once)."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    cores: set[tuple[str, str]] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "physical id":
+                    phys = value
+                elif key == "core id":
+                    core = value
+                elif not key and phys is not None and core is not None:
+                    cores.add((phys, core))
+                    phys = core = None
+            if phys is not None and core is not None:
+                cores.add((phys, core))
+    except OSError:
+        pass
+    return max(1, min(len(cores), allowed) if cores else allowed)
+
+
+# ---- the model argument: positional or --model, on every subcommand -----------------------
+
+def add_model_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    """`--model X` everywhere; also the positional MODEL when `positional` (on `generate`
+    the first positional is the model only when it names one: see `split_model_positional`)."""
+    if positional:
+        p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                       help=f"the model, as for --model ({MODEL_HELP})")
+    p.add_argument("--model", dest="model_opt", default=None, metavar="MODEL",
+                   help=f"{MODEL_HELP} (default: default)")
+
+
+def looks_like_model(word: str) -> bool:
+    """True when a positional word names a model rather than being a prompt: 'default',
+    random:<preset>, a *.gguf path, or an existing directory."""
+    return (word == "default" or word.startswith("random:") or word.endswith(".gguf")
+            or os.path.isdir(os.path.expanduser(word)))
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """The one model named by the positional and/or --model ('default' when neither)."""
+    pos, opt = getattr(args, "model_pos", None), getattr(args, "model_opt", None)
+    if pos is not None and opt is not None and pos != opt:
+        raise ValueError(f"two models given: {pos!r} (positional) and --model {opt!r}; "
+                         "pass the model once")
+    return opt or pos or "default"
+
+
+# ---- engine flags ---------------------------------------------------------------------------
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every flag that configures the engine (model loading, cache, scheduler, speculation)."""
+    e = p.add_argument_group("engine")
+    e.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where the model runs (default: cuda if a GPU is visible, else cpu)")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weight and activation dtype (default: float32 on CPU, bfloat16 on GPU)")
+    e.add_argument("--threads", type=int, default=physical_cores(),
+                   help="CPU threads for torch (default: this machine's physical cores, "
+                        f"{physical_cores()}); fewer when other processes share the CPU")
+    e.add_argument("--no-weight-cache", action="store_true",
+                   help="dequantise the GGUF again instead of reading (or writing) the cache "
+                        f"of its dequantised weights (also: {WEIGHT_CACHE_ENV}=0)")
+    e.add_argument("--no-graphs", action="store_true",
+                   help="run every step eagerly instead of replaying CUDA graphs (GPU only)")
+    e.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each decode step's tokens before launching the next")
+    e.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
+                   help="attention kernels (default: triton on GPU, torch on CPU)")
+    e.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="requests decoded together in one step")
+    e.add_argument("--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig.max_num_batched_tokens,
+                   help="token budget of one step (prefill chunks + decodes)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="context length: prompt + generated tokens (default: the model's "
+                        "context, capped at 8192)")
+    e.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting,
+                   help="queued requests before new ones are refused")
+    e.add_argument("--page-size", type=int, default=CacheConfig.page_size,
+                   help="KV cache page size in tokens")
+    e.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache capacity in tokens (default: from free GPU memory, or a CPU "
+                        "default)")
+    e.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes (one GPU each; gloo on --device cpu)")
+    e.add_argument("--engine-seed", type=int, default=0,
+                   help="seed of the engine (random presets' weights, per-request seeds)")
+    e.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="drafter (default: none, plain decoding)")
+    s.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
+                   help="draft tokens proposed per step")
+    s.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,
+                   help="shortest n-gram matched against the context")
+    s.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
+                   help="longest n-gram matched against the context")
+    s.add_argument("--no-adaptive-draft", action="store_true",
+                   help="keep the draft length fixed even when acceptance is low")
+
+
+def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
+    """The one mapping of the speculative flags to a SpecConfig."""
+    return SpecConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                      ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                      adaptive=not args.no_adaptive_draft)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the flags; ValueError naming the flag to change."""
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    return EngineConfig(
+        model=resolve_model(args),
+        device=args.device,
+        dtype=args.dtype,
+        use_graphs=not args.no_graphs,
+        async_scheduling=not args.no_async_scheduling,
+        attention_backend=args.attention_backend,
+        seed=args.engine_seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        cache=CacheConfig(page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_waiting=args.max_waiting,
+                                  max_model_len=args.max_model_len),
+        spec=spec_config_from_args(args),
+    )
+
+
+def apply_process_flags(args: argparse.Namespace) -> None:
+    """Act on the flags that configure the process, before the model loads: torch's thread
+    count (and a warning when other processes already keep the cores busy) and the weight
+    cache switch (an environment variable, so tensor-parallel workers see it too)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.no_weight_cache:
+        os.environ[WEIGHT_CACHE_ENV] = "0"
+    warn_if_oversubscribed(args.threads)
+
+
+def warn_if_oversubscribed(threads: int) -> bool:
+    """Log one warning when the 1-minute load average leaves fewer free cores than `threads`
+    (decode then slows down many times over); True when it warned."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    cores = physical_cores()
+    if load + threads <= cores + 0.5:
+        return False
+    free = max(1, cores - round(load))
+    logger.warning("the CPU is oversubscribed: load average %.1f on %d cores with --threads "
+                   "%d; decoding may slow down many times over (try --threads %d)",
+                   load, cores, threads, free)
+    return True
+
+
+def usage_error(args: argparse.Namespace, message: str):
+    """Exit with status 2, printing the subcommand's usage and `message` (argparse style)."""
+    parser = getattr(args, "_parser", None)
+    if parser is not None:
+        parser.error(message)
+    raise SystemExit(f"error: {message}")
