@@ -1,4 +1,11 @@
-"""`draftgraph bench serve | compare`."""
+"""`draftgraph bench serve | compare`.
+
+Results (JSON, and PNG with --plot) go to --result-dir, by default `results/` in draftgraph's
+cache directory (`~/.cache/draftgraph/results`, or under $XDG_CACHE_HOME / $DRAFTGRAPH_CACHE_DIR),
+never into the package or a checkout unless asked. The load's size defaults to the server's
+device: 100 prompts and 256-token outputs on a GPU, 8 prompts and 64-token outputs on a CPU
+(about a minute for three concurrency levels on two cores).
+"""
 
 from __future__ import annotations
 
@@ -10,41 +17,80 @@ import logging
 import os
 import sys
 
+from draftgraph.flags import Formatter
+
 logger = logging.getLogger(__name__)
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's "
                    "first from /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("DRAFTGRAPH_API_KEY"))
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--dataset", choices=["random", "humaneval", "jsonl"], default="random")
+    p.add_argument("--api-key", default=os.environ.get("DRAFTGRAPH_API_KEY"),
+                   help="bearer key of the server (default: $DRAFTGRAPH_API_KEY)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="OpenAI endpoint the requests go to")
+    p.add_argument("--dataset", choices=["random", "humaneval", "jsonl"], default="random",
+                   help="random token ids, HumanEval prompts, or a JSONL file")
     p.add_argument("--dataset-path", help="JSONL file for --dataset jsonl")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--random-input-len", type=int, default=128)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests per run (default: {GPU_DEFAULTS['num_prompts']} on a GPU "
+                        f"server, {CPU_DEFAULTS['num_prompts']} on a CPU one)")
+    p.add_argument("--random-input-len", type=int, default=128,
+                   help="prompt tokens of --dataset random")
+    p.add_argument("--random-output-len", type=int, default=None,
+                   help="max_tokens of --dataset random (default: "
+                        f"{GPU_DEFAULTS['random_output_len']} on a GPU server, "
+                        f"{CPU_DEFAULTS['random_output_len']} on a CPU one)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths drawn uniformly within ± this fraction")
     p.add_argument("--random-vocab-size", type=int, default=None,
                    help="token ids drawn below this (default: the server's vocabulary)")
-    p.add_argument("--output-len", type=int, default=256,
-                   help="max_tokens for humaneval/jsonl prompts")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="max_tokens for humaneval/jsonl prompts (default: "
+                        f"{GPU_DEFAULTS['output_len']} on a GPU server, "
+                        f"{CPU_DEFAULTS['output_len']} on a CPU one)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals (default inf: all at once)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--num-warmups", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-dir", default="benchmarks/results")
+                   help="requests per second, Poisson arrivals (default: inf, all at once)")
+    p.add_argument("--ignore-eos", action="store_true", help="every request runs to max_tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    p.add_argument("--num-warmups", type=int, default=2, help="requests sent before timing")
+    p.add_argument("--seed", type=int, default=0, help="seed of the dataset's sampling")
+    p.add_argument("--result-dir", "--output-dir", dest="result_dir", default=None,
+                   help="where the JSON goes (default: results/ in draftgraph's cache "
+                        "directory, e.g. ~/.cache/draftgraph/results)")
     p.add_argument("--result-file", default=None, help="default: a name from the run")
     p.add_argument("--device-label", default=None,
                    help="device to record when the server does not report one (/info)")
 
 
+# the load's size by the server's device (the flags left unset)
+GPU_DEFAULTS = {"num_prompts": 100, "output_len": 256, "random_output_len": 128}
+CPU_DEFAULTS = {"num_prompts": 8, "output_len": 64, "random_output_len": 32}
+
+
+def default_result_dir() -> str:
+    from draftgraph.models.weight_cache import cache_root
+
+    return str(cache_root() / "results")
+
+
+def apply_device_defaults(args: argparse.Namespace, device: str | None) -> None:
+    """Fill the size flags left unset from the server's device (a GPU's sizes unless it
+    reports a CPU or nothing)."""
+    table = CPU_DEFAULTS if not device or device.lower().startswith("cpu") else GPU_DEFAULTS
+    for key, value in table.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if getattr(args, "result_dir", None) is None:
+        args.result_dir = default_result_dir()
+
+
 def add_bench_args(b: argparse.ArgumentParser) -> None:
-    sub = b.add_subparsers(dest="bench_command", required=True)
+    sub = b.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     s = sub.add_parser("serve", help="load an OpenAI-compatible server and measure latency, "
-                       "throughput and speculative acceptance")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+                       "throughput and speculative acceptance", formatter_class=Formatter)
+    s.set_defaults(_parser=s)
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
     s.add_argument("--max-concurrency", type=int, nargs="+", default=[1],
                    help="one run per value (e.g. 1 4 16)")
     s.add_argument("--plot", action="store_true",
@@ -53,7 +99,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     s.set_defaults(func=cmd_bench_serve)
 
     c = sub.add_parser("compare", help="A/B two server configurations, run alternately "
-                       "(A B B A ...), and report the ratio of a metric with a 95%% CI")
+                       "(A B B A ...), and report the ratio of a metric with a 95%% CI",
+                       formatter_class=Formatter)
+    c.set_defaults(_parser=c)
     c.add_argument("--server-model", default="default",
                    help="MODEL argument of `draftgraph serve` for launched servers")
     c.add_argument("--a-args", default="", help="extra `draftgraph serve` flags of A")
@@ -73,6 +121,7 @@ def _requests(args, base_url: str):
     from draftgraph.bench.serve import server_info
 
     info, served, vocab = server_info(base_url, args.api_key)
+    apply_device_defaults(args, info.get("device") or args.device_label)
     model = args.model or served
     if model is None:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
@@ -81,7 +130,8 @@ def _requests(args, base_url: str):
 
 def _config(args) -> dict:
     return {k: (v if isinstance(v, (str, int, float, bool, list, type(None))) else str(v))
-            for k, v in vars(args).items() if k != "func" and k != "api_key"}
+            for k, v in vars(args).items()
+            if k not in ("func", "api_key") and not k.startswith("_")}
 
 
 def _command(args) -> str:
@@ -90,8 +140,8 @@ def _command(args) -> str:
 
     words = ["draftgraph", "bench", args.bench_command]
     for key, value in vars(args).items():
-        if key in ("func", "bench_command", "command", "api_key") or value is None \
-                or value is False:
+        if key in ("func", "bench_command", "command", "api_key") or key.startswith("_") \
+                or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -104,8 +154,9 @@ def _command(args) -> str:
 
 
 def _write(args, name: str, payload: dict) -> str:
-    os.makedirs(args.result_dir, exist_ok=True)
-    path = os.path.join(args.result_dir, args.result_file or name)
+    result_dir = args.result_dir or default_result_dir()
+    os.makedirs(result_dir, exist_ok=True)
+    path = os.path.join(result_dir, args.result_file or name)
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
     return path
