@@ -109,7 +109,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     c.add_argument("--a-url", default=None, help="use a running server as A (no launch)")
     c.add_argument("--b-url", default=None, help="use a running server as B (no launch)")
     c.add_argument("--rounds", type=int, default=2, help="ABBA rounds: 2·rounds runs")
-    c.add_argument("--max-concurrency", type=int, default=1)
+    c.add_argument("--max-concurrency", type=int, default=1,
+                   help="requests in flight in every run")
     c.add_argument("--metric", default="output_throughput",
                    help="summary key to compare (output_throughput, median_tpot_ms, ...)")
     _add_load_args(c)
