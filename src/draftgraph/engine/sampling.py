@@ -1,9 +1,56 @@
 """Sampling parameters of a request, validated when built. The device-side sampling they
-drive lives in `runtime/sampling.py`."""
+drive lives in `runtime/sampling.py`.
+
+Every field is bounded here, within the dtypes of the step's tensors (temperature and top_p
+fp32, top_k and seed int64), so that no request's parameters can make a batched step raise
+and fail its batch-mates. Errors name the field (`SamplingParamsError.param`).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# NOTE: top_k is clamped to the vocabulary at admission (engine/admission.py); this bound only
+# keeps it far inside int64 for callers that build params without an engine.
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_TOKENS = 2**31 - 1
+MAX_TEMPERATURE = 1000.0  # fp32 logits / T stay finite
+# temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 overflow fp32
+GREEDY_TEMPERATURE = 1e-5
+# top_p below this keeps the first token only, as any top_p < 1 / vocab does; a top_p that
+# rounds to 0 in fp32 would keep no token at all
+MIN_TOP_P = 1e-6
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; `param` is the field's name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_number(name: str, x, lo: float, hi: float, lo_open: bool = False) -> float:
+    if not _is_number(x):
+        raise SamplingParamsError(name, f"{name} must be a number, got {x!r}")
+    if not math.isfinite(x):
+        raise SamplingParamsError(name, f"{name} must be a finite number, got {x}")
+    if x < lo or (lo_open and x == lo) or x > hi:
+        low = f"({lo}" if lo_open else f"[{lo}"
+        raise SamplingParamsError(name, f"{name} must be in {low}, {hi}], got {x}")
+    return float(x)
 
 
 @dataclass
@@ -21,22 +68,42 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise SamplingParamsError(
+                "max_tokens", f"max_tokens must be an integer in [1, {MAX_TOKENS}], "
+                f"got {self.max_tokens!r}")
+        self.temperature = _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        self.top_p = max(_check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True), MIN_TOP_P)
+        if self.top_k is None or self.top_k == 0:
+            self.top_k = -1
+        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K):
+            raise SamplingParamsError(
+                "top_k", f"top_k must be -1 (off) or an integer in [1, {MAX_TOP_K}] (values "
+                f"past the vocabulary mean no limit), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise SamplingParamsError(
+                "seed", f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is None:
-            self.top_k = -1
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError("stop", "stop strings must be non-empty strings")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, "
+                f"got {len(self.stop_token_ids)}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids",
+                                      "stop_token_ids must be non-negative integers")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"{name} must be true or false, "
+                                          f"got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-

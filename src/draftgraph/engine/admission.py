@@ -1,0 +1,112 @@
+"""Admission checks: what a request must satisfy before it is queued, so that no request can
+block or fail the others once it is in.
+
+- The prompt's length is bounded before it is tokenised (`check_prompt_chars`): a text longer
+  than the context times the longest token cannot fit, whatever it tokenises to.
+- Text is tokenised with the GIL released (`encode_text`), so a big prompt tokenised on a
+  worker thread does not stall the server's event loop or the engine thread.
+- A request whose prompt + max_tokens can never fit the KV pool is refused
+  (`check_fits_kv`) instead of waiting forever at the head of the queue.
+- Sampling parameters that depend on the model are bounded (`bound_params`: top_k is clamped
+  to the vocabulary, which the device sampler does anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+from draftgraph.engine.sampling import SamplingParams
+
+# NOTE: a normaliser may compose characters (NFC), so a token can stand for more characters
+# of the input than its vocabulary string has; the factor keeps the bound a true lower bound.
+NORMALISATION_FACTOR = 2
+
+_max_token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _allocator(engine):
+    return engine.scheduler.allocator
+
+
+def kv_capacity(engine) -> int:
+    """KV slots one request may use at most: the whole pool but the reserved dummy page."""
+    return _allocator(engine).usable_slots
+
+
+def kv_page_size(engine) -> int:
+    return _allocator(engine).page_size
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest vocabulary entry, in characters (computed once per tokenizer). Byte-level
+    entries are at least as long as the text they decode to."""
+    n = _max_token_chars.get(tokenizer)
+    if n is None:
+        n = max((len(t) for t in tokenizer.hf.get_vocab()), default=1)
+        _max_token_chars[tokenizer] = n
+    return n
+
+
+def check_prompt_chars(engine, num_chars: int, what: str = "prompt") -> None:
+    """Refuse, before tokenising, a text that cannot fit the context whatever it tokenises to."""
+    from draftgraph.engine.errors import EngineError
+
+    limit = engine.max_model_len * max_token_chars(engine.tokenizer) * NORMALISATION_FACTOR
+    if num_chars > limit:
+        raise EngineError(f"{what} has {num_chars} characters, more than the "
+                          f"{engine.max_model_len}-token context (--max-model-len) can hold "
+                          f"(at most {limit} characters)")
+
+
+def check_text(engine, text: str, what: str) -> None:
+    """A prompt text that can be tokenised: not too long for the context, valid Unicode."""
+    from draftgraph.engine.errors import EngineError
+
+    check_prompt_chars(engine, len(text), what)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EngineError(f"{what} is not valid text: a lone UTF-16 surrogate at character "
+                          f"{e.start}") from None
+
+
+def check_messages(engine, messages: list[dict]) -> None:
+    """Chat messages whose contents pass `check_text`, their total length bounded too."""
+    contents = [m.get("content") for m in messages]
+    texts = [c for c in contents if isinstance(c, str)]
+    check_prompt_chars(engine, sum(len(t) for t in texts), "messages")
+    for t in texts:
+        check_text(engine, t, "messages")
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`tokenizer.encode` with the GIL released: the batch entry point of `tokenizers` runs in
+    Rust without the GIL, the single-text one holds it for the whole encode."""
+    return tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def check_fits_kv(engine, prompt_len: int, params: SamplingParams) -> None:
+    """Refuse a request that could never hold its KV, even with the whole pool to itself.
+
+    It needs a slot per position up to the context (prompt + max_tokens, at most
+    --max-model-len), plus the draft slots of a speculative step, in whole pages."""
+    from draftgraph.engine.errors import EngineError
+
+    total = min(prompt_len + params.max_tokens, engine.max_model_len)
+    page = kv_page_size(engine)
+    need = -(-(total + engine.spec_k) // page) * page
+    capacity = kv_capacity(engine)
+    if need > capacity:
+        raise EngineError(
+            f"prompt has {prompt_len} tokens and max_tokens is {params.max_tokens}: the request "
+            f"needs {need} KV slots, but the KV pool has {capacity} (raise --kv-cache-tokens or "
+            f"--gpu-memory-utilization, or lower --max-model-len or max_tokens)")
+
+
+def bound_params(engine, params: SamplingParams) -> SamplingParams:
+    """Params with the model-dependent bounds applied (a copy when anything changes)."""
+    vocab = engine.model_config.vocab_size
+    if params.top_k > vocab:
+        params = dataclasses.replace(params, top_k=vocab)
+    return params
