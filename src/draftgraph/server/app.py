@@ -1,9 +1,20 @@
-"""The OpenAI-compatible HTTP app (FastAPI): routes, authentication and error mapping.
+"""The OpenAI-compatible HTTP app (FastAPI): routes, authentication, admission and error mapping.
 
 Errors follow the OpenAI shape `{"error": {"message", "type", "param", "code"}}`:
-400 bad parameters (FastAPI's 422 included) or a prompt that does not fit the context,
-401 missing/wrong API key, 404 unknown model, 503 + Retry-After when the waiting queue is full,
-500 when the engine fails a request (logged with the request id).
+400 bad parameters (FastAPI's 422 included), unsupported fields, or a request that could never
+run (prompt past the context, prompt + max_tokens past the KV pool, more choices than
+--max-waiting), 401 missing/wrong API key (with `WWW-Authenticate: Bearer`), 404 unknown
+model, 408 a body not received in time, 413 a body over --max-body-bytes, 503 + Retry-After
+when the waiting queue is full, 503 while shutting down, 500 when the engine fails a request
+(logged with the request id).
+
+Nothing slow runs on the event loop: bodies are size-bounded before they are parsed, prompt
+text is length-bounded before it is tokenised, and tokenising and templating run on worker
+threads with the GIL released (engine/admission.py).
+
+Shutdown drains: SIGTERM (or `OpenAIServer.drain`) stops admitting new requests, lets the
+running ones finish for up to --shutdown-timeout seconds, then ends each remaining stream with
+an error event and `[DONE]`; only then is uvicorn told to exit.
 """
 
 from __future__ import annotations
@@ -12,17 +23,21 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from draftgraph.engine import admission
 from draftgraph.engine.engine import EngineError, QueueFullError
 from draftgraph.engine.request import RequestOutput
-from draftgraph.engine.sampling import SamplingParams
+from draftgraph.engine.sampling import SamplingParamsError
 from draftgraph.server import serving
 from draftgraph.server.async_engine import AsyncEngine, EngineDeadError
 from draftgraph.server.config import ServerConfig
@@ -30,6 +45,13 @@ from draftgraph.server.metrics import CONTENT_TYPE, ServerMetrics
 from draftgraph.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_MESSAGE = "the server is shutting down (--shutdown-timeout passed)"
+# what a client gets if even building the error response fails
+_FALLBACK_ERROR = (b'{"error":{"message":"internal error","type":"server_error",'
+                   b'"param":null,"code":"internal_error"}}')
+# routes that need the key when one is set (/health and /metrics stay open, as in vLLM)
+_PROTECTED_PREFIXES = ("/v1/", "/info")
 
 
 class APIError(Exception):
@@ -40,6 +62,13 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type_, param, code)
         self.headers = headers
+
+
+def _safe_str(x) -> str:
+    try:
+        return str(x)
+    except Exception:
+        return f"<unprintable {type(x).__name__}>"
 
 
 class _AbortingStreamingResponse(StreamingResponse):
@@ -103,8 +132,28 @@ class OpenAIServer:
         self.config = config
         self.metrics = metrics
         self.model_name = config.served_model_names[0]
+        # tokenising and chat templating: off the event loop, a few at a time
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="draftgraph-tok")
+        self.draining = False
+        self.num_open_responses = 0  # admitted HTTP requests whose response is not done
+        self._drained: asyncio.Event | None = None
 
     # ---- checks --------------------------------------------------------------------------
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; send the request to another "
+                           "replica", "server_error", code="server_shutting_down",
+                           headers={"Connection": "close"})
+
+    def check_supported(self, body) -> None:
+        fields = body.unsupported_fields()
+        if fields:
+            raise APIError(400, f"unsupported field{'s' if len(fields) > 1 else ''}: "
+                           f"{', '.join(fields)} (this server does not implement "
+                           f"{'them' if len(fields) > 1 else 'it'}; leave "
+                           f"{'them' if len(fields) > 1 else 'it'} out)", param=fields[0],
+                           code="unsupported_field")
+
     def check_model(self, model: str | None) -> str:
         if model is None:
             return self.model_name
@@ -114,25 +163,52 @@ class OpenAIServer:
                            code="model_not_found")
         return model
 
+    def check_queue_fits(self, num_choices: int, param: str) -> None:
+        """A request with more choices than the queue holds could never be admitted: 400, not
+        a 503 the client would retry forever."""
+        max_waiting = self.engine.config.scheduler.max_waiting
+        if num_choices > max_waiting:
+            raise APIError(400, f"this request asks for {num_choices} completions (prompts x "
+                           f"n); the server queues at most {max_waiting} (--max-waiting)",
+                           param=param)
+
     def encode(self, prompt, use_chat_template: bool) -> list[int]:
+        """Token ids of a prompt (runs on a worker thread)."""
+        import jinja2
+
+        param = ("messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+                 else "prompt")
         try:
             return self.engine.encode_prompt(prompt, use_chat_template=use_chat_template)
-        except EngineError as e:
-            raise APIError(400, str(e), param="messages" if isinstance(prompt, list) and prompt
-                           and isinstance(prompt[0], dict) else "prompt") from None
+        except (EngineError, jinja2.TemplateError, ValueError) as e:
+            raise APIError(400, _safe_str(e), param=param) from None
+
+    async def run_blocking(self, fn: Callable):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
     def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
         room = self.engine.max_model_len - prompt_len
         if requested is None:
-            return room
+            # the default fills the context, or what of it the KV pool can hold
+            kv_room = admission.kv_capacity(self.engine) - self.engine.spec_k - prompt_len
+            return max(1, min(room, kv_room))
         if requested > room:
             raise APIError(400, f"prompt has {prompt_len} tokens and max_tokens is {requested}; "
                            f"the model's context is {self.engine.max_model_len} tokens "
                            f"(--max-model-len): ask for at most {room}", param="max_tokens")
         return requested
 
-    def add(self, prompts: list[list[int]], params: list[SamplingParams],
-            request_id: str) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
+    def sampling_params(self, body, prompt_len: int, requested: int | None):
+        max_tokens = self.max_tokens_for(prompt_len, requested)
+        try:
+            return body.sampling_params(max_tokens)
+        except SamplingParamsError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def add(self, prompts: list[list[int]], params: list, request_id: str,
+            ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
         """Queue every sub-request or none: on a refusal the ones already queued are aborted."""
         rids: list[str] = []
         streams = []
@@ -161,6 +237,9 @@ class OpenAIServer:
     def check_failed(self, request_id: str, finals: list[RequestOutput]) -> None:
         for out in finals:
             if out.finish_reason == "error":
+                if out.error == SHUTDOWN_MESSAGE:
+                    raise APIError(503, f"request {request_id}: {SHUTDOWN_MESSAGE}",
+                                   "server_error", code="server_shutting_down")
                 logger.error("request %s failed: %s", out.request_id, out.error)
                 raise APIError(500, f"request {request_id} failed: {out.error}", "server_error",
                                code="internal_error")
@@ -181,25 +260,41 @@ class OpenAIServer:
             return None
         return gathered.result()
 
+    @contextlib.contextmanager
+    def _open_response(self):
+        self.num_open_responses += 1
+        try:
+            yield
+        finally:
+            self.num_open_responses -= 1
+
     # ---- endpoints -----------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw_request: Request):
+        self.check_admitting()
+        self.check_supported(body)
         model = self.check_model(body.model)
         try:
             prompts = body.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
-        prompts = [p for p in prompts for _ in range(body.n)]
-        encoded = [self.encode(p, use_chat_template=False) for p in prompts]
-        try:
-            params = [body.sampling_params(self.max_tokens_for(len(ids), body.max_tokens))
-                      for ids in encoded]
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        self.check_queue_fits(len(prompts) * body.n, "n" if len(prompts) == 1 else "prompt")
         tok = self.engine.tokenizer
-        states = []
-        for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
-            text = p if isinstance(p, str) else (tok.decode(ids) if tok is not None else "")
-            states.append(serving.ChoiceState(i, prompt_text=text, prompt_token_ids=ids))
+
+        def prepare() -> tuple[list[list[int]], list[str]]:
+            encoded = [self.encode(p, use_chat_template=False) for p in prompts]
+            texts = [p if isinstance(p, str) else
+                     (tok.decode(ids) if tok is not None and body.echo else "")
+                     for p, ids in zip(prompts, encoded, strict=True)]
+            return encoded, texts
+
+        encoded, texts = await self.run_blocking(prepare)
+        prompt_tokens = sum(len(ids) for ids in encoded)  # each prompt once, not once per n
+        encoded = [ids for ids in encoded for _ in range(body.n)]
+        texts = [t for t in texts for _ in range(body.n)]
+        params = [self.sampling_params(body, len(ids), body.max_tokens) for ids in encoded]
+        states = [serving.ChoiceState(i, prompt_text=text, prompt_token_ids=ids)
+                  for i, (text, ids) in enumerate(zip(texts, encoded, strict=True))]
+        self.check_admitting()  # tokenising took a while: still admitting?
         request_id = f"cmpl-{uuid.uuid4().hex}"
         rids, streams = self.add(encoded, params, request_id)
         created = serving.now()
@@ -210,48 +305,55 @@ class OpenAIServer:
                                                 body.logprobs, body.echo)
 
             events = self._sse_events(streams, request_id, model, created, chunk,
-                                      "text_completion", body.include_usage)
+                                      "text_completion", body.include_usage, prompt_tokens)
             return _AbortingStreamingResponse(events, lambda: self._abort(rids))
 
-        finals = await self.collect(streams, raw_request)
+        with self._open_response():
+            finals = await self.collect(streams, raw_request)
         if finals is None:
             return Response(status_code=499)
         self.check_failed(request_id, finals)
         return serving.completion_body(request_id, model, created, finals, states, tok,
-                                       body.logprobs, body.echo)
+                                       body.logprobs, body.echo, prompt_tokens)
 
     async def _sse_events(self, streams, request_id: str, model: str, created: int, chunk,
-                          usage_object: str, include_usage: bool) -> AsyncIterator[str]:
-        """OpenAI SSE: one chunk per engine output (several tokens under speculation), an
-        error event if the engine failed the request, usage if asked, then [DONE]."""
+                          usage_object: str, include_usage: bool,
+                          prompt_tokens: int) -> AsyncIterator[str]:
+        """OpenAI SSE: one chunk per engine output (several tokens under speculation), usage
+        if asked, then [DONE]. If the engine fails the request (or shutdown ends it), an
+        error event and [DONE] end the stream."""
         finals: list[RequestOutput] = []
-        async for i, out in _merge(streams):
-            if out.finish_reason == "error":
-                yield self._stream_error(request_id, out)
-                return
-            body = chunk(i, out)
-            if body is not None:
-                yield serving.sse(body)
-            if out.finished:
-                finals.append(out)
-        if include_usage:
-            yield serving.sse(serving.usage_chunk(request_id, model, created, usage_object,
-                                                  finals))
-        yield serving.sse("[DONE]")
+        with self._open_response():
+            async for i, out in _merge(streams):
+                if out.finish_reason == "error":
+                    yield self._stream_error(request_id, out)
+                    yield serving.sse("[DONE]")
+                    return
+                body = chunk(i, out)
+                if body is not None:
+                    yield serving.sse(body)
+                if out.finished:
+                    finals.append(out)
+            if include_usage:
+                yield serving.sse(serving.usage_chunk(request_id, model, created, usage_object,
+                                                      finals, prompt_tokens))
+            yield serving.sse("[DONE]")
 
     async def chat(self, body: ChatCompletionRequest, raw_request: Request):
+        self.check_admitting()
+        self.check_supported(body)
         model = self.check_model(body.model)
-        ids = self.encode(body.chat_messages(), use_chat_template=True)
-        try:
-            params = body.sampling_params(self.max_tokens_for(len(ids),
-                                                              body.requested_max_tokens))
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        self.check_queue_fits(body.n, "n")
+        messages = body.chat_messages()
+        ids = await self.run_blocking(lambda: self.encode(messages, use_chat_template=True))
+        params = self.sampling_params(body, len(ids), body.requested_max_tokens)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tok = self.engine.tokenizer
+        self.check_admitting()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         rids, streams = self.add([ids] * body.n, [params] * body.n, request_id)
         created = serving.now()
+        prompt_tokens = len(ids)  # the prompt once, not once per choice
 
         if body.stream:
             states = [serving.ChoiceState(i) for i in range(body.n)]
@@ -261,20 +363,62 @@ class OpenAIServer:
                                           num_logprobs)
 
             events = self._sse_events(streams, request_id, model, created, chunk,
-                                      "chat.completion.chunk", body.include_usage)
+                                      "chat.completion.chunk", body.include_usage,
+                                      prompt_tokens)
             return _AbortingStreamingResponse(events, lambda: self._abort(rids))
 
-        finals = await self.collect(streams, raw_request)
+        with self._open_response():
+            finals = await self.collect(streams, raw_request)
         if finals is None:
             return Response(status_code=499)
         self.check_failed(request_id, finals)
-        return serving.chat_body(request_id, model, created, finals, tok, num_logprobs)
+        return serving.chat_body(request_id, model, created, finals, tok, num_logprobs,
+                                 prompt_tokens)
 
     def _stream_error(self, request_id: str, out: RequestOutput) -> str:
+        if out.error == SHUTDOWN_MESSAGE:
+            self.metrics.count_error(503)
+            return serving.sse(serving.error_body(f"request {request_id}: {SHUTDOWN_MESSAGE}",
+                                                  "server_error", code="server_shutting_down"))
         logger.error("request %s failed: %s", out.request_id, out.error)
         self.metrics.count_error(500)
         return serving.sse(serving.error_body(f"request {request_id} failed: {out.error}",
                                               "server_error", code="internal_error"))
+
+    # ---- shutdown ------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting; let running requests finish for up to `timeout` seconds; then end
+        the rest (streams get an error event and [DONE], others a 503) and wait for their
+        responses to be written. Idempotent."""
+        if self._drained is not None:
+            await self._drained.wait()
+            return
+        self._drained = asyncio.Event()
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        logger.info("shutting down: %d requests in flight, up to %g s to finish "
+                    "(--shutdown-timeout)", self.ae.num_active_streams, timeout)
+        deadline = loop.time() + timeout
+        while self.ae.num_active_streams and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.ae.num_active_streams:
+            logger.warning("shutting down: ending %d requests still running after %g s",
+                           self.ae.num_active_streams, timeout)
+            self.ae.fail_all(SHUTDOWN_MESSAGE)
+        deadline = loop.time() + 5.0  # the responses write their last events
+        while self.num_open_responses and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        self._drained.set()
+
+    def drain_then(self, then: Callable[[], None]) -> None:
+        """Start `drain` (on the event loop) and call `then` when it is done."""
+        async def run() -> None:
+            try:
+                await self.drain(self.config.shutdown_timeout_s)
+            finally:
+                then()
+
+        self._drain_task = asyncio.ensure_future(run())
 
     def models(self) -> dict:
         created = serving.now()
@@ -293,13 +437,13 @@ class OpenAIServer:
                 "max_num_seqs": cfg.scheduler.max_num_seqs,
                 "speculative": spec.method,
                 "num_draft_tokens": spec.num_draft_tokens if spec.method else 0,
-                "kv_slots": self.engine.runner.allocator.usable_slots,
+                "kv_slots": admission.kv_capacity(self.engine),
                 "free_kv_slots": self.engine.num_free_kv_slots()}
 
 
 class _APIKeyMiddleware:
-    """Checks `Authorization: Bearer <key>` on /v1/ routes before anything else runs (a
-    malformed body from a client without the key gets 401, not 400)."""
+    """Checks `Authorization: Bearer <key>` on /v1/ routes and /info before anything else
+    runs (a malformed body from a client without the key gets 401, not 400)."""
 
     def __init__(self, app, api_key: str, reject: Callable[[], Response]) -> None:
         self.app = app
@@ -307,14 +451,73 @@ class _APIKeyMiddleware:
         self.reject = reject
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
             headers = dict(scope.get("headers") or [])
             scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
-                                                                     self.api_key):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    key.strip().encode("latin-1"), self.api_key):
                 await self.reject()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _BodyGuardMiddleware:
+    """Reads a request body before the app sees it: larger than `max_bytes` gets 413 (from
+    Content-Length, without reading it, when one is declared), not received within
+    `timeout_s` gets 408. The app then reads the buffered body; its later `receive` calls
+    (disconnect detection) go to the client."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float,
+                 reject: Callable[[int, str], Response]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.reject = reject
+
+    def _too_large(self, size: str) -> Response:
+        return self.reject(413, f"request body is {size}; this server takes at most "
+                           f"{self.max_bytes} bytes (--max-body-bytes)")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(f"{int(declared)} bytes")(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        total = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        try:
+            while True:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                total += len(chunk)
+                if total > self.max_bytes:
+                    await self._too_large(f"over {self.max_bytes} bytes")(scope, receive, send)
+                    return
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        except TimeoutError:
+            await self.reject(408, f"request body not received within {self.timeout_s:g} s "
+                              "(--body-read-timeout)")(scope, receive, send)
+            return
+        buffered = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return buffered
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 def _device_name(device: str) -> str:
@@ -331,7 +534,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    err = errors[0]
+    # in a union the first error is often a branch that was never meant (a string expected
+    # where a list was sent); an error raised by one of our validators says more
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if err.get("type") == "json_invalid":
         return f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}", None
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -340,6 +545,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
                      ("str", "int", "function-after", "constrained-str")) or None
     msg = err.get("msg", "invalid value")
     return (f"{param}: {msg}" if param else msg), param
+
+
+def _drain_on_signals(server: OpenAIServer) -> None:
+    """Chain SIGTERM/SIGINT: the first one drains (`OpenAIServer.drain`) before the handler
+    already installed (uvicorn's: exit) runs; a second one goes straight to it. Only in the
+    main thread (where uvicorn installs its handlers, before the lifespan starts)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        prev = signal.getsignal(sig)
+        if not callable(prev):
+            continue
+
+        def handler(signum, frame, prev=prev) -> None:
+            if server.draining:
+                prev(signum, frame)
+                return
+            server.draining = True  # a second signal before the drain starts exits
+            loop.call_soon_threadsafe(server.drain_then, lambda: prev(signum, None))
+
+        signal.signal(sig, handler)
 
 
 def build_app(async_engine: AsyncEngine, config: ServerConfig,
@@ -353,49 +580,74 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start(asyncio.get_running_loop())
+        _drain_on_signals(server)
         logger.info("serving %s on the engine thread", config.served_model_names[0])
         try:
             yield
         finally:
             async_engine.shutdown()
+            server.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="draftgraph", lifespan=lifespan)
+    docs = {} if config.api_key is None else {"docs_url": None, "redoc_url": None,
+                                              "openapi_url": None}
+    app = FastAPI(title="draftgraph", lifespan=lifespan, **docs)
     app.state.server = server
 
-    def error_json(e: APIError) -> JSONResponse:
-        metrics.count_error(e.status)
-        return JSONResponse(serving.error_body(e.message, e.type, e.param, e.code),
-                            status_code=e.status, headers=e.headers)
+    def error_json(e: APIError) -> Response:
+        try:
+            metrics.count_error(e.status)
+        except Exception:
+            logger.exception("could not count an error response")
+        try:
+            return JSONResponse(serving.error_body(e.message, e.type, e.param, e.code),
+                                status_code=e.status, headers=e.headers)
+        except Exception:  # building an error must never fail
+            logger.exception("could not build the error response for %s", e.status)
+            return Response(_FALLBACK_ERROR, status_code=500, media_type="application/json")
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    async def _api_error(request: Request, e: APIError) -> Response:
         return error_json(e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(e)
+    async def _validation_error(request: Request, e: RequestValidationError) -> Response:
+        try:
+            msg, param = _validation_message(e)
+        except Exception:
+            logger.exception("could not describe a validation error")
+            msg, param = "invalid request", None
         return error_json(APIError(400, msg, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_json(APIError(e.status_code, str(e.detail),
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return error_json(APIError(e.status_code, _safe_str(e.detail),
                                    "not_found_error" if e.status_code == 404 else
-                                   "invalid_request_error"))
+                                   "invalid_request_error", headers=e.headers))
 
     @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    async def _internal_error(request: Request, e: Exception) -> Response:
         logger.exception("internal error serving %s %s", request.method, request.url.path)
-        return error_json(APIError(500, f"internal error: {e}", "server_error",
+        return error_json(APIError(500, f"internal error: {_safe_str(e)}", "server_error",
                                    code="internal_error"))
 
-    if config.api_key is not None:
+    def reject_body(status: int, message: str) -> Response:
+        return error_json(APIError(status, message, code="request_too_large" if status == 413
+                                   else "request_timeout", headers={"Connection": "close"}))
+
+    app.add_middleware(_BodyGuardMiddleware, max_bytes=config.max_body_bytes,
+                       timeout_s=config.body_read_timeout_s, reject=reject_body)
+    if config.api_key is not None:  # outermost: no body is read for a client without the key
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key,
                            reject=lambda: error_json(APIError(
                                401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               "authentication_error", code="invalid_api_key")))
+                               "authentication_error", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})))
 
+    @app.head("/health", include_in_schema=False)
     @app.get("/health")
     async def health() -> Response:
+        if server.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         if not async_engine.is_running:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -88,6 +88,11 @@ class AsyncEngine:
     def num_active_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the outputs are dispatched to (None before `start`)."""
+        return self._loop
+
     # ---- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -138,6 +143,11 @@ class AsyncEngine:
                 self.observer(out, now)
             except Exception:
                 logger.exception("metrics observer failed for request %s", out.request_id)
+
+    def fail_all(self, message: str) -> None:
+        """End every request in flight: aborted in the engine, its stream given a final output
+        with finish_reason "error" and `message` (shutdown). Call on the event loop."""
+        self._fail_all(message)
 
     def _fail_all(self, message: str) -> None:
         for request_id, queue in list(self._streams.items()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -15,6 +16,7 @@ class ServerThread:
                  log_level: str = "warning") -> None:
         import uvicorn
 
+        self.app = app
         self.host = host
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                      timeout_graceful_shutdown=2)
@@ -37,7 +39,20 @@ class ServerThread:
         self.port = sock.getsockname()[1]
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def drain(self, timeout: float | None = None) -> None:
+        """What SIGTERM does to a served app: stop admitting, let running requests finish for
+        up to `timeout` seconds (default: the app's --shutdown-timeout), then end the rest."""
+        server = self.app.state.server
+        loop = server.ae.loop
+        if timeout is None:
+            timeout = server.config.shutdown_timeout_s
+        if loop is None or not self.thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(server.drain(timeout), loop).result(timeout + 10.0)
+
+    def stop(self, timeout: float = 10.0, drain_timeout: float | None = None) -> None:
+        """Drain (see `drain`), then stop uvicorn."""
+        self.drain(drain_timeout)
         self.server.should_exit = True
         self.thread.join(timeout)
 

@@ -1,42 +1,98 @@
 """OpenAI request bodies as pydantic models, and their translation to SamplingParams.
 
-Unknown fields are ignored (clients send many optional ones); known fields of the wrong type
-fail validation, which the app turns into an OpenAI-style 400.
+Types are strict (`max_tokens: true` or `"4"` is a 400 naming the field, not 1 or 4), numbers
+are finite, text is valid Unicode (a lone UTF-16 surrogate is a 400, not a crash in the
+tokenizer or the error handler). Unknown fields are ignored (clients send many optional ones),
+but fields of the OpenAI API this server does not implement (`tools`, `response_format`,
+`logit_bias`, ...) are refused by name rather than silently ignored.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
-from draftgraph.engine.sampling import SamplingParams
+from draftgraph.engine.sampling import MAX_SEED, MAX_TOP_K, SamplingParams
 
-MAX_LOGPROBS = 20
+# only the sampled token's log-probability is computed (the device tail writes one per row)
+MAX_LOGPROBS = 1
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+# Fields of the OpenAI API (and vLLM's extensions) that change what a request means: ignoring
+# one would return a plausible but wrong answer. The value that means "off" is accepted.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "min_tokens": (None, 0),
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0),
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "prompt_logprobs": (None,),
+}
+
+
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid text: a lone UTF-16 surrogate at character {e.start}"
+                         ) from None
+    return s
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenIds = list[TokenId]
+Count = Annotated[StrictInt, Field(ge=1)]
+Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept to refuse UNSUPPORTED_FIELDS by name
 
-    model: str | None = None
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: StrictStr | list[StrictStr] | None = None
+    model: Text | None = None
+    temperature: Annotated[Finite, Field(ge=0, le=100)] | None = None
+    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=16)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -44,6 +100,14 @@ class _SamplingRequest(BaseModel):
         if v != 0:
             raise ValueError("presence/frequency penalties are not supported (use 0)")
         return v
+
+    def unsupported_fields(self) -> list[str]:
+        """Names of the fields sent that this server does not implement (with a value other
+        than the one meaning "off")."""
+        extra = self.model_extra or {}
+        return [k for k, off in UNSUPPORTED_FIELDS.items()
+                if k in extra and not any(extra[k] == v and type(extra[k]) is type(v)
+                                          for v in off)]
 
     def _params(self, max_tokens: int, logprobs: bool,
                 default_temperature: float) -> SamplingParams:
@@ -65,11 +129,22 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _check_num_logprobs(v: int | None) -> int | None:
+    if v is not None and v > MAX_LOGPROBS:
+        raise ValueError(f"at most {MAX_LOGPROBS} is supported, got {v}: only the sampled "
+                         "token's log-probability is computed, not the top alternatives")
+    return v
+
+
+NumLogprobs = Annotated[Annotated[StrictInt, Field(ge=0)] | None,
+                        AfterValidator(_check_num_logprobs)]
+
+
 class CompletionRequest(_SamplingRequest):
     # text, token ids, or a batch of either
-    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
+    max_tokens: Count | None = 16
+    logprobs: NumLogprobs = None
     echo: StrictBool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -88,14 +163,14 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -105,10 +180,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated alias in the OpenAI API
+    max_completion_tokens: Count | None = None
+    max_tokens: Count | None = None  # deprecated alias in the OpenAI API
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs = None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}

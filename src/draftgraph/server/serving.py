@@ -54,8 +54,10 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float],
     return {"content": content}
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def usage(outputs: list[RequestOutput], prompt_tokens: int) -> dict:
+    """OpenAI's usage: the prompt counted once per prompt sent (not once per choice of `n`),
+    the completion tokens of every choice."""
+    prompt = prompt_tokens
     completion = sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
@@ -63,7 +65,7 @@ def usage(outputs: list[RequestOutput]) -> dict:
 
 def completion_body(response_id: str, model: str, created: int, finals: list[RequestOutput],
                     states: list[ChoiceState], tokenizer, num_logprobs: int | None,
-                    echo: bool) -> dict:
+                    echo: bool, prompt_tokens: int) -> dict:
     choices = []
     for out, st in zip(finals, states, strict=True):
         text = (st.prompt_text if echo else "") + out.text
@@ -77,7 +79,7 @@ def completion_body(response_id: str, model: str, created: int, finals: list[Req
         choices.append({"index": st.index, "text": text, "logprobs": lp,
                         "finish_reason": out.finish_reason})
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(finals)}
+            "choices": choices, "usage": usage(finals, prompt_tokens)}
 
 
 def completion_chunk(response_id: str, model: str, created: int, out: RequestOutput,
@@ -107,7 +109,7 @@ def completion_chunk(response_id: str, model: str, created: int, out: RequestOut
 
 
 def chat_body(response_id: str, model: str, created: int, finals: list[RequestOutput],
-              tokenizer, num_logprobs: int | None) -> dict:
+              tokenizer, num_logprobs: int | None, prompt_tokens: int) -> dict:
     choices = []
     for i, out in enumerate(finals):
         lp = (chat_logprobs(tokenizer, out.token_ids, out.logprobs or [], num_logprobs)
@@ -115,7 +117,7 @@ def chat_body(response_id: str, model: str, created: int, finals: list[RequestOu
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
                         "logprobs": lp, "finish_reason": out.finish_reason})
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(finals)}
+            "choices": choices, "usage": usage(finals, prompt_tokens)}
 
 
 def chat_chunk(response_id: str, model: str, created: int, out: RequestOutput, st: ChoiceState,
@@ -138,14 +140,22 @@ def chat_chunk(response_id: str, model: str, created: int, out: RequestOutput, s
 
 
 def usage_chunk(response_id: str, model: str, created: int, obj: str,
-                finals: list[RequestOutput]) -> dict:
+                finals: list[RequestOutput], prompt_tokens: int) -> dict:
     return {"id": response_id, "object": obj, "created": created, "model": model,
-            "choices": [], "usage": usage(finals)}
+            "choices": [], "usage": usage(finals, prompt_tokens)}
+
+
+def clean_text(s: str) -> str:
+    """s as valid Unicode: lone surrogates (from JSON escapes) written as \\udXXX."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    """The OpenAI error object; every string made encodable (an error about bad text must not
+    fail to render)."""
+    return {"error": {"message": clean_text(str(message)), "type": type_,
+                      "param": None if param is None else clean_text(str(param)), "code": code}}
 
 
 def sse(data: dict | str) -> str:

@@ -1,0 +1,463 @@
+"""One request never fails another (issue 17), through HTTP: hostile parameters and bodies get
+an OpenAI-style 4xx naming what to change while concurrent innocent requests finish with the
+tokens they get alone; capacity is checked at admission; the server stays responsive; shutdown
+drains. Random tiny weights (token-id prompts) and a tiny byte-level tokenizer for chat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from draftgraph.engine import admission  # noqa: E402
+from draftgraph.engine.engine import LLMEngine  # noqa: E402
+from draftgraph.server.app import build_app  # noqa: E402
+from draftgraph.server.async_engine import AsyncEngine  # noqa: E402
+from draftgraph.server.config import ServerConfig  # noqa: E402
+from draftgraph.server.launcher import ServerThread  # noqa: E402
+
+MODEL = "tiny"
+PROMPT = [5, 6, 7, 8]
+INNOCENT = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.9,
+            "seed": 3, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from draftgraph.models.loader import load_model
+
+    return load_model("random:tiny")
+
+
+def _serve(loaded, model: str = "random:tiny", kv_cache_tokens: int = 4096,
+           max_waiting: int = 1024, max_model_len: int = 512, **server_kw) -> ServerThread:
+    config = EngineConfig(model=model, device="cpu",
+                          cache=CacheConfig(kv_cache_tokens=kv_cache_tokens),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_waiting=max_waiting,
+                                                    max_model_len=max_model_len))
+    engine = LLMEngine(config, loaded=loaded)
+    app = build_app(AsyncEngine(engine), ServerConfig(served_model_names=[MODEL], **server_kw))
+    return ServerThread(app).start()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    st = _serve(tiny)
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_server(tiny_hf_dir):
+    from draftgraph.models.loader import load_model
+
+    st = _serve(load_model(tiny_hf_dir), model=tiny_hf_dir, max_model_len=256)
+    yield st
+    st.stop()
+
+
+def _post(st: ServerThread, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (bytes, str)):
+        return httpx.post(st.base_url + path, content=body,
+                          headers={"Content-Type": "application/json"}, timeout=60, **kw)
+    return httpx.post(st.base_url + path, json=body, timeout=60, **kw)
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] in ("invalid_request_error", "server_error", "authentication_error")
+    if param is not None:
+        assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err
+    return err
+
+
+def _tokens(r: httpx.Response) -> list:
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    return lp["tokens"]
+
+
+# ---- 1. hostile sampling parameters: 400, and batch-mates unchanged ---------------------------
+def test_overflowing_top_k_gets_400_and_a_concurrent_request_keeps_its_tokens(server):
+    url = server.base_url + "/v1/completions"
+    innocent = {**INNOCENT, "logprobs": 0}
+    alone = _tokens(httpx.post(url, json=innocent, timeout=60))
+    hostile = [{**INNOCENT, "top_k": 9223372036854775808, "temperature": 1},
+               {**INNOCENT, "top_k": 10**30, "temperature": 1}]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[client.post(url, json=b)
+                                          for b in [hostile[0], innocent, hostile[1],
+                                                    innocent]])
+
+    bad1, good1, bad2, good2 = asyncio.run(main())
+    _assert_error(bad1, 400, "top_k")
+    _assert_error(bad2, 400, "top_k")
+    assert _tokens(good1) == alone and _tokens(good2) == alone
+    # a top_k past the vocabulary is "no limit": the same draw as top_k off
+    assert _tokens(httpx.post(url, json={**innocent, "top_k": 10**6}, timeout=60)) == alone
+
+
+@pytest.mark.parametrize("raw,param,word", [
+    ('"temperature": NaN', "temperature", "finite"),
+    ('"temperature": Infinity', "temperature", "finite"),
+    ('"top_p": NaN', "top_p", "finite"),
+    ('"max_tokens": true', "max_tokens", "integer"),
+    ('"max_tokens": "4"', "max_tokens", "integer"),
+    ('"n": true', "n", "integer"),
+    ('"seed": "7"', "seed", "integer"),
+    ('"top_k": 1.5', "top_k", "integer"),
+    ('"ignore_eos": "yes"', "ignore_eos", "boolean"),
+    ('"echo": 1', "echo", "boolean"),
+    ('"logprobs": true', "logprobs", "integer"),
+    ('"stop": ["x", 3]', "stop", None),
+])
+def test_lax_or_non_finite_fields_get_400_naming_the_field(server, raw, param, word):
+    body = '{"model": "tiny", "prompt": [5, 6], "max_tokens": 2, ' + raw + "}"
+    r = _post(server, "/v1/completions", body.replace('"max_tokens": 2, "max_tokens"',
+                                                       '"max_tokens"'))
+    err = _assert_error(r, 400, param)
+    if word:
+        assert word in err["message"].lower(), err
+
+
+def test_more_than_one_logprob_is_refused_naming_the_field(server, chat_server):
+    r = _post(server, "/v1/completions", {**INNOCENT, "logprobs": 5})
+    _assert_error(r, 400, "logprobs", "sampled token")
+    r = _post(chat_server, "/v1/chat/completions",
+              {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+               "logprobs": True, "top_logprobs": 5})
+    _assert_error(r, 400, "top_logprobs", "sampled token")
+    assert _post(server, "/v1/completions", {**INNOCENT, "logprobs": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("logit_bias", {"5": 100}), ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
+])
+def test_unsupported_fields_get_400_naming_them(server, field, value):
+    r = _post(server, "/v1/completions", {**INNOCENT, field: value})
+    err = _assert_error(r, 400, field, field)
+    assert err["code"] == "unsupported_field"
+
+
+def test_unsupported_fields_with_their_off_value_and_unknown_fields_are_accepted(server):
+    body = {**INNOCENT, "logprobs": 0, "tools": [], "logit_bias": {}, "user": "me",
+            "response_format": {"type": "text"}}
+    assert _tokens(_post(server, "/v1/completions", body)) == \
+        _tokens(_post(server, "/v1/completions", {**INNOCENT, "logprobs": 0}))
+
+
+# ---- 2. capacity ------------------------------------------------------------------------------
+def test_a_request_larger_than_the_kv_pool_gets_400_and_does_not_block_the_queue(tiny):
+    st = _serve(tiny, kv_cache_tokens=256)
+    try:
+        r = _post(st, "/v1/completions", {"model": MODEL, "prompt": list(range(3, 38)),
+                                          "max_tokens": 400})
+        _assert_error(r, 400, None, "--kv-cache-tokens", "--gpu-memory-utilization",
+                      "--max-model-len")
+        r = _post(st, "/v1/completions", {**INNOCENT, "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        # without max_tokens, the default fills what the pool holds instead of being refused
+        r = _post(st, "/v1/completions", {**INNOCENT, "max_tokens": None})
+        assert r.status_code == 200, r.text
+        capacity = admission.kv_capacity(st.app.state.server.engine)
+        assert capacity < 400
+        assert r.json()["usage"]["completion_tokens"] == capacity - len(PROMPT)
+    finally:
+        st.stop()
+
+
+def test_more_choices_than_the_queue_holds_get_400_not_503(tiny):
+    st = _serve(tiny, max_waiting=2)
+    try:
+        r = _post(st, "/v1/completions", {**INNOCENT, "n": 3})
+        _assert_error(r, 400, "n", "--max-waiting")
+        r = _post(st, "/v1/completions", {**INNOCENT, "prompt": [[5, 6]] * 3})
+        _assert_error(r, 400, "prompt", "--max-waiting")
+        assert _post(st, "/v1/completions", {**INNOCENT, "n": 2}).status_code == 200
+    finally:
+        st.stop()
+
+
+# ---- 3. hostile bodies --------------------------------------------------------------------
+def test_a_body_over_the_limit_gets_413_declared_or_chunked(tiny):
+    st = _serve(tiny, max_body_bytes=4096)
+    try:
+        big = {**INNOCENT, "prompt": [5] * 3000}
+        r = _post(st, "/v1/completions", big)
+        err = _assert_error(r, 413, None, "--max-body-bytes")
+        assert err["code"] == "request_too_large"
+        assert r.headers["connection"] == "close"
+
+        def chunks():  # no Content-Length: counted while read
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+
+        r = httpx.post(st.base_url + "/v1/completions", content=chunks(),
+                       headers={"Content-Type": "application/json"}, timeout=60)
+        _assert_error(r, 413, None, "--max-body-bytes")
+        assert _post(st, "/v1/completions", {**INNOCENT, "max_tokens": 2}).status_code == 200
+    finally:
+        st.stop()
+
+
+def test_a_body_that_never_arrives_gets_408(tiny):
+    st = _serve(tiny, body_read_timeout_s=0.3)
+    try:
+        with socket.create_connection((st.host, st.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"")
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                data = sock.recv(4096)
+                if not data:
+                    break
+                reply += data
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply
+        assert b"connection: close" in head.lower()
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert httpx.get(st.base_url + "/health").status_code == 200
+    finally:
+        st.stop()
+
+
+def test_tokenising_runs_off_the_event_loop(server, monkeypatch):
+    """While a prompt is being encoded (held here), /health and other requests are served."""
+    engine = server.app.state.server.engine
+    started, release = threading.Event(), threading.Event()
+    real = engine.encode_prompt
+
+    def slow_encode(prompt, use_chat_template=True):
+        if prompt == [9, 9, 9]:
+            started.set()
+            assert release.wait(60)
+        return real(prompt, use_chat_template)
+
+    monkeypatch.setattr(engine, "encode_prompt", slow_encode)
+    result = {}
+    held = threading.Thread(target=lambda: result.update(r=_post(
+        server, "/v1/completions", {**INNOCENT, "prompt": [9, 9, 9], "max_tokens": 3})))
+    held.start()
+    try:
+        assert started.wait(60)
+        assert httpx.get(server.base_url + "/health", timeout=30).json() == {"status": "ok"}
+        r = _post(server, "/v1/completions", {**INNOCENT, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert held.is_alive()  # still held in the tokenizer
+    finally:
+        release.set()
+        held.join(60)
+    assert result["r"].status_code == 200
+    assert result["r"].json()["usage"]["completion_tokens"] == 3
+
+
+# ---- 4. bad text, and an error handler that cannot fail -------------------------------------
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi \\ud800"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny\\ud800", "prompt": [5]}', "model"),
+    ("/v1/completions", '{"model": "tiny", "prompt": [5], "stop": "\\udfff"}', "stop"),
+    ("/v1/chat/completions",
+     '{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": '
+     '[{"type": "text", "text": "\\ud800"}]}]}', None),
+])
+def test_lone_surrogates_get_400_with_an_openai_body(server, path, raw, param):
+    r = _post(server, path, raw)
+    err = _assert_error(r, 400, param, "surrogate")
+    assert err["type"] == "invalid_request_error"
+    r.content.decode("utf-8")  # the body itself is valid UTF-8
+
+
+def test_invalid_utf8_bytes_get_400(server):
+    r = _post(server, "/v1/completions", b'{"model": "tiny", "prompt": "hi \xff\xfe"}')
+    _assert_error(r, 400, None)
+
+
+def test_the_error_handler_survives_a_failure_while_counting_the_error(server, monkeypatch):
+    metrics = server.app.state.server.metrics
+
+    def broken(status):
+        raise RuntimeError("metrics down")
+
+    monkeypatch.setattr(metrics, "count_error", broken)
+    _assert_error(_post(server, "/v1/completions", {**INNOCENT, "top_k": -7}), 400, "top_k")
+    _assert_error(_post(server, "/v1/completions", {**INNOCENT, "model": "gpt-9"}), 404,
+                  "model", "gpt-9")
+
+
+def test_the_error_handler_falls_back_when_the_body_cannot_be_built(server, monkeypatch):
+    from draftgraph.server import serving
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot build")
+
+    monkeypatch.setattr(serving, "error_body", broken)
+    r = _post(server, "/v1/completions", {**INNOCENT, "top_k": -7})
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "internal error", "type": "server_error",
+                                 "param": None, "code": "internal_error"}
+
+
+# ---- 5. usage ---------------------------------------------------------------------------------
+def test_usage_counts_the_prompt_once_per_prompt_not_per_choice(server, chat_server):
+    r = _post(server, "/v1/completions", {**INNOCENT, "max_tokens": 3, "n": 3})
+    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 9,
+                                 "total_tokens": 13}
+    r = _post(server, "/v1/completions", {**INNOCENT, "prompt": [[5, 6], [7, 8, 9]],
+                                          "max_tokens": 2, "n": 2})
+    assert len(r.json()["choices"]) == 4
+    assert r.json()["usage"]["prompt_tokens"] == 5
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "ignore_eos": True}
+    one = _post(chat_server, "/v1/chat/completions", chat).json()["usage"]["prompt_tokens"]
+    three = _post(chat_server, "/v1/chat/completions", {**chat, "n": 3}).json()["usage"]
+    assert three["prompt_tokens"] == one and three["completion_tokens"] == 6
+    with httpx.stream("POST", chat_server.base_url + "/v1/chat/completions", timeout=60,
+                      json={**chat, "n": 3, "stream": True,
+                            "stream_options": {"include_usage": True}}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["prompt_tokens"] == one
+
+
+# ---- 7. HEAD /health --------------------------------------------------------------------------
+def test_head_health_is_200(server):
+    r = httpx.head(server.base_url + "/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+# ---- 8. graceful shutdown -----------------------------------------------------------------
+def _open_stream(client: httpx.Client, st: ServerThread, max_tokens: int):
+    body = {**INNOCENT, "max_tokens": max_tokens, "stream": True}
+    cm = client.stream("POST", st.base_url + "/v1/completions", json=body)
+    r = cm.__enter__()
+    assert r.status_code == 200
+    lines = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+    first = next(lines)
+    return cm, [first], lines
+
+
+def test_drain_lets_running_streams_finish_and_refuses_new_requests(tiny):
+    st = _serve(tiny, shutdown_timeout_s=120)
+    engine = st.app.state.server.engine
+    gate = threading.Event()
+    real_step = engine.step
+
+    def gated_step():  # the engine waits here until the test has seen the drain start
+        gate.wait(60)
+        return real_step()
+
+    try:
+        with httpx.Client(timeout=60) as client:
+            cm, events, lines = _open_stream(client, st, max_tokens=40)
+            engine.step = gated_step
+            drainer = threading.Thread(target=st.drain)
+            drainer.start()
+            for _ in range(1000):  # the drain starts on the server's event loop
+                if httpx.get(st.base_url + "/health").status_code == 503:
+                    break
+            assert httpx.get(st.base_url + "/health").json() == {"status": "shutting down"}
+            r = _post(st, "/v1/completions", INNOCENT)
+            err = _assert_error(r, 503, None, "shutting down")
+            assert err["code"] == "server_shutting_down"
+            gate.set()
+            events += list(lines)
+            cm.__exit__(None, None, None)
+            drainer.join(60)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all("error" not in c for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        engine.step = real_step
+        gate.set()
+        st.stop()
+
+
+def test_drain_timeout_ends_remaining_streams_with_an_error_event_and_done(tiny):
+    st = _serve(tiny, shutdown_timeout_s=0)
+    engine = st.app.state.server.engine
+    gate = threading.Event()
+    real_step = engine.step
+
+    def stuck_step():  # a request that would run past the shutdown timeout
+        gate.wait(60)
+        return real_step()
+
+    try:
+        with httpx.Client(timeout=60) as client:
+            cm, events, lines = _open_stream(client, st, max_tokens=200)
+            engine.step = stuck_step
+            st.drain()
+            events += list(lines)
+            cm.__exit__(None, None, None)
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "server_shutting_down" and "--shutdown-timeout" in err["message"]
+        gate.set()
+        # the engine side is cleaned up too: the request was aborted, its KV freed
+        for _ in range(100):
+            if not engine.has_unfinished():
+                break
+            threading.Event().wait(0.05)
+        assert not engine.has_unfinished()
+        assert engine.num_free_kv_slots() == admission.kv_capacity(engine)
+    finally:
+        engine.step = real_step
+        gate.set()
+        st.stop()
+
+
+# ---- 9. auth ----------------------------------------------------------------------------------
+def test_auth_challenges_and_closes_docs_when_a_key_is_set(tiny, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    st = _serve(tiny, api_key_file=str(key_file))
+    try:
+        r = _post(st, "/v1/completions", INNOCENT)
+        _assert_error(r, 401, None)
+        assert r.headers["www-authenticate"] == "Bearer"
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(st.base_url + path).status_code == 404, path
+        assert httpx.get(st.base_url + "/info").status_code == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(st.base_url + "/info", headers=auth).json()["kv_slots"] > 0
+        assert _post(st, "/v1/completions", INNOCENT, headers=auth).status_code == 200
+        assert httpx.get(st.base_url + "/health").status_code == 200  # open, as in vLLM
+        assert httpx.get(st.base_url + "/metrics").status_code == 200
+    finally:
+        st.stop()
+
+
+def test_docs_stay_open_without_a_key(server):
+    assert httpx.get(server.base_url + "/openapi.json").status_code == 200
+
+
+def test_api_key_file_is_read_and_checked(tmp_path):
+    path = tmp_path / "key"
+    path.write_text("  abc  \nignored\n")
+    assert ServerConfig(api_key_file=str(path)).api_key == "abc"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="--api-key-file .* is empty"):
+        ServerConfig(api_key_file=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="--api-key-file"):
+        ServerConfig(api_key_file=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not both"):
+        ServerConfig(api_key="x", api_key_file=str(path))
