@@ -461,3 +461,66 @@ def test_api_key_file_is_read_and_checked(tmp_path):
         ServerConfig(api_key_file=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="not both"):
         ServerConfig(api_key="x", api_key_file=str(path))
+
+
+_SERVE_SCRIPT = """
+import sys, time, uvicorn
+from draftgraph.config import EngineConfig, SchedulerConfig
+from draftgraph.server.cli import build_server
+from draftgraph.server.config import ServerConfig
+
+config = EngineConfig(model="random:tiny", device="cpu",
+                      scheduler=SchedulerConfig(max_model_len=2048))
+app, _ = build_server(config, ServerConfig(served_model_names=["tiny"],
+                                           shutdown_timeout_s=float(sys.argv[2])))
+engine = app.state.server.engine
+real_step = engine.step
+
+def slow_step():  # a long request: it is still running when the signal comes
+    time.sleep(0.01)
+    return real_step()
+
+engine.step = slow_step
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def test_sigterm_drains_then_ends_streams_with_an_error_event_and_done(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "serve.py"
+    script.write_text(_SERVE_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(port), "0.5"])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                threading.Event().wait(0.1)
+        else:
+            raise AssertionError("server did not start")
+        body = {**INNOCENT, "max_tokens": 1500, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            lines = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]
+            proc.send_signal(signal.SIGTERM)
+            events += list(lines)
+        assert events[-1] == "[DONE]"
+        assert len(events) < 1500
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "server_shutting_down"
+        assert all("error" not in json.loads(e) for e in events[:-2])
+        proc.wait(timeout=60)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(base + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
