@@ -13,6 +13,7 @@ from test_loaders import write_gguf
 
 from draftgraph.models import gguf_loader, weight_cache
 from draftgraph.models.loader import load_model
+from draftgraph.models.tokenizer import SavedFastTokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -153,8 +154,13 @@ def test_default_model_from_the_cache_has_the_same_tokenizer(default_gguf_path, 
     assert a.encode(text) == b.encode(text) and a.encode(text, False) == b.encode(text, False)
     ids = a.encode(text)
     assert a.decode(ids) == b.decode(ids)
-    chat = [{"role": "user", "content": "hi"}]
-    assert a.apply_chat_template(chat) == b.apply_chat_template(chat)
+    assert isinstance(b.hf, SavedFastTokenizer)  # read without transformers
+    for chat in ([{"role": "user", "content": "hi"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
+                  {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]):
+        for gen in (True, False):
+            assert a.render_chat(chat, gen) == b.render_chat(chat, gen)
+            assert a.apply_chat_template(chat, gen) == b.apply_chat_template(chat, gen)
     assert (a.eos_token_ids, a.bos_token_id, a.vocab_size) == \
         (b.eos_token_ids, b.bos_token_id, b.vocab_size)
     assert second.config == first.config

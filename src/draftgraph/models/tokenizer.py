@@ -71,3 +71,104 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={sorted(self.eos_token_ids)})")
+
+
+class SavedFastTokenizer:
+    """What `Tokenizer` uses of a transformers fast tokenizer, read from a directory written by
+    its `save_pretrained` (tokenizer.json, tokenizer_config.json, chat_template.jinja) without
+    importing transformers, which costs about a second of start-up (the weight cache's path).
+
+    The chat template renders as transformers renders it: a sandboxed jinja2 environment with
+    trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a non-escaping
+    `tojson`, and the special tokens as variables. A template this cannot compile (one using
+    transformers' `{% generation %}` tag) raises ValueError at construction."""
+
+    def __init__(self, path: str) -> None:
+        import json
+        import os
+
+        from tokenizers import Tokenizer as RawTokenizer
+
+        self.backend_tokenizer = RawTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+
+        def token(key: str) -> str | None:
+            v = cfg.get(key)
+            return v.get("content") if isinstance(v, dict) else v
+
+        self.bos_token, self.eos_token = token("bos_token"), token("eos_token")
+        self.unk_token, self.pad_token = token("unk_token"), token("pad_token")
+        self.bos_token_id = self._id(self.bos_token)
+        self.eos_token_id = self._id(self.eos_token)
+        extra = [t.get("content") if isinstance(t, dict) else t
+                 for t in cfg.get("additional_special_tokens") or
+                 cfg.get("extra_special_tokens") or []]
+        self.all_special_tokens = [t for t in (self.bos_token, self.eos_token, self.unk_token,
+                                               self.pad_token, *extra) if t]
+        template = cfg.get("chat_template")
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if not template and os.path.isfile(jinja_file):
+            with open(jinja_file) as f:
+                template = f.read()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"),
+                            None)
+        self.chat_template = template or None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self._compiled = _compile_chat_template(template) if template else None
+        self._template = template
+
+    def _id(self, tok: str | None) -> int | None:
+        return None if tok is None else self.backend_tokenizer.token_to_id(tok)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str:
+        if tokenize:
+            raise ValueError("SavedFastTokenizer renders text only (tokenize=False)")
+        return self._compiled.render(
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+            eos_token=self.eos_token, unk_token=self.unk_token, pad_token=self.pad_token)
+
+
+def _compile_chat_template(template: str):
+    """The template compiled in an environment like transformers' (see SavedFastTokenizer)."""
+    import json
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"chat template needs transformers to compile ({e})") from e

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.tokenizer import Tokenizer
+from draftgraph.models.tokenizer import SavedFastTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,13 @@ def read_tokenizer(entry: Path) -> Tokenizer | None:
         meta = json.load(f)
     if not meta.get("tokenizer"):
         return None
-    from transformers import PreTrainedTokenizerFast
+    path = str(entry / "tokenizer")
+    try:  # no transformers import: about a second less start-up
+        hf = SavedFastTokenizer(path)
+    except ValueError:
+        from transformers import PreTrainedTokenizerFast
 
-    hf = PreTrainedTokenizerFast.from_pretrained(str(entry / "tokenizer"), local_files_only=True)
+        hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     return Tokenizer(hf, chat_template=meta.get("chat_template"))
 
 

@@ -1,0 +1,158 @@
+"""CPU benchmark of the default model (SmolLM2-135M-Instruct GGUF): start-up, decode, prefill.
+
+    python benchmarks/bench_cpu.py --threads 2 --out benchmarks/results/cpu_smollm2.json
+
+- start-up: `load_model` in a fresh process with an empty weight cache (the first start:
+  dequantisation + cache write) and again (the second start: the cache), plus the process's
+  wall time to the loaded model (imports included);
+- decode: tokens/s of one greedy request (batch 1) after its first token;
+- prefill: tokens/s of one prompt of N tokens (one chunk: --max-num-batched-tokens N), next to
+  one transformers forward of the same GGUF (transformers dequantises it itself), in this run.
+
+Writes JSON with the device, model shape, date and command. Say whether the machine was quiet
+(`load_average` is recorded before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from _meta import model_shape, run_header
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.models.loader import resolve_model_path
+
+_STARTUP = """
+import time, json, sys
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads({threads})
+from draftgraph.models.loader import load_model
+t1 = time.perf_counter()
+load_model({model!r})
+t2 = time.perf_counter()
+print(json.dumps({{"load_s": t2 - t1, "process_s": t2 - t0}}))
+"""
+
+
+def startup(model: str, threads: int) -> dict:
+    """Two fresh processes on one empty weight cache: the first and the second start."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "DRAFTGRAPH_CACHE_DIR": cache}
+        runs = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-c", _STARTUP.format(model=model,
+                                                                      threads=threads)],
+                               env=env, capture_output=True, text=True, check=True)
+            run = json.loads(r.stdout.strip().splitlines()[-1])
+            run["wall_s"] = time.perf_counter() - t0  # interpreter start-up included
+            runs.append(run)
+    return {"first": runs[0], "second": runs[1]}
+
+
+def engine_for(model: str, max_batched: int, max_len: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=model, device="cpu",
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_batched,
+                                  max_model_len=max_len),
+        cache=CacheConfig(kv_cache_tokens=max_len + 64)))
+
+
+def decode(engine: LLMEngine, tokens: int, repeats: int) -> dict:
+    prompt = "Write a story about a graph that learns to fly."
+    rates = []
+    for _ in range(repeats):
+        out = engine.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                       ignore_eos=True))[0]
+        m = out.metrics
+        rates.append((m["completion_tokens"] - 1) / (m["seconds"] - m["ttft"]))
+    return {"tokens": tokens, "tok_s": max(rates), "tok_s_all": rates}
+
+
+def prefill(engine: LLMEngine, n: int, repeats: int, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(n)
+    times = []
+    for _ in range(repeats):
+        ids = torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+        out = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]
+        times.append(out.metrics["ttft"])
+    best = min(times)
+    return {"tokens": n, "seconds": best, "tok_s": n / best, "seconds_all": times}
+
+
+def transformers_forward(path: str, lens: list[int], repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    d, name = os.path.split(path)
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    out = {"load_s": time.perf_counter() - t0}
+    vocab = hf.config.vocab_size
+    for n in lens:
+        g = torch.Generator().manual_seed(n)
+        times = []
+        for _ in range(repeats):
+            ids = torch.randint(100, vocab - 100, (1, n), generator=g)
+            t = time.perf_counter()
+            with torch.no_grad():
+                hf(ids, use_cache=False, logits_to_keep=1)
+            times.append(time.perf_counter() - t)
+        best = min(times)
+        out[str(n)] = {"tokens": n, "seconds": best, "tok_s": n / best, "seconds_all": times}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default", help="a GGUF (default: the default model)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=[512])
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--out", default="benchmarks/results/cpu_smollm2.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    result = run_header(f"CPU ({os.cpu_count()} logical cores, {args.threads} threads)")
+    result["load_average_before"] = os.getloadavg()
+    result["model"] = path
+    print("start-up ...", file=sys.stderr, flush=True)
+    result["startup"] = startup(args.model, args.threads)
+    max_len = max(args.prefill_lens) + args.decode_tokens + 64
+    engine = engine_for(args.model, max(args.prefill_lens), max_len)
+    result["shape"] = model_shape(engine.model_config)
+    print("decode ...", file=sys.stderr, flush=True)
+    result["decode_batch1"] = decode(engine, args.decode_tokens, args.repeats)
+    print("prefill ...", file=sys.stderr, flush=True)
+    result["prefill"] = {str(n): prefill(engine, n, args.repeats, engine.model_config.vocab_size)
+                         for n in args.prefill_lens}
+    del engine
+    if not args.no_transformers:
+        print("transformers ...", file=sys.stderr, flush=True)
+        result["transformers_forward"] = transformers_forward(path, args.prefill_lens,
+                                                              args.repeats)
+        for n in args.prefill_lens:
+            ours = result["prefill"][str(n)]["tok_s"]
+            result["prefill"][str(n)]["vs_transformers"] = \
+                ours / result["transformers_forward"][str(n)]["tok_s"]
+    result["load_average_after"] = os.getloadavg()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
