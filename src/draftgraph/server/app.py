@@ -462,10 +462,16 @@ class _APIKeyMiddleware:
 
 
 class _BodyGuardMiddleware:
-    """Reads a request body before the app sees it: larger than `max_bytes` gets 413 (from
-    Content-Length, without reading it, when one is declared), not received within
-    `timeout_s` gets 408. The app then reads the buffered body; its later `receive` calls
-    (disconnect detection) go to the client."""
+    """Reads a request body before the app sees it: larger than `max_bytes` gets 413, not
+    received within `timeout_s` gets 408. The app then reads the buffered body; its later
+    `receive` calls (disconnect detection) go to the client.
+
+    # NOTE: before a 413 the rest of the body is read and dropped (up to DISCARD_FACTOR times
+    # the limit, within the timeout): a server that answers and closes while the client is
+    # still sending resets the connection, and the client never sees the 413.
+    """
+
+    DISCARD_FACTOR = 8
 
     def __init__(self, app, max_bytes: int, timeout_s: float,
                  reject: Callable[[int, str], Response]) -> None:
@@ -474,38 +480,39 @@ class _BodyGuardMiddleware:
         self.timeout_s = timeout_s
         self.reject = reject
 
-    def _too_large(self, size: str) -> Response:
-        return self.reject(413, f"request body is {size}; this server takes at most "
-                           f"{self.max_bytes} bytes (--max-body-bytes)")
-
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(f"{int(declared)} bytes")(scope, receive, send)
-            return
+        declared = int(declared) if declared is not None and declared.isdigit() else None
         chunks: list[bytes] = []
         total = 0
+        more = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
+        too_large = declared is not None and declared > self.max_bytes
         try:
-            while True:
+            while more and not (too_large and (declared or total) >
+                                self.DISCARD_FACTOR * self.max_bytes):
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
                 if message["type"] == "http.disconnect":
                     return
                 chunk = message.get("body", b"")
                 total += len(chunk)
-                if total > self.max_bytes:
-                    await self._too_large(f"over {self.max_bytes} bytes")(scope, receive, send)
-                    return
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
+                more = message.get("more_body", False)
+                too_large |= total > self.max_bytes
+                if not too_large:
+                    chunks.append(chunk)
         except TimeoutError:
-            await self.reject(408, f"request body not received within {self.timeout_s:g} s "
-                              "(--body-read-timeout)")(scope, receive, send)
+            if not too_large:
+                await self.reject(408, f"request body not received within {self.timeout_s:g} "
+                                  "s (--body-read-timeout)")(scope, receive, send)
+                return
+        if too_large:
+            size = f"{declared} bytes" if declared is not None else f"over {self.max_bytes} bytes"
+            await self.reject(413, f"request body is {size}; this server takes at most "
+                              f"{self.max_bytes} bytes (--max-body-bytes)")(scope, receive, send)
             return
         buffered = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         replayed = False
