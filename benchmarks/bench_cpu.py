@@ -90,12 +90,27 @@ def prefill(engine: LLMEngine, n: int, repeats: int, vocab: int) -> dict:
     return {"tokens": n, "seconds": best, "tok_s": n / best, "seconds_all": times}
 
 
-def transformers_forward(path: str, lens: list[int], repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM
+def transformers_model(path: str):
+    """transformers' own GGUF loading, fp32 (without accelerate: its conversion, by hand)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
 
     d, name = os.path.split(path)
+    if is_accelerate_available():
+        return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=name),
+                                             dtype=torch.float32)
+    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+def transformers_forward(path: str, lens: list[int], repeats: int) -> dict:
     t0 = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    hf = transformers_model(path)
     out = {"load_s": time.perf_counter() - t0}
     vocab = hf.config.vocab_size
     for n in lens:
@@ -127,16 +142,26 @@ def main() -> int:
     result = run_header(f"CPU ({os.cpu_count()} logical cores, {args.threads} threads)")
     result["load_average_before"] = os.getloadavg()
     result["model"] = path
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save() -> None:  # after every stage: a long run killed midway keeps what it measured
+        result["load_average_after"] = os.getloadavg()
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
     print("start-up ...", file=sys.stderr, flush=True)
     result["startup"] = startup(args.model, args.threads)
+    save()
     max_len = max(args.prefill_lens) + args.decode_tokens + 64
     engine = engine_for(args.model, max(args.prefill_lens), max_len)
     result["shape"] = model_shape(engine.model_config)
     print("decode ...", file=sys.stderr, flush=True)
     result["decode_batch1"] = decode(engine, args.decode_tokens, args.repeats)
+    save()
     print("prefill ...", file=sys.stderr, flush=True)
     result["prefill"] = {str(n): prefill(engine, n, args.repeats, engine.model_config.vocab_size)
                          for n in args.prefill_lens}
+    save()
     del engine
     if not args.no_transformers:
         print("transformers ...", file=sys.stderr, flush=True)
@@ -146,10 +171,7 @@ def main() -> int:
             ours = result["prefill"][str(n)]["tok_s"]
             result["prefill"][str(n)]["vs_transformers"] = \
                 ours / result["transformers_forward"][str(n)]["tok_s"]
-    result["load_average_after"] = os.getloadavg()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save()
     print(json.dumps(result, indent=2))
     return 0
 
