@@ -117,3 +117,23 @@ def test_spec_summary_from_prometheus_counters():
     assert s["acceptance_length"] == pytest.approx(2.5)
     assert s["acceptance_rate"] == pytest.approx(30 / 80)
     assert s["acceptance_rate_per_pos"] == pytest.approx([0.9, 0.4, 0.15, 0.05])
+
+
+def test_bench_load_is_sized_by_the_servers_device_and_results_leave_the_checkout(
+        monkeypatch, tmp_path):
+    from draftgraph.bench.cli import CPU_DEFAULTS, GPU_DEFAULTS, apply_device_defaults
+    from draftgraph.cli import parse_args
+
+    monkeypatch.setenv("DRAFTGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    args = parse_args(["bench", "serve", "--output-len", "16"])
+    assert args.num_prompts is None and args.result_dir is None
+    apply_device_defaults(args, "cpu (x86_64, 2 threads)")
+    assert args.num_prompts == CPU_DEFAULTS["num_prompts"] == 8
+    assert args.random_output_len == CPU_DEFAULTS["random_output_len"]
+    assert args.output_len == 16  # given: kept
+    assert args.result_dir == str(tmp_path / "cache" / "results")
+    args = parse_args(["bench", "serve", "--output-dir", str(tmp_path / "mine")])
+    apply_device_defaults(args, "NVIDIA H200")
+    assert (args.num_prompts, args.output_len) == (GPU_DEFAULTS["num_prompts"],
+                                                   GPU_DEFAULTS["output_len"]) == (100, 256)
+    assert args.result_dir == str(tmp_path / "mine")
