@@ -166,3 +166,16 @@ def test_default_model_from_the_cache_has_the_same_tokenizer(default_gguf_path, 
     assert second.config == first.config
     assert torch.equal(first.model.layers[3].self_attn.qkv_proj.weight,
                        second.model.layers[3].self_attn.qkv_proj.weight)
+
+
+def test_cpu_weights_are_advised_huge_pages_where_the_kernel_can():
+    import sys
+
+    from draftgraph.models.loader import advise_huge_pages
+
+    t = torch.empty(6 << 20, dtype=torch.uint8)  # 6 MiB: holds an aligned 2 MiB page
+    advised = advise_huge_pages([t, torch.empty(16)])
+    if sys.platform.startswith("linux"):
+        assert advised >= 2 << 20 and advised % (2 << 20) == 0
+    else:
+        assert advised == 0

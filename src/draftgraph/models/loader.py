@@ -96,8 +96,39 @@ def empty_model(config: ModelConfig, device: str | torch.device,
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(dtype).to_empty(device=device)
+    if torch.device(device).type == "cpu":
+        advise_huge_pages(model.parameters())
     model.cos_sin_cache = rope_cos_sin_cache(config, config.max_position_embeddings).to(device)
     return model.eval()
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def advise_huge_pages(tensors) -> int:
+    """Ask Linux for transparent huge pages under each CPU tensor's (untouched) memory: filling
+    the weights then takes 2 MiB page faults instead of 4 KiB ones (about half the time of
+    reading them from the weight cache), and decode's weight reads miss the TLB less. Bytes
+    advised; 0 where the kernel has no such advice (not Linux)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    total = 0
+    for t in tensors:
+        addr, size = t.data_ptr(), t.numel() * t.element_size()
+        start = (addr + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+        end = (addr + size) // _HUGE_PAGE * _HUGE_PAGE
+        if end > start and madvise(start, end - start, _MADV_HUGEPAGE) == 0:
+            total += end - start
+    return total
 
 
 def _apply_max_model_len(config: ModelConfig, max_model_len: int | None) -> None:
