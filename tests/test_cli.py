@@ -271,3 +271,19 @@ def test_no_weight_cache_flag_turns_the_cache_off(monkeypatch):
     flags.apply_process_flags(parse_args(["generate", "hi", "--no-weight-cache",
                                           "--threads", str(torch.get_num_threads())]))
     assert not weight_cache.enabled()
+
+
+def test_server_flags_are_checked_before_the_model_loads(tmp_path, capsys, no_loading):
+    pytest.importorskip("uvicorn")
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    for argv, message in [
+        (["--api-key-file", str(empty)], f"--api-key-file {empty} is empty"),
+        (["--max-body-bytes", "10"], "--max-body-bytes must be >= 1024"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "random:tiny", "--port", "0", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "usage: draftgraph serve" in err

@@ -28,17 +28,29 @@ logger = logging.getLogger(__name__)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from draftgraph.server.config import ServerConfig
+
     h = p.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="interface to bind")
     h.add_argument("--port", type=int, default=8000, help="TCP port to bind")
     h.add_argument("--api-key", default=os.environ.get("DRAFTGRAPH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes "
                         "(default: $DRAFTGRAPH_API_KEY; unset: no key)")
+    h.add_argument("--api-key-file", default=None,
+                   help="read the key from this file's first line (it then shows in no `ps` "
+                        "listing); not with --api-key")
     h.add_argument("--served-model-name", action="append", default=None,
                    help="name(s) clients use in 'model' (repeatable; default: the model arg)")
     h.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
+    h.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="larger request bodies are answered 413")
+    h.add_argument("--body-read-timeout", type=float, default=ServerConfig.body_read_timeout_s,
+                   help="seconds to receive a request body before a 408")
+    h.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
+                   help="seconds running requests may take to finish after SIGTERM before "
+                        "their streams end with an error event")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -82,8 +94,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:  # everything that needs no model, before the model loads
         engine_config = engine_config_from_args(args)
         server_config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                                     api_key_file=args.api_key_file,
                                      served_model_names=args.served_model_name
-                                     or [resolve_model(args)])
+                                     or [resolve_model(args)],
+                                     max_body_bytes=args.max_body_bytes,
+                                     body_read_timeout_s=args.body_read_timeout,
+                                     shutdown_timeout_s=args.shutdown_timeout)
         sock = bind_socket(args.host, args.port)
     except ValueError as e:
         usage_error(args, str(e))
@@ -98,8 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     print(f"draftgraph: serving {server_config.served_model_names[0]} on "
           f"http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port,
-                                           log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    # NOTE: the app's lifespan drains for --shutdown-timeout; uvicorn must not cut it short
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=port, log_level=args.log_level,
+        timeout_graceful_shutdown=server_config.shutdown_timeout_s + 5))
     server.run(sockets=[sock])
     return 0
