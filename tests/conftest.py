@@ -103,8 +103,9 @@ def tiny_hf_dir(tmp_path_factory) -> str:
 def run_prefill(model, config, ids: list[int]) -> torch.Tensor:
     """Logits [len(ids), vocab] fp32 of a full prefill of one request on CPU."""
     from draftgraph.attention.backend import ForwardBatch, Phase, TorchBackend
+    from draftgraph.attention.kv_pool import KVPool
     from draftgraph.attention.metadata import MetadataBuffers
-    from draftgraph.runtime.kv_cache import KVPool, ReqToTokenPool
+    from draftgraph.runtime.kv_cache import ReqToTokenPool
 
     n = len(ids)
     dtype = next(model.parameters()).dtype

@@ -10,13 +10,14 @@ if not torch.cuda.is_available():  # CPU: run the kernels in Triton's interprete
 pytest.importorskip("triton", reason="Triton kernels need the triton package")
 
 from draftgraph.attention.backend import ForwardBatch, Phase, TorchBackend  # noqa: E402
+from draftgraph.attention.kv_pool import KVPool  # noqa: E402
 from draftgraph.attention.metadata import MetadataBuffers  # noqa: E402
 from draftgraph.attention.triton_backend import TritonBackend  # noqa: E402
 from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
 from draftgraph.kernels.metadata import _kv_compact_kernel  # noqa: E402
 from draftgraph.models.config import ModelConfig  # noqa: E402
 from draftgraph.models.llama import LlamaForCausalLM  # noqa: E402
-from draftgraph.runtime.kv_cache import KVPool, ReqToTokenPool  # noqa: E402
+from draftgraph.runtime.kv_cache import ReqToTokenPool  # noqa: E402
 
 if compiled_for_cpu_missing(_kv_compact_kernel):
     pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "

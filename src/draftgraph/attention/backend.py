@@ -1,23 +1,31 @@
 """Attention backends: build metadata from raw inputs and run attention over the KV pool.
 
-A backend declares what it can do:
+A backend declares what it can do, and callers read these, never guess:
   in_graph_metadata  its metadata builders are graph-capturable (no host sync, no allocation),
                      so a CUDA graph replay derives metadata itself from the raw inputs;
-  draft_step_update  it can advance draft-chain metadata in place between steps in a graph.
-The graph runner rebuilds metadata eagerly before each replay for a backend without
+  draft_step_update  `advance_metadata` moves decode-shaped metadata to the next draft step in
+                     place, inside a graph; without it the base class rebuilds the metadata
+                     eagerly (logged once, naming the backend);
+  fused_kv_store     `attend` reads K/V that a fused projection kernel already stored;
+  kernels            phase -> the kernel it runs; `kernel_for` raises on any other phase, so a
+                     new phase never silently takes a default kernel.
+A step body rebuilds metadata eagerly between its captured parts for a backend without
 `in_graph_metadata` and logs that once.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from draftgraph.attention.kv_pool import KVPool
 from draftgraph.attention.metadata import FULL, SLIDING, MetadataBuffers, build_metadata
-from draftgraph.runtime.kv_cache import KVPool
+
+logger = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
@@ -58,6 +66,8 @@ class AttentionBackend:
     in_graph_metadata = False
     draft_step_update = False
     fused_kv_store = False  # `attend` reads K/V a fused projection kernel already stored
+    kernels: dict[Phase, str] = {}
+    _logged_rebuild = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, sliding_window: int | None,
                  scale: float) -> None:
@@ -69,6 +79,25 @@ class AttentionBackend:
     def build_metadata(self, fb: ForwardBatch) -> None:
         raise NotImplementedError
 
+    def kernel_for(self, phase: Phase) -> str:
+        """The kernel this backend runs for `phase`; raises for a phase it does not handle."""
+        kernel = self.kernels.get(phase)
+        if kernel is None:
+            raise NotImplementedError(
+                f"attention backend {self.name!r} has no kernel for phase {phase.value} "
+                f"(it handles {', '.join(p.value for p in self.kernels)})")
+        return kernel
+
+    def advance_metadata(self, fb: ForwardBatch) -> None:
+        """`fb`'s raw inputs have moved one draft step on (seq_lens + 1, the next slots):
+        bring its metadata along. Without `draft_step_update` this is the eager fallback, a
+        full rebuild, logged once per backend."""
+        if not self._logged_rebuild:
+            logger.info("attention backend %r has no in-place draft-step update: draft "
+                        "metadata is rebuilt eagerly per step", self.name)
+            self._logged_rebuild = True
+        self.build_metadata(fb)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 sliding: bool, fb: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -78,6 +107,8 @@ class TorchBackend(AttentionBackend):
     """Reference backend: torch metadata builders and per-request SDPA. Eager only."""
 
     name = "torch"
+    kernels = {Phase.EXTEND: "sdpa", Phase.DECODE: "sdpa", Phase.VERIFY: "sdpa",
+               Phase.DRAFT_CHAIN: "sdpa"}
 
     def build_metadata(self, fb: ForwardBatch) -> None:
         build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens, fb.out_cache_loc,
@@ -91,6 +122,7 @@ class TorchBackend(AttentionBackend):
                                    lists.kv_start[:bs].tolist())
 
     def forward(self, q, k, v, layer_id, sliding, fb):
+        self.kernel_for(fb.phase)
         k_cache = self.kv_pool.k_buffers[layer_id]
         v_cache = self.kv_pool.v_buffers[layer_id]
         k_cache[fb.out_cache_loc] = k.to(k_cache.dtype)

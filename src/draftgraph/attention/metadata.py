@@ -94,19 +94,23 @@ def build_positions_and_slots(
     req_to_token: torch.Tensor,
     bufs: MetadataBuffers,
 ) -> None:
-    """qo_indptr, positions, token_req; record out_cache_loc in req_to_token."""
+    """qo_indptr, positions, token_req; record out_cache_loc in req_to_token.
+
+    Tokens past sum(extend_lens) are dead (a static-shape verify step packs fewer live tokens
+    than its capacity): they get a valid position and row, and write no `req_to_token` entry.
+    """
     bs = req_pool_indices.shape[0]
     num_tokens = out_cache_loc.shape[0]
     bufs.qo_indptr[0] = 0
     torch.cumsum(extend_lens, 0, out=bufs.qo_indptr[1 : bs + 1])
-    token_req = torch.repeat_interleave(
-        torch.arange(bs, device=seq_lens.device), extend_lens, output_size=num_tokens
-    )
-    offset_in_req = torch.arange(num_tokens, device=seq_lens.device) - bufs.qo_indptr[token_req]
-    positions = (seq_lens - extend_lens)[token_req] + offset_in_req
+    t = torch.arange(num_tokens, device=seq_lens.device)
+    token_req = torch.searchsorted(bufs.qo_indptr[1 : bs + 1], t, right=True).clamp_max(bs - 1)
+    live = t < bufs.qo_indptr[bs]
+    positions = (seq_lens - extend_lens)[token_req] + t - bufs.qo_indptr[token_req]
+    positions = torch.where(live, positions, 0)
     bufs.token_req[:num_tokens] = token_req
     bufs.positions[:num_tokens] = positions
-    req_to_token[req_pool_indices[token_req], positions] = out_cache_loc
+    req_to_token[req_pool_indices[token_req[live]], positions[live]] = out_cache_loc[live]
 
 
 def build_kv_index_lists(

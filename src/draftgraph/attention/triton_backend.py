@@ -1,10 +1,12 @@
 """Triton attention backend: metadata built on the device, attention over CSR KV lists.
 
 Capabilities: in_graph_metadata (every builder is capturable: no host read, no allocation,
-grids from static sizes); no in-place draft-step update yet.
+grids from static sizes); draft_step_update (a draft chain's next-step metadata is rebuilt
+inside the graph from the advanced raw inputs); fused_kv_store.
 
-`forward` stores the new K/V, then runs split-KV decode attention for Phase.DECODE and the
-variable-length extend kernel for every other phase. Nothing is read back to the host, so a
+`forward` stores the new K/V, then runs the phase's kernel (`kernels`): split-KV decode
+attention for DECODE, the variable-length extend kernel for EXTEND and VERIFY; draft phases
+raise until their kernels exist. Nothing is read back to the host, so a
 whole forward can be captured in a CUDA graph.
 
 NOTE: the split-KV scratch (partials `mid_o` / `mid_lse`, per-(row, KV head) arrival counters
@@ -22,18 +24,20 @@ from __future__ import annotations
 import torch
 
 from draftgraph.attention.backend import AttentionBackend, ForwardBatch, Phase
+from draftgraph.attention.kv_pool import KVPool
 from draftgraph.attention.metadata import FULL, SLIDING
 from draftgraph.kernels import attention as attn_kernels
 from draftgraph.kernels import metadata as meta_kernels
 from draftgraph.kernels.kv_store import store_kv
-from draftgraph.runtime.kv_cache import KVPool
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
     in_graph_metadata = True
-    draft_step_update = False
+    draft_step_update = True
     fused_kv_store = True
+    kernels = {Phase.DECODE: "decode", Phase.DRAFT_CHAIN: "decode", Phase.EXTEND: "extend",
+               Phase.VERIFY: "extend"}
 
     def __init__(
         self,
@@ -78,6 +82,12 @@ class TritonBackend(AttentionBackend):
         meta_kernels.build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
                                     fb.out_cache_loc, self.req_to_token, fb.meta)
 
+    def advance_metadata(self, fb: ForwardBatch) -> None:
+        """The next draft step's metadata, inside the graph: the builders are capturable, so
+        the advance is a rebuild from the advanced raw inputs (3 launches), never a host trip.
+        """
+        self.build_metadata(fb)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 sliding: bool, fb: ForwardBatch) -> torch.Tensor:
         k_cache = self.kv_pool.k_buffers[layer_id]
@@ -95,7 +105,7 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
-        if fb.phase is Phase.DECODE:
+        if self.kernel_for(fb.phase) == "decode":
             bs = fb.bs
             if self.mid_o is None:
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -1,4 +1,5 @@
-"""KV cache: the request-to-token table, the paged token-to-KV pool and its allocator.
+"""KV slots: the request-to-token table and the paged allocator of KV slots (the per-layer
+K/V buffers themselves are `attention.kv_pool.KVPool`, one per model).
 
 `req_to_token[row, pos]` is the KV slot holding position `pos` of the request in `row`.
 Row 0 and page 0 (slots 0 .. page_size-1) are reserved: padded batch rows point at them, so
@@ -96,25 +97,3 @@ class PagedAllocator:
     def free(self, pages: list[int]) -> None:
         self._free_pages.extend(pages)
         pages.clear()
-
-
-class KVPool:
-    """Per-layer K and V buffers: [num_slots, num_kv_heads, head_dim] each."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device)
-                          for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device)
-                          for _ in range(num_layers)]
-
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_buffers + self.v_buffers)
