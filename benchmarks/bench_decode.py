@@ -67,7 +67,12 @@ def kernel_table(engine: LLMEngine, graph, steps: int) -> tuple[str, list[dict]]
         torch.cuda.synchronize()
     source, events = "graph_replay", kernels(prof)
     if not events:
-        graphs, engine.runner.graphs = engine.runner.graphs, None
+        from draftgraph.runtime.graph_set import GraphSet
+        from draftgraph.spec.step import StepBody
+
+        graphs = engine.decode_graphs
+        engine.decode_graphs = GraphSet(engine.target, StepBody(engine.target), 0,
+                                        use_graphs=False)
         try:
             for _ in range(3):
                 engine.step()
@@ -77,7 +82,7 @@ def kernel_table(engine: LLMEngine, graph, steps: int) -> tuple[str, list[dict]]
                     engine.step()
                 torch.cuda.synchronize()
         finally:
-            engine.runner.graphs = graphs
+            engine.decode_graphs = graphs
         source, events = "eager_steps", kernels(prof)
     rows: dict[str, list] = {}
     for e in events:
@@ -91,13 +96,14 @@ def kernel_table(engine: LLMEngine, graph, steps: int) -> tuple[str, list[dict]]
 
 def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph: bool,
             kernels: bool = False, async_scheduling: bool = True) -> dict:
-    from draftgraph.runtime.graph_runner import StepGraphRunner
+    from draftgraph.runtime.graph_set import GraphSet
+    from draftgraph.spec.step import StepBody
 
     engine.async_scheduling = async_scheduling
-    runner = engine.runner
-    graphs = StepGraphRunner(runner, runner.max_num_seqs, metadata_in_graph=metadata_in_graph)
+    body = StepBody(engine.target, None, metadata_in_graph=metadata_in_graph)
+    graphs = GraphSet(engine.target, body, 0, use_graphs=True)
     graphs.capture()
-    runner.graphs = graphs
+    engine.decode_graphs = graphs
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_tokens=4 * steps + 64, temperature=0, ignore_eos=True)
@@ -116,7 +122,7 @@ def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph:
     ms_step = (time.perf_counter() - t0) / steps * 1e3
     # GPU time of the replay alone, back to back
     bucket = graphs.bucket_for(bs)
-    graph = graphs.graphs[(bucket, True)]
+    graph = graphs.graphs[(bucket, True)][-1]  # the (last) captured part
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if metadata_in_graph:
         start.record()

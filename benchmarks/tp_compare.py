@@ -19,10 +19,10 @@ from _meta import run_header
 
 from draftgraph.attention.backend import Phase
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
-from draftgraph.distributed import worker
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.runtime.model_runner import StepBatch
+from draftgraph.runtime import tp_worker
+from draftgraph.runtime.schema import StepBatch
 
 
 def run(model: str, tp: int, dtype: str, prompts: list[list[int]], max_tokens: int,
@@ -32,11 +32,11 @@ def run(model: str, tp: int, dtype: str, prompts: list[list[int]], max_tokens: i
         cache=CacheConfig(kv_cache_tokens=32768),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
                                   max_model_len=1024)))
-    procs = list(worker._STATE["procs"])
+    procs = list(tp_worker._STATE["procs"])
     try:
         ids = prompts[0]
         n = len(ids)
-        logits = engine.runner.forward(StepBatch(Phase.EXTEND, ids, [1], [n], [n],
+        logits = engine.target.forward(StepBatch(Phase.EXTEND, ids, [1], [n], [n],
                                                  list(range(1, n + 1)), list(range(n))))
         outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                        ignore_eos=True))

@@ -33,11 +33,12 @@ def tiny_loaded(hf):
 
 
 def tiny_engine(hf, max_num_seqs: int = 8, budget: int = 64, kv_tokens: int = 2048,
-                page_size: int = 1, spec: SpecConfig | None = None) -> LLMEngine:
+                page_size: int = 1, spec: SpecConfig | None = None,
+                drafter=None) -> LLMEngine:
     config = EngineConfig(
         model="tiny", device="cpu",
         cache=CacheConfig(page_size=page_size, kv_cache_tokens=kv_tokens),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         spec=spec or SpecConfig(),
     )
-    return LLMEngine(config, loaded=tiny_loaded(hf))
+    return LLMEngine(config, loaded=tiny_loaded(hf), drafter=drafter)

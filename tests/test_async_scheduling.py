@@ -1,8 +1,8 @@
 """Async scheduling on CPU: decode step N + 1 is launched before step N's tokens are read.
 
-The graph runner is CUDA-only, so an eager stand-in with its replay/result contract serves
-here: it resolves last tokens staged as -(j + 1) from its previous step's sampled row j, as
-the graphs do on the device (kernels/tokens.py). Outputs must equal the engine without async
+On CPU the decode graph set runs its step body eagerly, with the same contract as the
+captured graphs: last tokens staged as -(j + 1) are resolved from the previous step's sampled
+row j on the device (kernels/tokens.py). Outputs must equal the engine without async
 scheduling token for token, whatever finishes, aborts or arrives mid-run, and every KV slot
 must come back."""
 
@@ -12,47 +12,21 @@ import pytest
 import torch
 from _tiny import tiny_engine, tiny_hf_model
 
-from draftgraph.attention.backend import Phase
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.runtime.model_runner import StepBatch
-
-
-class EagerStepGraphs:
-    """StepGraphRunner's host contract (k = 0, greedy) over eager forwards."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.results: list[list] = []
-        self.prev_tokens: list[int] = []
-        self.refs = 0  # last tokens that were references to the previous step
-
-    def bucket_for(self, bs):
-        return bs
-
-    def replay(self, input_ids, req_pool_indices, seq_lens, out_cache_loc, temperature, top_p,
-               top_k, seeds, max_draft=None):
-        assert all(t == 0 for t in temperature)
-        self.refs += sum(t < 0 for t in input_ids)
-        ids = [self.prev_tokens[-t - 1] if t < 0 else t for t in input_ids]
-        bs = len(ids)
-        logits = self.engine.runner.forward(StepBatch(
-            Phase.DECODE, ids, req_pool_indices, seq_lens, [1] * bs,
-            [loc[0] for loc in out_cache_loc], list(range(bs))))
-        tokens = logits.argmax(-1)
-        lps = (logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(-1)).tolist()
-        self.prev_tokens = tokens.tolist()
-        self.results.append([([t], [lp], 0) for t, lp in zip(self.prev_tokens, lps,
-                                                            strict=True)])
-        return bs
-
-    def result(self, back=0):
-        return self.results[-1 - back]
 
 
 def _engine(hf, async_on: bool, kv_tokens: int = 2048):
     engine = tiny_engine(hf, max_num_seqs=8, budget=64, kv_tokens=kv_tokens)
-    engine.async_scheduling = async_on
-    engine.runner.graphs = EagerStepGraphs(engine)
+    engine.async_scheduling = async_on  # on CPU off by default: eagerly nothing overlaps
+    graphs = engine.decode_graphs
+    graphs.refs = 0  # last tokens that were references to the previous step
+    replay = graphs.replay
+
+    def counting_replay(bs, greedy, fields):
+        graphs.refs += sum(t < 0 for t in fields["input_ids"])
+        return replay(bs, greedy, fields)
+
+    graphs.replay = counting_replay
     return engine
 
 
@@ -71,7 +45,7 @@ def _run(engine, prompts, params, abort_at=None, late=None):
             engine.abort(ids[abort_at[1]])
         if late and step == 3:
             engine.add_request(late[0], late[1], request_id="late")
-    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
     return done
 
 
@@ -103,7 +77,7 @@ def test_async_steps_equal_sync_steps_with_requests_ending_at_different_steps(hf
     assert ref["r0"][2] == "stop" and len(ref["r0"][0]) <= 7
     for k in ref:
         torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(ref[k][1]))
-    assert engine.runner.graphs.refs > 20  # the steps really were launched ahead
+    assert engine.decode_graphs.refs > 20  # the steps really were launched ahead
     assert engine._inflight is None
 
 
@@ -117,14 +91,14 @@ def test_async_steps_survive_an_abort_and_a_late_arrival(hf):
     assert got["r2"][2] == ref["r2"][2] == "abort"
     for k in ("r0", "r1", "r3", "late"):
         assert got[k] == ref[k], k
-    assert engine.runner.graphs.refs > 0
+    assert engine.decode_graphs.refs > 0
 
 
 def test_without_async_scheduling_no_step_is_launched_ahead(hf):
     engine = _engine(hf, False)
     _run(engine, _prompts(3), [SamplingParams(max_tokens=8, temperature=0,
                                               ignore_eos=True)] * 3)
-    assert engine.runner.graphs.refs == 0
+    assert engine.decode_graphs.refs == 0
 
 
 def test_async_scheduling_falls_back_when_kv_runs_short(hf):

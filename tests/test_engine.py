@@ -62,15 +62,15 @@ def test_page_size_4_gives_the_same_tokens_from_whole_pages(hf, prompts):
     ref = tiny_engine(hf).generate(prompts[:4], GREEDY)
     engine = tiny_engine(hf, page_size=4)
     seen_rows = []
-    real_forward = engine.runner.forward
+    real_forward = engine.model.forward  # every step: eager forwards and step bodies
 
-    def forward(sb):  # every request's slots: 4 consecutive positions share one page
+    def forward(*args, **kwargs):  # every request's slots: 4 consecutive positions, one page
         for req in engine.scheduler.running:
             n = req.num_computed_tokens + 1
-            seen_rows.append(engine.runner.req_pool.req_to_token[req.req_pool_idx, :n].clone())
-        return real_forward(sb)
+            seen_rows.append(engine.slots.req_pool.req_to_token[req.req_pool_idx, :n].clone())
+        return real_forward(*args, **kwargs)
 
-    engine.runner.forward = forward
+    engine.model.forward = forward
     paged = engine.generate(prompts[:4], GREEDY)
     assert [o.token_ids for o in paged] == [o.token_ids for o in ref]
     checked = 0
@@ -89,13 +89,13 @@ def test_preemption_when_kv_runs_out_keeps_outputs_identical(hf, prompts):
     small = tiny_engine(hf, kv_tokens=120, budget=32)  # far less than 8 requests need
     outs = small.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert small.num_free_kv_slots() == small.runner.allocator.usable_slots
+    assert small.num_free_kv_slots() == small.slots.allocator.usable_slots
 
 
 def test_every_kv_slot_is_free_after_adds_finishes_and_aborts(hf):
     rng = random.Random(0)
     engine = tiny_engine(hf, max_num_seqs=4, budget=24, kv_tokens=400, page_size=2)
-    usable = engine.runner.allocator.usable_slots
+    usable = engine.slots.allocator.usable_slots
     live: list[str] = []
     finished = aborted = 0
     for _step in range(300):
@@ -118,7 +118,7 @@ def test_every_kv_slot_is_free_after_adds_finishes_and_aborts(hf):
         engine.step()
     assert finished > 5 and aborted > 0
     assert engine.num_free_kv_slots() == usable
-    assert engine.runner.req_pool.num_free == engine.runner.req_pool.max_reqs
+    assert engine.slots.req_pool.num_free == engine.slots.req_pool.max_reqs
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched(hf, prompts):
@@ -164,20 +164,20 @@ def test_bad_requests_raise_actionable_errors(hf):
 def test_a_failing_forward_fails_its_requests_and_the_engine_keeps_serving(hf, prompts,
                                                                            monkeypatch):
     engine = tiny_engine(hf)
-    real_forward = engine.runner.forward
+    real_forward = engine.model.forward  # prefill (eager forward) and decode (step body)
     calls = {"n": 0}
 
-    def flaky(sb):
+    def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return real_forward(sb)
+        return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "forward", flaky)
+    monkeypatch.setattr(engine.model, "forward", flaky)
     outs = engine.generate(prompts[:2], GREEDY)
     assert {o.finish_reason for o in outs} == {"error"}
     assert "boom" in outs[0].error
-    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
     ok = engine.generate([prompts[0]], GREEDY)[0]
     assert ok.finish_reason == "length" and len(ok.token_ids) == 24
 
@@ -185,7 +185,7 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_keeps_serving(hf, p
 def test_graph_staging_writes_slot_rows_zero_padded():
     import numpy as np
 
-    from draftgraph.runtime.graph_runner import stage_slot_rows
+    from draftgraph.runtime.graph_set import stage_slot_rows
 
     dst = np.full((4, 3), 99, dtype=np.int64)
     stage_slot_rows(dst, [[5, 6, 7, 8], [9, 10, 11]])  # uniform after the cut: one assignment

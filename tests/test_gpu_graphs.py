@@ -49,34 +49,36 @@ def _growing_shrinking_workload(engine: LLMEngine, vocab: int) -> dict[str, list
 def test_graph_replay_equals_eager_on_growing_and_shrinking_batches():
     eager = _engine(use_graphs=False)
     graph = _engine(use_graphs=True)
-    assert graph.runner.graphs is not None and graph.runner.graphs.metadata_in_graph
+    assert graph.decode_graphs.use_graphs and graph.decode_graphs.body.metadata_in_graph
     vocab = eager.model_config.vocab_size
     a = _growing_shrinking_workload(eager, vocab)
     b = _growing_shrinking_workload(graph, vocab)
     assert a == b
-    assert graph.num_free_kv_slots() == graph.runner.allocator.usable_slots
+    assert graph.num_free_kv_slots() == graph.slots.allocator.usable_slots
 
 
 def _replay_vs_eager(engine: LLMEngine, graphs, k: int, seed: int) -> None:
     """Stage random batches straight into a step graph; replay must equal the eager twin."""
-    runner = engine.runner
+    slots = engine.slots
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(seed)
     for bs in (1, 3, 8, 13, 16, 2):
-        rows = [runner.req_pool.alloc() for _ in range(bs)]
+        rows = [slots.req_pool.alloc() for _ in range(bs)]
         seq_lens = torch.randint(2, 200, (bs,), generator=g).tolist()
         locs = []
         for row, n in zip(rows, seq_lens, strict=True):
-            slots = torch.randint(1, runner.allocator.num_slots, (n + k,), generator=g)
-            runner.req_pool.req_to_token[row, : n - 1] = slots[: n - 1].cuda()
+            kv = torch.randint(1, slots.allocator.num_slots, (n + k,), generator=g)
+            slots.req_pool.req_to_token[row, : n - 1] = kv[: n - 1].cuda()
             # token history with repeats, so the n-gram proposer finds drafts
             motif = torch.randint(0, vocab, (7,), generator=g)
-            runner.token_table[row, :n] = motif.repeat(n // 7 + 1)[:n].cuda()
-            locs.append(slots[n - 1 :].tolist())
-        ids = runner.token_table[rows, torch.tensor(seq_lens) - 1].tolist()
+            slots.token_table[row, :n] = motif.repeat(n // 7 + 1)[:n].cuda()
+            locs.append(kv[n - 1 :].tolist())
+        ids = slots.token_table[rows, torch.tensor(seq_lens) - 1].tolist()
         max_draft = torch.randint(0, k + 1, (bs,), generator=g).tolist()
-        bucket = graphs.replay(ids, rows, seq_lens, locs, [0.0] * bs, [1.0] * bs, [-1] * bs,
-                               list(range(bs)), max_draft)
+        bucket = graphs.replay(bs, True, dict(
+            input_ids=ids, req_pool_indices=rows, seq_lens=seq_lens, reserved_slots=locs,
+            temperature=[0.0] * bs, top_p=[1.0] * bs, top_k=[-1] * bs, seeds=list(range(bs)),
+            max_draft=max_draft))
         replayed = graphs.result()
         graphs.run_eager(bucket, greedy=True)
         torch.cuda.synchronize()
@@ -88,33 +90,45 @@ def _replay_vs_eager(engine: LLMEngine, graphs, k: int, seed: int) -> None:
         for r, e in zip(replayed, eager, strict=True):
             assert max(abs(x - y) for x, y in zip(r[1], e[1], strict=True)) < 1e-3
         for row in rows:
-            runner.req_pool.free(row)
+            slots.req_pool.free(row)
     if k:
         assert any(r[2] > 0 for r in replayed)  # drafts were really proposed in the graph
 
 
 def test_replay_equals_its_eager_twin_and_buffers_keep_their_addresses():
     engine = _engine(use_graphs=True, spec=SpecConfig(method="ngram", num_draft_tokens=4))
-    runner = engine.runner
-    watched = [runner.graphs.raw, runner.graphs.out, runner.spec_graphs.raw,
-               runner.spec_graphs.packed_ids, runner.req_pool.req_to_token, runner.token_table,
-               *runner.meta.all_tensors(), *runner.kv_pool.k_buffers[:2]]
+    target, slots = engine.target, engine.slots
+    watched = [engine.decode_graphs.raw, engine.decode_graphs.out, engine.spec_graphs.raw,
+               engine.spec_graphs.body.packed_ids, slots.req_pool.req_to_token,
+               slots.token_table, *target.meta.all_tensors(), *target.kv_pool.k_buffers[:2]]
     ptrs = [t.data_ptr() for t in watched]
-    _replay_vs_eager(engine, runner.graphs, 0, seed=1)
-    _replay_vs_eager(engine, runner.spec_graphs, 4, seed=2)
+    _replay_vs_eager(engine, engine.decode_graphs, 0, seed=1)
+    _replay_vs_eager(engine, engine.spec_graphs, 4, seed=2)
     assert [t.data_ptr() for t in watched] == ptrs
 
 
-def test_eager_metadata_fallback_gives_the_same_tokens_and_says_so(caplog):
-    from draftgraph.runtime.graph_runner import StepGraphRunner
+@pytest.mark.parametrize("spec", [None, SpecConfig(method="ngram", num_draft_tokens=4)])
+def test_eager_metadata_fallback_gives_the_same_tokens_and_says_so(caplog, spec):
+    from draftgraph.runtime.graph_set import GraphSet
+    from draftgraph.spec.step import StepBody
 
-    ref = _engine(use_graphs=True)
-    fallback = _engine(use_graphs=False)
-    with caplog.at_level("WARNING", logger="draftgraph.runtime.graph_runner"):
-        fallback.runner.graphs = StepGraphRunner(fallback.runner, 16, metadata_in_graph=False)
+    ref = _engine(use_graphs=True, spec=spec)
+    fallback = _engine(use_graphs=True, spec=spec)
+    target = fallback.target
+    with caplog.at_level("WARNING", logger="draftgraph.spec.step"):
+        bodies = {name: StepBody(target, gs.body.drafter, metadata_in_graph=False)
+                  for name, gs in target.graph_sets.items()}
     lines = [r.getMessage() for r in caplog.records if "rebuilt eagerly" in r.getMessage()]
-    assert len(lines) == 1 and "'triton'" in lines[0]
-    fallback.runner.graphs.capture()
+    assert len(lines) == len(bodies) and all("'triton'" in x for x in lines)
+    for i, (name, body) in enumerate(bodies.items()):
+        gs = GraphSet(target, body, i)
+        gs.capture()
+        # the metadata builder runs between two captured parts, not inside a graph
+        assert [type(p).__name__ for p in gs.graphs[(1, True)]] == \
+            ["CUDAGraph", "function", "CUDAGraph"]
+        target.graph_sets[name] = gs
+    fallback.decode_graphs = target.graph_sets["decode"]
+    fallback.spec_graphs = target.graph_sets.get("spec")
     vocab = ref.model_config.vocab_size
     assert _growing_shrinking_workload(ref, vocab) == \
         _growing_shrinking_workload(fallback, vocab)
@@ -134,7 +148,7 @@ def test_speculative_graphs_match_eager_verify_and_plain_greedy():
     # bits, which can flip a near-tie on a random-weight model
     assert sum(b[r] == c[r] for r in b) >= len(b) - 1
     assert sum(a[r] == b[r] for r in a) >= len(a) - 2
-    assert graph_spec.num_free_kv_slots() == graph_spec.runner.allocator.usable_slots
+    assert graph_spec.num_free_kv_slots() == graph_spec.slots.allocator.usable_slots
 
 
 @pytest.mark.parametrize("model", ["random:smollm2-135m", "random:tiny"])
@@ -176,12 +190,12 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs():
     for async_on in (False, True):
         engine = _engine(use_graphs=True)
         engine.async_scheduling = async_on
-        graphs, seen = engine.runner.graphs, []
+        graphs, seen = engine.decode_graphs, []
         replay = graphs.replay
 
-        def counted(ids, *args, replay=replay, seen=seen, **kwargs):
-            seen.append(any(t < 0 for t in ids))
-            return replay(ids, *args, **kwargs)
+        def counted(bs, greedy, fields, replay=replay, seen=seen):
+            seen.append(any(t < 0 for t in fields["input_ids"]))
+            return replay(bs, greedy, fields)
 
         graphs.replay = counted
         vocab = engine.model_config.vocab_size
@@ -196,7 +210,7 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs():
         res = engine.generate(prompts, params)
         outs[async_on] = [(o.token_ids, torch.tensor(o.logprobs)) for o in res]
         launched_ahead[async_on] = sum(seen)
-        assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+        assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
     assert launched_ahead[False] == 0 and launched_ahead[True] > 10
     for (ta, la), (tb, lb) in zip(outs[False], outs[True], strict=True):
         assert ta == tb

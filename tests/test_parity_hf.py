@@ -226,4 +226,4 @@ def test_default_model_stop_string_inside_an_accepted_run_is_never_streamed(ours
     assert out.text == plain.text[: plain.text.index(stop)]
     assert "".join(streamed) == out.text
     assert out.metrics["accept_len_mean"] > 3  # the stop really fell inside accepted runs
-    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots

@@ -59,11 +59,11 @@ def _wait_idle(base_url: str, async_engine, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (not engine.has_unfinished() and async_engine.num_active_streams == 0
-                and engine.num_free_kv_slots() == engine.runner.allocator.usable_slots):
+                and engine.num_free_kv_slots() == engine.slots.allocator.usable_slots):
             return
         time.sleep(0.05)
     raise AssertionError(f"engine not idle: {engine.num_free_kv_slots()} of "
-                         f"{engine.runner.allocator.usable_slots} KV slots free, "
+                         f"{engine.slots.allocator.usable_slots} KV slots free, "
                          f"{async_engine.num_active_streams} streams")
 
 
@@ -204,7 +204,7 @@ def test_engine_error_fails_the_request_with_500_and_the_loop_keeps_serving(serv
     engine = async_engine.engine
     url = st.base_url + "/v1/completions"
     # a failing forward: the engine fails the batch's requests
-    real_forward = engine.runner.forward
+    real_forward = engine.target.forward
     calls = {"n": 0}
 
     def broken_forward(batch):
@@ -213,11 +213,11 @@ def test_engine_error_fails_the_request_with_500_and_the_loop_keeps_serving(serv
             raise RuntimeError("boom in forward")
         return real_forward(batch)
 
-    engine.runner.forward = broken_forward
+    engine.target.forward = broken_forward
     try:
         r = httpx.post(url, json=GOOD, headers=AUTH)
     finally:
-        engine.runner.forward = real_forward
+        engine.target.forward = real_forward
     assert r.status_code == 500
     err = r.json()["error"]
     assert err["type"] == "server_error" and "boom in forward" in err["message"]
@@ -296,7 +296,7 @@ def test_load_with_disconnecting_clients_frees_every_kv_slot(server):
 
     _wait_idle(st.base_url, async_engine)
     engine = async_engine.engine
-    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
     assert httpx.get(st.base_url + "/health").json() == {"status": "ok"}
     after = httpx.get(st.base_url + "/metrics").text
     finished = {reason: _metric(after, "vllm:request_success_total", f'"{reason}"')

@@ -9,6 +9,7 @@ from _tiny import tiny_engine, tiny_hf_model
 
 from draftgraph.config import SpecConfig
 from draftgraph.engine.sampling import SamplingParams
+from draftgraph.spec.drafter import Drafter, Proposal
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 NGRAM = SpecConfig(method="ngram", num_draft_tokens=4, ngram_min=1, ngram_max=3)
@@ -38,28 +39,35 @@ def test_ngram_speculation_is_lossless_alone_and_batched(hf, prompts):
     batched = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
     assert engine.stats["num_drafts"] > 0  # drafts were really verified
-    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+
+
+class OracleDrafter(Drafter):
+    """Drafts the tokens of a known future sequence (one request), through the drafter seam:
+    draft j of a request with seq_lens n is future[n + j]."""
+
+    name = "oracle"
+
+    def __init__(self, future: list[int], k: int = 4) -> None:
+        super().__init__(k)
+        self.future = torch.tensor(future + [0] * (k + 1))
+
+    def propose(self, ctx):
+        idx = ctx.seq_lens[:, None] + torch.arange(self.k)[None, :]  # [bs, k] positions
+        drafts = self.future[idx.clamp_max(len(self.future) - 1)]
+        return Proposal(drafts, ctx.max_draft.clone())
+
+
+def _oracle_engine(hf, future):
+    return tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=4),
+                       drafter=OracleDrafter(future))
 
 
 def test_self_drafting_accepts_every_draft(hf, prompts):
-    """A proposer that returns the target's own future greedy tokens reaches k + 1."""
+    """A drafter that returns the target's own future greedy tokens reaches k + 1."""
     ref = tiny_engine(hf).generate([prompts[1]], GREEDY)[0]
     future = prompts[1] + ref.token_ids
-    engine = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=4))
-
-    def oracle(running):
-        out = {}
-        for req in running:
-            if req.is_prefilling:
-                continue
-            n = req.num_tokens
-            room = GREEDY.max_tokens - len(req.output_token_ids) - 1
-            d = min(4, room)
-            if d > 0:
-                out[req.request_id] = future[n : n + d]
-        return out
-
-    engine.proposer.propose = oracle
+    engine = _oracle_engine(hf, future)
     out = engine.generate([prompts[1]], GREEDY)[0]
     assert out.token_ids == ref.token_ids
     m = out.metrics
@@ -75,14 +83,11 @@ def test_stop_token_inside_an_accepted_run_discards_the_rest(hf, prompts):
     stop_at = 6
     sp = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[ref[stop_at]])
     first = ref.index(ref[stop_at])
-    engine = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=4))
-    engine.proposer.propose = lambda running: {
-        r.request_id: future[r.num_tokens : r.num_tokens + 4]
-        for r in running if not r.is_prefilling}
+    engine = _oracle_engine(hf, future)
     out = engine.generate([prompts[1]], sp)[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == ref[: first + 1]
-    assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
 
 
 def test_seeded_sampling_with_speculation_reproduces_itself(hf, prompts):

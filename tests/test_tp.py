@@ -16,7 +16,7 @@ from conftest import save_tiny_hf_checkpoint, tiny_llama_config
 
 from draftgraph.attention.backend import Phase
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from draftgraph.distributed import current_tp, worker
+from draftgraph.distributed import current_tp
 from draftgraph.distributed.parallel import TPInfo
 from draftgraph.distributed.sharding import AttentionShard as S
 from draftgraph.distributed.sharding import attention_shard, split_evenly, vocab_shard
@@ -25,7 +25,8 @@ from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import LlamaForCausalLM
 from draftgraph.models.presets import init_random_weights
-from draftgraph.runtime.model_runner import StepBatch
+from draftgraph.runtime import tp_control, tp_worker
+from draftgraph.runtime.schema import StepBatch
 
 LOGITS_ATOL = 1e-4
 
@@ -145,7 +146,7 @@ def _prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits at every position of a prefill (row 1, slots 1..n of a fresh engine)."""
     n = len(ids)
     sb = StepBatch(Phase.EXTEND, ids, [1], [n], [n], list(range(1, n + 1)), list(range(n)))
-    return engine.runner.forward(sb)
+    return engine.target.forward(sb)
 
 
 def _run(model: str, tp: int, prompts: list, max_tokens: int, spec: SpecConfig | None = None):
@@ -160,7 +161,7 @@ def _run(model: str, tp: int, prompts: list, max_tokens: int, spec: SpecConfig |
 
 def _run_engine(model, tp, prompts, max_tokens, spec):
     engine = _engine(model, tp, spec)
-    procs = list(worker._STATE["procs"])
+    procs = list(tp_worker._STATE["procs"])
     try:
         assert len(procs) == tp - 1 and current_tp().size == tp
         ids = prompts[0] if isinstance(prompts[0], list) else engine.encode_prompt(prompts[0])
@@ -191,7 +192,7 @@ def test_tp2_equals_tp1_on_a_tiny_checkpoint_with_speculative_decoding(tiny_hf_d
     for path in (tiny_hf_dir, odd_hf_dir):
         if path == odd_hf_dir:  # a 600-token prefill: its raw inputs outgrow the inline lanes
             prompts.append([(7 * i) % 250 for i in range(600)])
-            assert 2 * 600 > worker.INLINE
+            assert 2 * 600 > tp_control.INLINE
         ref_logits, ref_tokens, _ = _run(path, 1, prompts, 24)
         logits, tokens, exitcodes = _run(path, 2, prompts, 24)
         diff = (logits - ref_logits).abs().max().item()
@@ -243,4 +244,4 @@ def test_tp_flag_errors_name_the_flag():
         EngineConfig(device="cpu", tensor_parallel_size=0)
     with pytest.raises(EngineError, match="--tensor-parallel-size"):
         LLMEngine(EngineConfig(device="cpu", tensor_parallel_size=2), loaded=object())
-    assert not worker._STATE["procs"]  # refused before any worker started
+    assert not tp_worker._STATE["procs"]  # refused before any worker started

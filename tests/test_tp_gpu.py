@@ -13,10 +13,11 @@ import torch
 
 from draftgraph.attention.backend import Phase
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from draftgraph.distributed import current_tp, worker
+from draftgraph.distributed import current_tp
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.runtime.model_runner import StepBatch
+from draftgraph.runtime import tp_worker
+from draftgraph.runtime.schema import StepBatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,19 +41,19 @@ def _run(model: str, tp: int, dtype: str, max_tokens: int = 32,
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
                                   max_model_len=512),
         spec=spec or SpecConfig()))
-    procs = list(worker._STATE["procs"])
+    procs = list(tp_worker._STATE["procs"])
     try:
-        assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+        assert engine.decode_graphs.use_graphs and engine.decode_graphs.graphs
         assert current_tp().size == tp and len(procs) == tp - 1
         prompts = _prompts(engine.model_config.vocab_size)
         ids = prompts[0]
         n = len(ids)
-        logits = engine.runner.forward(StepBatch(Phase.EXTEND, ids, [1], [n], [n],
+        logits = engine.target.forward(StepBatch(Phase.EXTEND, ids, [1], [n], [n],
                                                  list(range(1, n + 1)), list(range(n))))
         outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                        ignore_eos=True))
         tokens = [o.token_ids for o in outs]
-        assert engine.num_free_kv_slots() == engine.runner.allocator.usable_slots
+        assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
     finally:
         engine.shutdown()
     return logits.cpu(), tokens, [p.exitcode for p in procs]

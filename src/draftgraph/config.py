@@ -46,21 +46,35 @@ class SchedulerConfig:
               f"--max-model-len must be >= 2, got {self.max_model_len}")
 
 
+SPEC_METHODS = ("ngram", "chain", "draft", "block")
+
+
 @dataclass
 class SpecConfig:
-    method: str | None = None  # None | "ngram"
-    num_draft_tokens: int = 4
+    method: str | None = None  # None | "ngram" | "chain" | "draft" | "block" (--speculative)
+    num_draft_tokens: int = 4  # k drafts per step (chain, n-gram); the block size - 1 (block)
     ngram_min: int = 1
     ngram_max: int = 4
     adaptive: bool = True  # shrink the draft length when acceptance is low
+    draft_head: str | None = None  # chain / block: a head directory (--draft-head)
+    draft_model: str | None = None  # draft: a model with the target's vocabulary (--draft-model)
 
     def __post_init__(self) -> None:
-        _need(self.method in (None, "ngram"),
-              f"--speculative must be one of: ngram (got {self.method!r})")
+        _need(self.method is None or self.method in SPEC_METHODS,
+              f"--speculative must be one of: {', '.join(SPEC_METHODS)} (got {self.method!r})")
         _need(1 <= self.num_draft_tokens <= 16,
               f"--num-draft-tokens must be in 1..16, got {self.num_draft_tokens}")
         _need(1 <= self.ngram_min <= self.ngram_max,
               f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method in ("chain", "block"):
+            _need(self.draft_head is not None,
+                  f"--speculative {self.method} needs --draft-head (a head directory)")
+        if self.method == "draft":
+            _need(self.draft_model is not None, "--speculative draft needs --draft-model")
+        _need(self.draft_head is None or self.method in ("chain", "block"),
+              "--draft-head is for --speculative chain or block")
+        _need(self.draft_model is None or self.method == "draft",
+              "--draft-model is for --speculative draft")
 
 
 @dataclass

@@ -13,7 +13,13 @@ import argparse
 import logging
 import os
 
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.config import (
+    SPEC_METHODS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +136,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seed of the engine (random presets' weights, per-request seeds)")
     e.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative", choices=["ngram"], default=None,
-                   help="drafter (default: none, plain decoding)")
+    s.add_argument("--speculative", choices=list(SPEC_METHODS), default=None,
+                   help="drafter (default: none, plain decoding): ngram (prompt lookup), "
+                   "draft (a separate draft model, --draft-model); chain / block heads "
+                   "(--draft-head) are not built yet")
+    s.add_argument("--draft-model", default=None,
+                   help="--speculative draft: a model with the target's vocabulary "
+                   "(a .gguf file, a Hugging Face directory or random:<preset>)")
+    s.add_argument("--draft-head", default=None,
+                   help="--speculative chain / block: a head directory")
     s.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens proposed per step")
     s.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,
@@ -146,7 +159,8 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
     """The one mapping of the speculative flags to a SpecConfig."""
     return SpecConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
                       ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                      adaptive=not args.no_adaptive_draft)
+                      adaptive=not args.no_adaptive_draft, draft_model=args.draft_model,
+                      draft_head=args.draft_head)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

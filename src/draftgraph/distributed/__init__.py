@@ -3,10 +3,11 @@
   parallel.py  process groups (model collectives + a gloo control group), TPInfo, collectives
   sharding.py  which heads / rows / vocabulary shard each rank holds (uneven head splits)
   layers.py    row-parallel linear, vocab-parallel embedding and LM head
-  worker.py    rank 0 starts ranks > 0 and broadcasts each step's raw inputs; they follow
+
+The processes themselves (start, follow rank 0's steps, stop) are `runtime/tp_worker.py` and
+`runtime/tp_control.py`: they run executors, which sit above the models.
 """
 
 from draftgraph.distributed.parallel import TPInfo, current_tp
-from draftgraph.distributed.worker import shutdown_workers, start_workers
 
-__all__ = ["TPInfo", "current_tp", "shutdown_workers", "start_workers"]
+__all__ = ["TPInfo", "current_tp"]

@@ -7,6 +7,7 @@ engine thread drains at the start of each `step`. Everything else runs on the en
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -17,32 +18,32 @@ import torch
 
 from draftgraph.attention.backend import Phase
 from draftgraph.config import EngineConfig
+from draftgraph.engine.errors import EngineError, QueueFullError
 from draftgraph.engine.request import Request, RequestOutput, Status
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.runtime.sampling import sample
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
-from draftgraph.kernels.argmax import argmax_lse
+from draftgraph.engine.speculation import SpecPolicy
+from draftgraph.models.loader import missing_tokenizer_reason
+from draftgraph.runtime.executor import build_target
 from draftgraph.runtime.kv_cache import OutOfKVSlots
-from draftgraph.runtime.model_runner import ModelRunner, StepBatch
+from draftgraph.runtime.schema import StepBatch
+from draftgraph.spec import Drafter, emit, make_drafter
+from draftgraph.spec.step import BodyFactory
 
 logger = logging.getLogger(__name__)
 
-
-class EngineError(ValueError):
-    """A request the engine refuses; the message says what to change."""
-
-
-class QueueFullError(EngineError):
-    """The waiting queue is full; retry later."""
+__all__ = ["EngineError", "LLMEngine", "QueueFullError"]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded=None) -> None:
+    def __init__(self, config: EngineConfig, loaded=None, drafter: Drafter | None = None) -> None:
+        """`drafter`: a Drafter object instead of the one `config.spec` names (tests, custom
+        drafters); `loaded`: an already loaded model (tests)."""
         self.config = config
         self.device = torch.device(config.device)
         torch.manual_seed(config.seed)
-        if config.tensor_parallel_size > 1:  # TP: start ranks 1.. (distributed/worker.py)
-            from draftgraph.distributed import start_workers
+        if config.tensor_parallel_size > 1:  # TP: start ranks 1.. (runtime/tp_worker.py)
+            from draftgraph.runtime.tp_worker import start_workers
 
             if loaded is not None:
                 raise EngineError("--tensor-parallel-size > 1: every rank loads its shard "
@@ -62,15 +63,24 @@ class LLMEngine:
         if sched_cfg.max_model_len and sched_cfg.max_model_len > model_ctx:
             raise EngineError(f"--max-model-len {sched_cfg.max_model_len} exceeds the model's "
                               f"context of {model_ctx} tokens")
-        spec = config.spec
-        k = spec.num_draft_tokens if spec.method else 0
+        self.drafter = drafter if drafter is not None else make_drafter(
+            config.spec, self.device, config.torch_dtype)
+        if self.drafter is not None and self.drafter.keeps_kv and \
+                config.tensor_parallel_size > 1:
+            raise EngineError(f"--speculative {self.drafter.name} does not run under "
+                              "--tensor-parallel-size > 1 yet")
+        k = self.drafter.k if self.drafter is not None else 0
         backend = config.attention_backend or ("triton" if self.device.type == "cuda"
                                                else "torch")
-        self.runner = ModelRunner(self.model, config.cache, sched_cfg, self.max_model_len,
-                                  self.device, config.torch_dtype, backend,
-                                  extra_tokens_per_req=k)
+        # one slot space for every model; the target's executor over it
+        self.slots, self.target = build_target(
+            self.model, cache_cfg=config.cache, sched_cfg=sched_cfg,
+            max_model_len=self.max_model_len, device=self.device, dtype=config.torch_dtype,
+            backend=backend, extra_tokens_per_req=k,
+            extra_kv_bytes_per_token=(self.drafter.kv_bytes_per_token(config.torch_dtype)
+                                      if self.drafter is not None else 0))
         self.spec_k = k
-        self.scheduler = Scheduler(sched_cfg, self.runner.allocator, self.runner.req_pool)
+        self.scheduler = Scheduler(sched_cfg, self.slots.allocator, self.slots.req_pool)
         self.requests: dict[str, Request] = {}
         self._inbox: deque = deque()
         self._lock = threading.Lock()
@@ -81,47 +91,64 @@ class LLMEngine:
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                       "accepted_per_pos": [0] * max(k, 1), "prompt_tokens": 0,
                       "generation_tokens": 0}
-        self.proposer = None
-        if spec.method == "ngram":
-            from draftgraph.spec.speculator import NgramSpeculator
-
-            self.proposer = NgramSpeculator(spec)
-            self.proposer.stats = self.stats
-            self.proposer.max_model_len = self.max_model_len
-        if self.device.type == "cuda" and config.use_graphs:
-            self.runner.init_graphs(num_draft_tokens=k,
-                                    proposer=self.proposer.proposer if self.proposer else None)
+        self.policy = SpecPolicy(config.spec, k) if self.drafter is not None else None
+        if self.policy is not None:
+            self.policy.stats = self.stats
+            self.policy.max_model_len = self.max_model_len
+        # decode and speculative steps are graph sets of step bodies: captured on a GPU, run
+        # eagerly elsewhere (the same body, the same buffers)
+        use_graphs = self.device.type == "cuda" and config.use_graphs
+        bodies = {"decode": BodyFactory(None, use_graphs=use_graphs)}
+        if self.drafter is not None:
+            bodies["spec"] = BodyFactory(self.drafter, use_graphs=use_graphs)
+        self.target.init_graphs(bodies, use_graphs=use_graphs)
+        self.decode_graphs = self.target.graph_sets["decode"]
+        self.spec_graphs = self.target.graph_sets.get("spec")
         # async scheduling: requests of a launched decode replay whose tokens are not read yet.
-        # NOTE: off with speculation, and under TP until it has run on GPUs (the ranks > 0
-        # would resolve the token references from their own, identical, output buffers)
-        self.async_scheduling = (config.async_scheduling and self.proposer is None
-                                 and config.tensor_parallel_size == 1)
+        # NOTE: with graphs only (eagerly nothing overlaps), off with speculation, and under TP
+        # until it has run on GPUs (the ranks > 0 would resolve the token references from
+        # their own, identical, output buffers)
+        self.async_scheduling = (config.async_scheduling and use_graphs
+                                 and self.drafter is None and config.tensor_parallel_size == 1)
         self._inflight: list[Request] | None = None
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
                       use_chat_template: bool = True) -> list[int]:
-        """Token ids of a prompt given as text, token ids, or chat messages."""
+        """Token ids of a prompt given as text, token ids, or chat messages. Text that cannot
+        fit the context is refused before it is tokenised; tokenising releases the GIL."""
+        from draftgraph.engine import admission
+
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             ids = list(prompt)
             vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                   or not 0 <= t < vocab]
             if bad:
                 raise EngineError(f"prompt token ids must be integers in [0, {vocab}); "
                                   f"got {bad[:3]}")
         else:
             if self.tokenizer is None:
-                raise EngineError(f"model {self.config.model} has no tokenizer (random "
-                                  "weights): pass prompts as token ids")
+                source = self.loaded.source
+                reason = (missing_tokenizer_reason(source, loaded=True)
+                          if os.path.exists(source) or source.startswith("random:")
+                          else None) or f"model {self.config.model} has no tokenizer"
+                raise EngineError(f"{reason}: pass prompts as token ids")
             if isinstance(prompt, list):
                 if not prompt:
                     raise EngineError("messages must not be empty")
-                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            elif use_chat_template and self.tokenizer.has_chat_template:
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True)
+                admission.check_messages(self, prompt)
+                ids = admission.encode_text(
+                    self.tokenizer, self.tokenizer.render_chat(prompt, add_generation_prompt=True),
+                    add_special_tokens=False)
             else:
-                ids = self.tokenizer.encode(prompt)
+                admission.check_text(self, prompt, "prompt")
+                if use_chat_template and self.tokenizer.has_chat_template:
+                    ids = admission.encode_text(self.tokenizer, self.tokenizer.render_chat(
+                        [{"role": "user", "content": prompt}], add_generation_prompt=True),
+                        add_special_tokens=False)
+                else:
+                    ids = admission.encode_text(self.tokenizer, prompt)
         if not ids:
             raise EngineError("prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -133,9 +160,14 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | list[dict],
                     params: SamplingParams | None = None, request_id: str | None = None,
                     use_chat_template: bool = True) -> str:
-        """Queue a request (thread-safe). Raises EngineError on bad input."""
+        """Queue a request (thread-safe). Raises EngineError on bad input, or when it could
+        never run (see engine/admission.py)."""
+        from draftgraph.engine import admission
+
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, use_chat_template)
+        params = admission.bound_params(self, params)
+        admission.check_fits_kv(self, len(ids), params)
         if len(self.scheduler.waiting) + len(self._inbox) >= self.config.scheduler.max_waiting:
             raise QueueFullError(f"{self.config.scheduler.max_waiting} requests are waiting "
                                  "(--max-waiting); retry later")
@@ -185,8 +217,8 @@ class LLMEngine:
             req.text += req.detokenizer.flush()  # an unfinished character at the very end
         req.finish(reason)
         self.scheduler.release(req)
-        if self.proposer is not None:
-            self.proposer.forget(req.request_id)
+        if self.policy is not None:
+            self.policy.forget(req.request_id)
         self.requests.pop(req.request_id, None)
 
     # ---- the step ---------------------------------------------------------------------
@@ -195,13 +227,9 @@ class LLMEngine:
         self._drain_inbox(outputs)
         if self._inflight is not None:
             return outputs + self._step_ahead()
-        # with speculative step graphs the drafts are made on the device, inside the graph;
-        # otherwise on the host before scheduling
-        device_drafts = self.runner.spec_graphs is not None
-        drafts = None
-        if self.proposer is not None and not device_drafts:
-            drafts = self.proposer.propose(self.scheduler.running)
-        scheduled = self.scheduler.schedule(drafts, self.spec_k if device_drafts else 0)
+        # drafts are made on the device, inside the step: each decoding request gets 1 + k
+        # KV slots (the drafts' slots are given back after acceptance)
+        scheduled = self.scheduler.schedule(self.spec_k)
         if not scheduled:
             return outputs
         try:
@@ -219,57 +247,66 @@ class LLMEngine:
         return outputs
 
     def _run(self, scheduled: list[ScheduledRequest]) -> list[tuple[list[int], list[float]]]:
-        """One forward over the scheduled work; returns the tokens each request gains."""
+        """One step over the scheduled work; returns the tokens each request gains."""
+        if all(sr.num_new_tokens == 1 and not sr.req.is_prefilling for sr in scheduled) \
+                and self.decode_graphs.bucket_for(len(scheduled)) is not None:
+            return self._replay(scheduled)
+        # a step with prefill chunks: one eager forward, decode rows draft nothing
         sb = StepBatch(Phase.EXTEND, [], [], [], [], [], [])
         rows: list[tuple[ScheduledRequest, int]] = []  # (request, number of logit rows)
-        all_decode = True
         for sr in scheduled:
             req = sr.req
             start = req.num_computed_tokens
-            toks = req.token_slice(start, start + sr.num_new_tokens) + sr.draft_tokens
+            toks = req.token_slice(start, start + sr.num_new_tokens)
             sb.input_ids += toks
             sb.req_pool_indices.append(req.req_pool_idx)
             sb.seq_lens.append(start + len(toks))
             sb.extend_lens.append(len(toks))
-            sb.out_cache_loc += sr.out_cache_loc[: len(toks)]
-            end = len(sb.input_ids)
+            sb.out_cache_loc += sr.slots[: len(toks)]
             samples = start + sr.num_new_tokens == req.num_tokens
-            n_rows = (1 + len(sr.draft_tokens)) if samples else 0
-            sb.logit_indices += list(range(end - n_rows, end))
-            rows.append((sr, n_rows))
-            all_decode &= len(toks) == 1 and samples
-        if all_decode:
-            sb.phase = Phase.DECODE
-            if self.runner.graphs is not None:
-                return self._replay_decode(scheduled, sb)
-        elif any(sr.draft_tokens for sr in scheduled):
-            sb.phase = Phase.VERIFY
-        logits = self.runner.forward(sb)  # always runs: prefill chunks write KV
-        return self._sample(rows, logits if sb.logit_indices else None)
+            if samples:
+                sb.logit_indices.append(len(sb.input_ids) - 1)
+            rows.append((sr, int(samples)))
+        logits = self.target.forward(sb)  # always runs: prefill chunks write KV
+        if self.drafter is not None and self.drafter.keeps_kv:
+            self.drafter.observe(sb)  # the drafter's KV for the same tokens
+        return self._sample(rows, logits)
 
-    def _replay_decode(self, scheduled: list[ScheduledRequest], sb: StepBatch):
-        """A decode step as one graph replay; a speculative step (drafts made inside the
-        graph) when any request may draft now."""
+    def _replay(self, scheduled: list[ScheduledRequest]):
+        """A step of decoding requests as one graph-set replay, staged straight from the
+        scheduled requests: a speculative step (drafts made inside it) when any request may
+        draft now, else a decode step."""
         reqs = [sr.req for sr in scheduled]
         max_draft = [0] * len(reqs)
-        graphs = self.runner.graphs
-        if self.runner.spec_graphs is not None:
-            max_draft = [self.proposer.max_draft(r) for r in reqs]
-            if any(max_draft):
-                graphs = self.runner.spec_graphs
-        graphs.replay(sb.input_ids, sb.req_pool_indices, sb.seq_lens,
-                      [sr.out_cache_loc for sr in scheduled],
-                      [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
-                      [r.params.top_k for r in reqs], [r.seed for r in reqs], max_draft)
-        ahead = graphs is self.runner.graphs and self._launch_ahead(reqs)
+        graphs = self.decode_graphs
+        if self.spec_graphs is not None:
+            max_draft = [self.policy.max_draft(r) for r in reqs]
+            # a drafter with its own KV sees every token: every decode step is speculative
+            if any(max_draft) or self.drafter.keeps_kv:
+                graphs = self.spec_graphs
+        self._stage(graphs, reqs, [r.token_slice(r.num_tokens - 1, r.num_tokens)[0]
+                                   for r in reqs], [r.num_tokens for r in reqs],
+                    [sr.slots for sr in scheduled], max_draft)
+        ahead = graphs is self.decode_graphs and self._launch_ahead(reqs)
         results = graphs.result(back=1 if ahead else 0)
-        if graphs is self.runner.spec_graphs:
+        if graphs is self.spec_graphs:
             for req, d, (tokens, _, num_drafts) in zip(reqs, max_draft, results, strict=True):
                 if num_drafts:
-                    self.proposer.record(req, num_drafts, len(tokens) - 1)
+                    self.policy.record(req, num_drafts, len(tokens) - 1)
                 elif d:
-                    self.proposer.no_proposal(req)
+                    self.policy.no_proposal(req)
         return [(tokens, logprobs) for tokens, logprobs, _ in results]
+
+    @staticmethod
+    def _stage(graphs, reqs: list[Request], input_ids: list[int], seq_lens: list[int],
+               reserved_slots: list[list[int]], max_draft: list[int] | None = None) -> int:
+        """Replay a step of `graphs` for `reqs` (the raw-input lanes of spec/step.py)."""
+        p = [r.params for r in reqs]
+        return graphs.replay(len(reqs), all(x.temperature == 0 for x in p), dict(
+            input_ids=input_ids, req_pool_indices=[r.req_pool_idx for r in reqs],
+            seq_lens=seq_lens, max_draft=max_draft, top_k=[x.top_k for x in p],
+            seeds=[r.seed for r in reqs], reserved_slots=reserved_slots,
+            temperature=[x.temperature for x in p], top_p=[x.top_p for x in p]))
 
     # ---- async scheduling: launch decode step N + 1 before reading step N ----------------
     # The next step's last tokens are the ones step N samples, still on the device: they are
@@ -294,17 +331,14 @@ class LLMEngine:
         if not rows:
             return False
         try:  # step N + 1 writes the KV of step N's token, at num_tokens
-            slots = [self.runner.allocator.extend(r.pages, r.num_tokens, 1) for _, r in rows]
+            slots = [self.slots.allocator.extend(r.pages, r.num_tokens, 1) for _, r in rows]
         except OutOfKVSlots:
             # the normal path preempts; slots already taken go back when step N's tokens are
             # appended (truncation to the computed tokens, `ahead` being 0)
             return False
         ahead = [r for _, r in rows]
-        self.runner.graphs.replay(
-            [-(j + 1) for j, _ in rows], [r.req_pool_idx for r in ahead],
-            [r.num_tokens + 1 for r in ahead], slots, [r.params.temperature for r in ahead],
-            [r.params.top_p for r in ahead], [r.params.top_k for r in ahead],
-            [r.seed for r in ahead])
+        self._stage(self.decode_graphs, ahead, [-(j + 1) for j, _ in rows],
+                    [r.num_tokens + 1 for r in ahead], slots)
         for r in ahead:
             r.ahead = 1
         self._inflight = ahead
@@ -315,7 +349,7 @@ class LLMEngine:
         reqs, self._inflight = self._inflight, None
         try:
             ahead = self._launch_ahead(reqs)
-            results = self.runner.graphs.result(back=1 if ahead else 0)
+            results = self.decode_graphs.result(back=1 if ahead else 0)
         except Exception as e:  # a failing step must not kill the engine
             logger.exception("step failed for requests %s", [r.request_id for r in reqs])
             self._inflight = None
@@ -330,32 +364,26 @@ class LLMEngine:
                 for r, (tokens, logprobs, _) in zip(reqs, results, strict=True)
                 if not r.finished]  # finished or aborted while its step ran: token dropped
 
-    def _sample(self, rows, logits) -> list[tuple[list[int], list[float]]]:
-        out: list[tuple[list[int], list[float]]] = []
-        if logits is None:
-            return [([], []) for _ in rows]
-        if any(sr.draft_tokens for sr, _ in rows):
-            return self.proposer.verify(rows, logits)
+    def _sample(self, rows, logits: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+        """Tokens of the requests whose last prompt token was fed (one logit row each), by the
+        same tail as the step bodies (spec.verify.emit with no drafts)."""
         reqs = [sr.req for sr, n in rows if n]
+        if not reqs:
+            return [([], []) for _ in rows]
         dev = logits.device
-        temperature = torch.tensor([r.params.temperature for r in reqs], device=dev)
-        # the same tail as the step graphs: one pass for the greedy tokens and the logsumexp
-        greedy_tokens, lse = argmax_lse(logits)
-        if bool((temperature == 0).all()):
-            tokens = greedy_tokens
-        else:
-            tokens = sample(
-                logits, temperature,
-                torch.tensor([r.params.top_p for r in reqs], device=dev),
-                torch.tensor([r.params.top_k for r in reqs], device=dev),
-                torch.tensor([r.seed for r in reqs], device=dev),
-                torch.tensor([r.num_tokens for r in reqs], device=dev),
-                greedy_tokens,
-            )
-        want_lp = any(r.params.logprobs for r in reqs)
-        lps = ((logits.gather(1, tokens[:, None])[:, 0] - lse).tolist()
-               if want_lp else [0.0] * len(reqs))
-        tokens = tokens.tolist()
+
+        def t(x: list, dtype=torch.int64) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        p = [r.params for r in reqs]
+        tokens, _, lps = emit(
+            logits, torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev),
+            t([0] * len(reqs)), None, t([x.temperature for x in p], torch.float32),
+            t([x.top_p for x in p], torch.float32), t([x.top_k for x in p]),
+            t([r.seed for r in reqs]), t([r.num_tokens for r in reqs]),
+            all(x.temperature == 0 for x in p))
+        tokens, lps = tokens[:, 0].tolist(), lps[:, 0].tolist()
+        out: list[tuple[list[int], list[float]]] = []
         i = 0
         for _sr, n in rows:
             if n:
@@ -392,7 +420,7 @@ class LLMEngine:
         # launched next step writes (async scheduling)
         if not req.finished:
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            self.runner.allocator.truncate(req.pages, req.num_computed_tokens + req.ahead)
+            self.slots.allocator.truncate(req.pages, req.num_computed_tokens + req.ahead)
         self.stats["generation_tokens"] += len(new)
         return self._output(req, new)
 
@@ -461,18 +489,20 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any (also done at exit)."""
-        from draftgraph.distributed import current_tp, shutdown_workers
+        from draftgraph.distributed import current_tp
+        from draftgraph.runtime.tp_worker import shutdown_workers
 
         if current_tp().size > 1 and self.device.type == "cuda":
             # NOTE: captured graphs hold work on the NCCL communicator: finish and drop them
             # before the process group is destroyed
             torch.cuda.synchronize(self.device)
-            self.runner.graphs = self.runner.spec_graphs = None
+            self.target.graph_sets.clear()
+            self.decode_graphs = self.spec_graphs = None
         shutdown_workers()
 
     def num_free_kv_slots(self) -> int:
-        return self.runner.allocator.num_free_slots
+        return self.slots.allocator.num_free_slots
 
     def kv_usage(self) -> float:
-        a = self.runner.allocator
+        a = self.slots.allocator
         return 1.0 - a.num_free_slots / a.usable_slots

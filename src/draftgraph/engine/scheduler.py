@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill under a token budget.
 
 Every step builds one flat batch: each running request in decode contributes its last token
-(plus drafts when speculating), then prefilling requests contribute prompt chunks while the
+(with KV slots reserved for the drafts a speculative step may make on the device), then
+prefilling requests contribute prompt chunks while the
 token budget lasts, then waiting requests are admitted. When the KV pool runs dry, the most
 recently admitted request is preempted (its KV freed, recomputed later).
 """
@@ -23,17 +24,14 @@ logger = logging.getLogger(__name__)
 class ScheduledRequest:
     req: Request
     num_new_tokens: int  # tokens of the sequence fed this step (prefill chunk or 1)
-    draft_tokens: list[int] = field(default_factory=list)  # verify step: drafts after them
-    reserve: int = 0  # extra KV slots for drafts proposed on the device (graph path)
-    out_cache_loc: list[int] = field(default_factory=list)
-
-    @property
-    def extend_len(self) -> int:
-        return self.num_new_tokens + len(self.draft_tokens)
+    reserve: int = 0  # extra KV slots for the drafts a speculative step may make
+    # KV slots of this step: the fed tokens', then the reserved ones (a speculative step's
+    # reserved_slots [1 + k]; an eager forward's out_cache_loc is the first num_new_tokens)
+    slots: list[int] = field(default_factory=list)
 
     @property
     def num_slots(self) -> int:
-        return self.extend_len + self.reserve
+        return self.num_new_tokens + self.reserve
 
 
 class Scheduler:
@@ -78,8 +76,8 @@ class Scheduler:
         req = sr.req
         while True:
             try:
-                sr.out_cache_loc = self.allocator.extend(req.pages, req.num_computed_tokens,
-                                                         sr.num_slots)
+                sr.slots = self.allocator.extend(req.pages, req.num_computed_tokens,
+                                                 sr.num_slots)
                 return True
             except OutOfKVSlots:
                 victims = [r for r in reversed(self.running)
@@ -88,17 +86,16 @@ class Scheduler:
                     return False
                 self._preempt(victims[0])
 
-    def schedule(self, drafts: dict[str, list[int]] | None = None,
-                 reserve: int = 0) -> list[ScheduledRequest]:
-        """Pick this step's work. `drafts` maps request ids in decode to their draft tokens;
-        `reserve` extra KV slots go to each decoding request (drafts made on the device)."""
+    def schedule(self, reserve: int = 0) -> list[ScheduledRequest]:
+        """Pick this step's work; `reserve` extra KV slots go to each decoding request (the
+        drafts of a speculative step, made on the device)."""
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        # 1. decoding requests: one token each (plus drafts)
+        # 1. decoding requests: one token each (plus slots for drafts)
         for req in list(self.running):
             if req.status is not Status.RUNNING or req.is_prefilling:  # preempted this step
                 continue
-            sr = ScheduledRequest(req, 1, list((drafts or {}).get(req.request_id, [])), reserve)
+            sr = ScheduledRequest(req, 1, reserve)
             if sr.num_slots > budget and scheduled:
                 break
             if not self._alloc(sr, scheduled):
@@ -114,7 +111,7 @@ class Scheduler:
                 continue
             sr = self._prefill_chunk(req, budget, scheduled)
             if sr:
-                budget -= sr.extend_len
+                budget -= sr.num_new_tokens
                 scheduled.append(sr)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
@@ -129,7 +126,7 @@ class Scheduler:
             sr = self._prefill_chunk(req, budget, scheduled)
             if sr is None:
                 break
-            budget -= sr.extend_len
+            budget -= sr.num_new_tokens
             scheduled.append(sr)
         return scheduled
 

@@ -1,12 +1,42 @@
-"""Proposers and the verifier: device-side, sync-free."""
+"""Drafters behind one interface (spec/drafter.py), the speculative step body (spec/step.py)
+and acceptance (spec/verify.py): device-side, sync-free."""
 
-from draftgraph.spec.ngram import NgramProposer, propose_ref
-from draftgraph.spec.verify import first_stop_index, greedy_accept, rejection_sample
+from draftgraph.config import SpecConfig
+from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter, Proposal
+from draftgraph.spec.ngram import NgramDrafter, NgramProposer, propose_ref
+from draftgraph.spec.verify import emit, first_stop_index, greedy_accept, rejection_sample
 
 __all__ = [
+    "Acceptance",
+    "DraftContext",
+    "Drafter",
+    "NgramDrafter",
     "NgramProposer",
+    "Proposal",
+    "emit",
     "first_stop_index",
     "greedy_accept",
+    "make_drafter",
     "propose_ref",
     "rejection_sample",
 ]
+
+
+def make_drafter(cfg: SpecConfig, device="cpu", dtype=None) -> Drafter | None:
+    """The drafter `--speculative` names (None without speculation); a draft model is loaded
+    onto `device` in `dtype`."""
+    if cfg.method is None:
+        return None
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg.ngram_min, cfg.ngram_max, cfg.num_draft_tokens)
+    if cfg.method == "draft":
+        from draftgraph.models.loader import load_model
+        from draftgraph.spec.draft_model import DraftModelDrafter
+
+        kw = {} if dtype is None else {"dtype": dtype}
+        loaded = load_model(cfg.draft_model, device=device, **kw)
+        return DraftModelDrafter(loaded.model.eval(), cfg.num_draft_tokens)
+    # NOTE: the flags of these methods are validated (SpecConfig); their heads are the
+    # chain-head and block-drafter work still to land
+    raise ValueError(f"--speculative {cfg.method}: this drafter is not built yet; "
+                     "use --speculative ngram")

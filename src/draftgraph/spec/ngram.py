@@ -9,6 +9,7 @@ no match gives no drafts.
 
 `NgramProposer.propose` runs on the device with static shapes and no host sync (it can live in
 a CUDA graph); `propose_ref` is the plain-python twin, used by tests and the CPU engine path.
+`NgramDrafter` puts the proposer behind the drafter seam (spec/drafter.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NgramProposer", "propose_ref"]
+from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
+
+__all__ = ["NgramDrafter", "NgramProposer", "propose_ref"]
 
 
 def propose_ref(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -85,3 +88,31 @@ class NgramProposer:
         draft_tokens = torch.where(valid, draft_tokens, 0)  # [bs, k] int64
         num_draft_tokens = valid.sum(dim=1)  # [bs] int64
         return draft_tokens, num_draft_tokens
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafting from the device token table: point-mass drafts, no state."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int, max_n: int, k: int) -> None:
+        super().__init__(k)
+        self.proposer = NgramProposer(min_n, max_n, k)
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        drafts, num_drafts = self.proposer.propose(ctx.token_table[ctx.req_pool_indices],
+                                                   ctx.seq_lens)  # [bs, k], [bs]
+        return Proposal(drafts, torch.minimum(num_drafts, ctx.max_draft))
+
+    def propose_ref(self, ctx: DraftContext) -> Proposal:
+        bs = ctx.seq_lens.shape[0]
+        drafts = torch.zeros(bs, self.k, dtype=torch.int64)
+        num = torch.zeros(bs, dtype=torch.int64)
+        rows, lens, cap = (ctx.req_pool_indices.tolist(), ctx.seq_lens.tolist(),
+                           ctx.max_draft.tolist())
+        for i in range(bs):
+            d = self.proposer.propose_ref(ctx.token_table[rows[i], : lens[i]].tolist())[: cap[i]]
+            drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
+            num[i] = len(d)
+        dev = ctx.seq_lens.device
+        return Proposal(drafts.to(dev), num.to(dev))

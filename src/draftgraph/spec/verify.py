@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.runtime.sampling import (
     STREAM_ACCEPT,
     STREAM_RESIDUAL,
     STREAM_SAMPLE,
+    processed_probs,
+    sample,
     sample_from_probs,
     uniform_noise,
 )
 
-__all__ = ["greedy_accept", "greedy_accept_from_argmax", "rejection_sample", "first_stop_index"]
+__all__ = ["emit", "first_stop_index", "greedy_accept", "greedy_accept_from_argmax",
+           "rejection_sample"]
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -190,3 +194,49 @@ def first_stop_index(output_tokens: torch.Tensor, accept_lens: torch.Tensor,
     if remaining is not None:
         lens = torch.minimum(lens, remaining.clamp_min(0))
     return lens
+
+
+def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
+         draft_probs: torch.Tensor | None, temperature: torch.Tensor, top_p: torch.Tensor,
+         top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, greedy: bool,
+         out_tokens: torch.Tensor | None = None, out_logprobs: torch.Tensor | None = None,
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one sampling tail of every step (eager, host verify, graphs): logits -> emitted
+    tokens and their logprobs. With k = 0 drafts it is plain sampling.
+
+    logits [bs * (k + 1), V] fp32, request after request; draft_tokens [bs, k] int64;
+    num_draft_tokens [bs]; draft_probs as `rejection_sample`; temperature / top_p [bs] fp32,
+    top_k / seeds [bs] int64; positions [bs] int64: the position of each request's first new
+    token; greedy: every row has temperature 0 (the caller knows it on the host).
+    out_tokens / out_logprobs [bs, k + 1]: written in place when given (a graph's outputs).
+    Returns tokens [bs, k + 1] (-1 past accept_lens), accept_lens [bs], logprobs [bs, k + 1]
+    fp32 (log_softmax of each emitted token; past accept_lens the value of token 0).
+    """
+    bs, k = draft_tokens.shape
+    T = k + 1
+    if out_tokens is None:
+        out_tokens = torch.empty(bs, T, dtype=torch.int64, device=logits.device)
+        out_logprobs = torch.empty(bs, T, dtype=torch.float32, device=logits.device)
+    ones = torch.ones(bs, dtype=torch.int64, device=logits.device)
+    if k == 0 and greedy:  # one pass: the argmax and its logprob straight into the outputs
+        argmax_lse(logits, out=out_tokens[:, 0], top_logprob=out_logprobs[:, 0])
+        return out_tokens, ones, out_logprobs
+    # one pass over the vocabulary: the greedy tokens and the logsumexp of every row
+    target_argmax, lse = argmax_lse(logits)  # [bs * T] int64, [bs * T] fp32
+    if k == 0:
+        tokens = sample(logits, temperature, top_p, top_k, seeds, positions, target_argmax)
+        tokens, accept_lens = tokens[:, None], ones
+    elif greedy:
+        tokens, accept_lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
+                                                        target_argmax.view(bs, T))
+    else:
+        probs = processed_probs(logits, temperature.repeat_interleave(T),
+                                top_p.repeat_interleave(T), top_k.repeat_interleave(T))
+        tokens, accept_lens = rejection_sample(draft_tokens, num_draft_tokens, draft_probs,
+                                               probs.view(bs, T, -1), seeds, positions,
+                                               temperature <= 0, target_argmax.view(bs, T))
+    out_tokens.copy_(tokens)
+    # log_softmax of each emitted token (-1 past accept_lens reads token 0, never emitted)
+    picked = logits.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1)
+    torch.sub(picked, lse, out=out_logprobs.view(-1))
+    return out_tokens, accept_lens, out_logprobs

@@ -1,0 +1,147 @@
+"""ModelExecutor: one model with its own KV pool, metadata buffers and attention backend,
+over the engine's shared slot space; runs one eager forward of a `StepBatch`, and holds the
+graph sets that replay step bodies on it.
+
+`build_target` makes the engine's slot space and the target's executor (on every TP rank:
+rank 0 sends its arguments to ranks > 0, which call it with the same ones).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from draftgraph.attention.backend import ForwardBatch, TorchBackend
+from draftgraph.attention.kv_pool import KVPool
+from draftgraph.attention.metadata import MetadataBuffers
+from draftgraph.config import CacheConfig, SchedulerConfig
+from draftgraph.distributed.parallel import min_over_ranks
+from draftgraph.models.llama import LlamaForCausalLM
+from draftgraph.runtime.schema import StepBatch
+from draftgraph.runtime.slot_space import SlotSpace, kv_slots
+from draftgraph.runtime.tp_control import tp_driver
+
+logger = logging.getLogger(__name__)
+
+
+def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_cfg,
+                 max_bs: int, device: torch.device, num_q_heads: int | None = None):
+    """`num_q_heads`: the query heads this rank attends over (default: all of the model's)."""
+    scale = model_cfg.head_dim ** -0.5
+    if name == "torch":
+        return TorchBackend(kv_pool, req_to_token, model_cfg.sliding_window, scale)
+    if name == "triton":
+        from draftgraph.attention.triton_backend import TritonBackend
+
+        return TritonBackend(kv_pool, req_to_token, model_cfg.sliding_window, scale,
+                             max_bs=max_bs,
+                             num_q_heads=num_q_heads or model_cfg.num_attention_heads,
+                             device=device)
+    raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
+
+
+def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return (2 * cfg.num_hidden_layers * model.num_local_kv_heads * cfg.head_dim
+            * torch.tensor([], dtype=dtype).element_size())
+
+
+class ModelExecutor:
+    def __init__(self, model: LlamaForCausalLM, slots: SlotSpace, max_bs: int,
+                 max_num_tokens: int, device: torch.device, dtype: torch.dtype,
+                 backend: str) -> None:
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self.slots = slots
+        self.device = device
+        self.dtype = dtype
+        self.max_bs = max_bs
+        self.max_num_tokens = max_num_tokens
+        self.kv_pool = KVPool(cfg.num_hidden_layers, slots.num_slots, model.num_local_kv_heads,
+                              cfg.head_dim, dtype, device)
+        kv_capacity = slots.num_slots + max_num_tokens * 2
+        self.meta = MetadataBuffers(max_bs, max_num_tokens, kv_capacity, cfg.sliding_window,
+                                    device)
+        self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
+                                    max_bs, device, num_q_heads=model.num_local_heads)
+        self.tp_driver = None  # rank 0 of a TP group: sends each step to ranks > 0
+        # graph sets by name, in creation order (TP ranks follow them by index)
+        self.graph_sets: dict = {}
+
+    def forward_batch(self, sb: StepBatch) -> ForwardBatch:
+        dev = self.device
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=dev)
+
+        return ForwardBatch(
+            phase=sb.phase,
+            input_ids=t(sb.input_ids),
+            req_pool_indices=t(sb.req_pool_indices),
+            seq_lens=t(sb.seq_lens),
+            extend_lens=t(sb.extend_lens),
+            out_cache_loc=t(sb.out_cache_loc),
+            meta=self.meta,
+        )
+
+    @torch.inference_mode()
+    def forward(self, sb: StepBatch) -> torch.Tensor:
+        """Run one eager forward; returns logits [len(logit_indices), vocab] fp32."""
+        if self.tp_driver is not None:  # TP: ranks > 0 run the same forward
+            self.tp_driver.send_forward(sb)
+        fb = self.forward_batch(sb)
+        self.backend.build_metadata(fb)
+        self.slots.token_table[fb.req_pool_indices[fb.meta.token_req[: fb.num_tokens]],
+                               fb.positions] = fb.input_ids
+        hidden = self.model(fb.input_ids, fb, self.backend)
+        if not sb.logit_indices:
+            return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        idx = torch.tensor(sb.logit_indices, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden[idx])
+
+    def init_graphs(self, bodies: dict, use_graphs: bool = True) -> None:
+        """One graph set per step body, by name: `bodies` maps a name to a factory
+        `(executor) -> body` (picklable: TP ranks > 0 build the same bodies from it).
+        Captured on CUDA with use_graphs; otherwise the bodies run eagerly per step."""
+        from draftgraph.runtime.graph_set import GraphSet
+
+        if self.tp_driver is not None:
+            self.tp_driver.send_init_graphs(dict(bodies=bodies, use_graphs=use_graphs))
+        for name, factory in bodies.items():
+            gs = GraphSet(self, factory(self), len(self.graph_sets), use_graphs)
+            gs.capture()
+            self.graph_sets[name] = gs
+
+    def graph_set_by_index(self, index: int):
+        return list(self.graph_sets.values())[index]
+
+
+def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
+                 sched_cfg: SchedulerConfig, max_model_len: int, device: torch.device,
+                 dtype: torch.dtype, backend: str, extra_tokens_per_req: int = 0,
+                 extra_kv_bytes_per_token: int = 0) -> tuple[SlotSpace, ModelExecutor]:
+    """The engine's slot space and the target's executor.
+
+    extra_tokens_per_req: draft tokens a step may feed per request (a verify step feeds
+    1 + k); extra_kv_bytes_per_token: the drafters' KV per slot, so the pool fits them too."""
+    kwargs = dict(cache_cfg=cache_cfg, sched_cfg=sched_cfg, max_model_len=max_model_len,
+                  dtype=dtype, backend=backend, extra_tokens_per_req=extra_tokens_per_req,
+                  extra_kv_bytes_per_token=extra_kv_bytes_per_token)
+    driver = tp_driver(model.tp, kwargs)  # TP rank 0: ranks > 0 call this with the same
+    max_num_tokens = max(sched_cfg.max_num_batched_tokens,
+                         sched_cfg.max_num_seqs * (1 + extra_tokens_per_req))
+    per_token = kv_bytes_per_token(model, dtype) + extra_kv_bytes_per_token
+    # TP: every rank's pools have the same slots (rank 0's allocator picks them)
+    num_slots = min_over_ranks(kv_slots(cache_cfg, sched_cfg, max_model_len, per_token,
+                                        device), model.tp)
+    slots = SlotSpace(num_slots, cache_cfg.page_size, sched_cfg.max_num_seqs,
+                      max_model_len + cache_cfg.page_size + extra_tokens_per_req, device)
+    target = ModelExecutor(model, slots, sched_cfg.max_num_seqs, max_num_tokens, device, dtype,
+                           backend)
+    target.tp_driver = driver
+    logger.info("KV cache: %d slots (%.1f MiB), page size %d, backend %s",
+                slots.allocator.usable_slots, target.kv_pool.bytes() / 2**20,
+                cache_cfg.page_size, target.backend.name)
+    return slots, target

@@ -1,0 +1,92 @@
+"""The drafter seam: what every drafter (n-gram, chain head, draft model, block head) gives
+the speculative step body (spec/step.py).
+
+A drafter declares
+  k                     the most draft tokens it proposes per request and step;
+  needs_hidden_states   whether the verify forward must keep the target's hidden states for it;
+  keeps_kv              whether it keeps a KV cache of every position (a draft model, a chain
+                        head): then it must see every token the target sees, so every decode
+                        step is a speculative step and eager forwards reach it via `observe`;
+and implements
+  bind(target)          allocate its persistent buffers (and its KV pool over the target's slot
+                        space: a slot id means the same position in every pool);
+  propose(ctx)          graph-safe (no host read, no allocation that changes addresses): draft
+                        tokens [bs, k], active counts [bs] (<= ctx.max_draft), and draft
+                        probabilities [bs, k, V] or None for point-mass drafts;
+  propose_ref(ctx)      the eager twin: the same values from plain code, for tests and CPU;
+  after_accept(ctx, accept)  fix its own state after acceptance (draft-KV catch-up, KV
+                        injection at the accepted slots); a no-op for n-gram;
+  kv_bytes_per_token(dtype)  its KV per slot (0 without a pool), so the slot space fits it;
+  observe(step_batch)   an eager target forward ran (prefill chunk, mixed step): catch up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftContext:
+    """What a drafter reads in a step: views of the step's persistent device buffers."""
+
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64: tokens of each sequence including the last one
+    last_tokens: torch.Tensor  # [bs] int64: the last token (resolved), at seq_lens - 1
+    max_draft: torch.Tensor  # [bs] int64: drafts each request may verify now (0..k)
+    token_table: torch.Tensor  # [max_reqs + 1, max_context] int64: token ids by position
+    temperature: torch.Tensor  # [bs] fp32: a probabilistic drafter samples at T > 0
+    seeds: torch.Tensor  # [bs] int64
+    reserved_slots: torch.Tensor | None = None  # [bs, 1 + k] int64: this step's KV slots
+    top_p: torch.Tensor | None = None  # [bs] fp32
+    top_k: torch.Tensor | None = None  # [bs] int64
+    greedy: bool = True  # every row has temperature 0 (known on the host, static per graph)
+
+
+@dataclass
+class Proposal:
+    draft_tokens: torch.Tensor  # [bs, k] int64, 0 past num_drafts
+    num_drafts: torch.Tensor  # [bs] int64 in 0..max_draft
+    draft_probs: torch.Tensor | None = None  # [bs, k, V] fp32, None: point-mass drafts
+
+
+@dataclass
+class Acceptance:
+    """What after_accept learns: the verify step's outcome, on the device."""
+
+    tokens: torch.Tensor  # [bs, k + 1] int64: emitted tokens, -1 past accept_lens
+    accept_lens: torch.Tensor  # [bs] int64: accepted drafts + 1
+    verify_seq_lens: torch.Tensor  # [bs] int64: KV length after the verify forward
+
+
+class Drafter:
+    name = "drafter"
+    needs_hidden_states = False
+    keeps_kv = False
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"number of draft tokens must be >= 1, got {k} "
+                             "(--num-draft-tokens)")
+        self.k = k
+
+    def bind(self, target) -> None:
+        """Allocate persistent buffers (`target`: the target's ModelExecutor, whose slot
+        space, batch size and device to share); called once, before any capture."""
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        raise NotImplementedError
+
+    def propose_ref(self, ctx: DraftContext) -> Proposal:
+        """The eager twin of `propose` (default: the same code, run eagerly)."""
+        return self.propose(ctx)
+
+    def observe(self, step_batch) -> None:
+        """An eager target forward ran; a drafter that `keeps_kv` writes its own KV for it."""
+
+    def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
+        """Fix the drafter's state after acceptance (graph-safe); n-gram has none."""
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 0

@@ -1,0 +1,214 @@
+"""The speculative step body: the same for every drafter, and with no drafter the decode step.
+
+  record last tokens -> propose (drafter) -> pack 1 + d tokens per request -> verify metadata
+  for the active counts -> target forward -> accept (the one sampling tail, spec.verify.emit)
+  -> after_accept (drafter)
+
+A `GraphSet` (runtime/graph_set.py) captures it per batch bucket, or runs it eagerly (CPU).
+
+Raw inputs (`StepBody.inputs`), per request: the last token (or -(j + 1): row j of the previous
+replay's tokens, async scheduling), req_pool_indices, seq_lens (tokens including the last,
+un-cached one), max_draft (0..k), top_k, seeds, reserved_slots [1 + k] (the KV slots reserved
+for the last token and the drafts), temperature, top_p.
+Results (`StepBody.outputs`): tokens [1 + k] (-1 past accept_lens), accept_lens, num_drafts,
+logprobs [1 + k].
+
+Decode (no drafter) feeds the raw inputs straight to the forward (one token per request);
+accept_lens (1) and num_drafts (0) are constants written once; the greedy tail writes the
+argmax and its logprob straight into the outputs, and the final norm runs in the LM head.
+
+Fallback: a backend without `in_graph_metadata` gets its metadata rebuilt eagerly between the
+step's two captured parts (logged once, naming the backend); the A arm of the A/B.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.kernels.tokens import record_last_tokens
+from draftgraph.runtime.schema import Field, Lanes
+from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
+from draftgraph.spec.verify import emit
+
+logger = logging.getLogger(__name__)
+
+
+def step_inputs(max_bs: int, k: int) -> Lanes:
+    return Lanes(max_bs, [
+        Field("input_ids"), Field("req_pool_indices"), Field("seq_lens"), Field("max_draft"),
+        Field("top_k"), Field("seeds"), Field("reserved_slots", 1 + k),
+        Field("temperature", dtype=torch.float32), Field("top_p", dtype=torch.float32)])
+
+
+def step_outputs(max_bs: int, k: int) -> Lanes:
+    return Lanes(max_bs, [
+        Field("tokens", 1 + k), Field("accept_lens"), Field("num_drafts"),
+        Field("logprobs", 1 + k, torch.float32)])
+
+
+class StepBody:
+    """One step over the target executor; `drafter` None is plain decoding."""
+
+    # padded rows: the dummy request row 0, slot 0, one token, greedy
+    padding = {"seq_lens": 1, "top_p": 1.0}
+
+    def __init__(self, target, drafter: Drafter | None = None,
+                 metadata_in_graph: bool | None = None, use_graphs: bool = True) -> None:
+        self.target = target
+        self.model = target.model
+        self.backend = target.backend
+        self.device = target.device
+        self.drafter = drafter
+        self.k = drafter.k if drafter is not None else 0
+        self.name = f"{drafter.name} k={self.k}" if drafter is not None else "decode"
+        max_bs = target.max_bs
+        self.inputs = step_inputs(max_bs, self.k)
+        self.outputs = step_outputs(max_bs, self.k)
+        can = self.backend.in_graph_metadata
+        self.metadata_in_graph = can if metadata_in_graph is None else (metadata_in_graph and can)
+        if not self.metadata_in_graph and use_graphs:
+            logger.warning(
+                "attention backend %r: metadata is rebuilt eagerly before each graph replay "
+                "(%s)", self.backend.name,
+                "requested" if can else "backend lacks in_graph_metadata")
+        T, dev = 1 + self.k, self.device
+        # persistent, step-written forward inputs of a verify step
+        self.packed_ids = torch.zeros(max_bs * T, dtype=torch.int64, device=dev)
+        self.packed_loc = torch.zeros(max_bs * T, dtype=torch.int64, device=dev)
+        self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
+        self.verify_seq_lens = torch.ones(max_bs, dtype=torch.int64, device=dev)
+        # the proposal, kept in persistent buffers: with the eager-metadata fallback it crosses
+        # from one captured part to the next
+        self.draft_tokens = torch.zeros(max_bs, self.k, dtype=torch.int64, device=dev)
+        self.num_drafts = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        if drafter is not None:
+            drafter.bind(target)
+        self._draft_probs: torch.Tensor | None = None  # [bs, k, V] of the last proposal
+
+    def bind(self, raw: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+        """The graph set's persistent raw-input and result buffers."""
+        self.raw, self.out = raw, out
+        if self.k == 0:  # decode emits one token per request and drafts none, every step
+            out["accept_lens"].fill_(1)
+            out["num_drafts"].zero_()
+
+    def read(self, host: dict, bs: int) -> list[tuple[list[int], list[float], int]]:
+        """Per request: (emitted tokens, their logprobs, drafts proposed)."""
+        tokens, acc = host["tokens"][:bs].tolist(), host["accept_lens"][:bs].tolist()
+        lps, nd = host["logprobs"][:bs].tolist(), host["num_drafts"][:bs].tolist()
+        return [(tokens[j][: acc[j]], lps[j][: acc[j]], nd[j]) for j in range(bs)]
+
+    # ---- the body ---------------------------------------------------------------------------
+    def parts(self, bs: int, greedy: bool) -> list:
+        if self.metadata_in_graph:
+            return [(lambda: self._step(bs, greedy), True)]
+        return [(lambda: self._prepare(bs, greedy), True),
+                (lambda: self.backend.build_metadata(self._fb(bs)), False),
+                (lambda: self._forward_and_accept(bs, greedy), True)]
+
+    def _ctx(self, bs: int, greedy: bool = True) -> DraftContext:
+        v = self.raw
+        return DraftContext(v["req_pool_indices"][:bs], v["seq_lens"][:bs],
+                            v["input_ids"][:bs], v["max_draft"][:bs],
+                            self.target.slots.token_table, v["temperature"][:bs],
+                            v["seeds"][:bs], v["reserved_slots"][:bs], v["top_p"][:bs],
+                            v["top_k"][:bs], greedy)
+
+    def _fb(self, bs: int) -> ForwardBatch:
+        v, meta = self.raw, self.target.meta
+        if self.k == 0:  # decode reads the raw inputs themselves: one token per request
+            return ForwardBatch(Phase.DECODE, v["input_ids"][:bs], v["req_pool_indices"][:bs],
+                                v["seq_lens"][:bs], self.extend_lens[:bs],
+                                v["reserved_slots"][:bs, 0], meta)
+        n = bs * (1 + self.k)
+        return ForwardBatch(Phase.VERIFY, self.packed_ids[:n], v["req_pool_indices"][:bs],
+                            self.verify_seq_lens[:bs], self.extend_lens[:bs],
+                            self.packed_loc[:n], meta)
+
+    def _prepare(self, bs: int, greedy: bool = True) -> None:
+        """Last tokens resolved and recorded; drafts; the packed 1 + d tokens of each
+        request (on the device)."""
+        v, T, k = self.raw, 1 + self.k, self.k
+        ctx = self._ctx(bs, greedy)
+        table = ctx.token_table
+        # last tokens staged as -(j + 1) are row j of the previous replay's output (async
+        # scheduling); resolved in place, then recorded in the token table
+        record_last_tokens(ctx.last_tokens, self.out["tokens"][:, 0], table,
+                           ctx.req_pool_indices, ctx.seq_lens)
+        if k == 0:
+            return
+        prop = self.drafter.propose(ctx)
+        self.draft_tokens[:bs].copy_(prop.draft_tokens)
+        self.num_drafts[:bs].copy_(prop.num_drafts)
+        self._draft_probs = prop.draft_probs
+        rows, seq, last = ctx.req_pool_indices, ctx.seq_lens, ctx.last_tokens
+        ext = 1 + prop.num_drafts
+        self.extend_lens[:bs].copy_(ext)
+        self.verify_seq_lens[:bs].copy_(seq + prop.num_drafts)
+        qo_end = ext.cumsum(0)
+        start = qo_end - ext
+        t = torch.arange(bs * T, device=self.device)
+        r = torch.searchsorted(qo_end, t, right=True).clamp_max(bs - 1)  # [bs*T] request
+        j = t - start[r]  # [bs*T] index inside the request's 1 + d tokens
+        live = j < ext[r]
+        jc = j.clamp(0, T - 1)
+        cand = torch.where(j == 0, last[r], prop.draft_tokens[r, (jc - 1).clamp_min(0)])
+        self.packed_ids[: bs * T].copy_(torch.where(live, cand, 0))
+        self.packed_loc[: bs * T].copy_(torch.where(live, v["reserved_slots"][:bs][r, jc], 0))
+        # the drafts' token ids at their positions (rows past a request's length are rewritten
+        # before they are ever read); dead slots go to the dummy row 0
+        table[torch.where(live, rows[r], 0), torch.where(live, seq[r] - 1 + jc, 0)] = \
+            self.packed_ids[: bs * T]
+
+    def _forward_and_accept(self, bs: int, greedy: bool) -> None:
+        v, T = self.raw, 1 + self.k
+        fb = self._fb(bs)
+        if T == 1:  # every row is a logit row: the final norm goes into the LM head kernel
+            logits = self.model.compute_logits(*self.model(fb.input_ids, fb, self.backend,
+                                                           final_norm=False))
+            drafts, num_drafts, probs = self.draft_tokens[:bs], self.num_drafts[:bs], None
+        else:
+            hidden = self.model(fb.input_ids, fb, self.backend)
+            qo_start = self.extend_lens[:bs].cumsum(0) - self.extend_lens[:bs]
+            idx = (qo_start[:, None] + torch.arange(T, device=self.device)).clamp_max(
+                bs * T - 1)
+            logits = self.model.compute_logits(hidden[idx.flatten()])  # [bs * T, V] fp32
+            drafts, num_drafts = self.draft_tokens[:bs], self.num_drafts[:bs]
+            probs = self._draft_probs
+        o = self.out
+        tokens, accept_lens, _ = emit(
+            logits, drafts, num_drafts, probs, v["temperature"][:bs], v["top_p"][:bs],
+            v["top_k"][:bs], v["seeds"][:bs], v["seq_lens"][:bs], greedy,
+            out_tokens=o["tokens"][:bs], out_logprobs=o["logprobs"][:bs])
+        if T == 1:  # accept_lens (1) and num_drafts (0) were written once, at bind
+            return
+        o["accept_lens"][:bs].copy_(accept_lens)
+        o["num_drafts"][:bs].copy_(num_drafts)
+        self.drafter.after_accept(self._ctx(bs, greedy),
+                                  Acceptance(tokens, accept_lens, self.verify_seq_lens[:bs]))
+
+    def _step(self, bs: int, greedy: bool) -> None:
+        self._prepare(bs, greedy)
+        self.backend.build_metadata(self._fb(bs))
+        self._forward_and_accept(bs, greedy)
+
+
+def decode_body(target, metadata_in_graph: bool | None = None,
+                use_graphs: bool = True) -> StepBody:
+    return StepBody(target, None, metadata_in_graph, use_graphs)
+
+
+class BodyFactory:
+    """A picklable `(executor) -> StepBody` (TP ranks > 0 build the same bodies from it)."""
+
+    def __init__(self, drafter: Drafter | None = None, metadata_in_graph: bool | None = None,
+                 use_graphs: bool = True) -> None:
+        self.drafter = drafter
+        self.metadata_in_graph = metadata_in_graph
+        self.use_graphs = use_graphs
+
+    def __call__(self, target) -> StepBody:
+        return StepBody(target, self.drafter, self.metadata_in_graph, self.use_graphs)
