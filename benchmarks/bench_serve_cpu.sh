@@ -13,6 +13,6 @@ for SPEC in "" "--speculative ngram"; do
   until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 1; done
   draftgraph bench serve --base-url "http://127.0.0.1:$PORT" --dataset humaneval \
     --num-prompts "$NUM_PROMPTS" --output-len "$OUTPUT_LEN" --max-concurrency 1 4 16 \
-    --num-warmups 2 --plot
+    --num-warmups 2 --plot --result-dir benchmarks/results
   kill "$SERVER"; wait "$SERVER" 2>/dev/null || true
 done
