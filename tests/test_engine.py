@@ -161,25 +161,30 @@ def test_bad_requests_raise_actionable_errors(hf):
     assert not engine.has_unfinished()
 
 
-def test_a_failing_forward_fails_its_requests_and_the_engine_keeps_serving(hf, prompts,
-                                                                           monkeypatch):
+def test_a_request_that_makes_the_step_raise_fails_alone(hf, prompts, monkeypatch):
+    """Fault injection: the forward raises whenever one poisoned token is in the batch. The
+    engine re-runs the step in halves: only the request holding the token fails; its
+    batch-mates finish with the tokens they get alone, and every KV slot comes back."""
+    solo = [tiny_engine(hf).generate([p], GREEDY)[0].token_ids for p in prompts[:3]]
     engine = tiny_engine(hf)
+    used = {t for seq in prompts[:3] + solo for t in seq}
+    poison = next(t for t in range(127, -1, -1) if t not in used)
     real_forward = engine.model.forward  # prefill (eager forward) and decode (step body)
-    calls = {"n": 0}
 
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
+    def forward(input_ids, *args, **kwargs):
+        if bool((input_ids == poison).any()):
             raise RuntimeError("boom")
-        return real_forward(*args, **kwargs)
+        return real_forward(input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(engine.model, "forward", flaky)
-    outs = engine.generate(prompts[:2], GREEDY)
-    assert {o.finish_reason for o in outs} == {"error"}
-    assert "boom" in outs[0].error
+    monkeypatch.setattr(engine.model, "forward", forward)
+    bad = prompts[3][:-1] + [poison]
+    outs = engine.generate([prompts[0], bad, prompts[1], prompts[2]], GREEDY)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length", "length"]
+    assert "boom" in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids, outs[3].token_ids] == solo
     assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
-    ok = engine.generate([prompts[0]], GREEDY)[0]
-    assert ok.finish_reason == "length" and len(ok.token_ids) == 24
+    ok = engine.generate([prompts[0]], GREEDY)[0]  # the engine keeps serving
+    assert ok.finish_reason == "length" and ok.token_ids == solo[0]
 
 
 def test_graph_staging_writes_slot_rows_zero_padded():

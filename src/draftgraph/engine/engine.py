@@ -232,19 +232,31 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self.spec_k)
         if not scheduled:
             return outputs
-        try:
-            new_tokens = self._run(scheduled)
-        except Exception as e:  # a failing batch must not kill the engine
-            logger.exception("step failed for requests %s",
-                             [s.req.request_id for s in scheduled])
-            for sr in scheduled:
-                sr.req.error = f"internal error: {e}"
+        for sr, result in zip(scheduled, self._run_isolated(scheduled), strict=True):
+            if isinstance(result, Exception):  # this request's rows made the step raise
+                sr.req.error = f"internal error: {result}"
                 self._finish(sr.req, "error")
                 outputs.append(self._output(sr.req, []))
-            return outputs
-        for sr, (toks, logprobs) in zip(scheduled, new_tokens, strict=True):
-            outputs.append(self._append(sr.req, toks, logprobs, sr.num_new_tokens))
+            else:
+                outputs.append(self._append(sr.req, *result, sr.num_new_tokens))
         return outputs
+
+    def _run_isolated(self, scheduled: list[ScheduledRequest]) -> list:
+        """`_run`, and when the step raises, the same work again in halves until the
+        request(s) responsible are alone: they get the exception, the others their tokens.
+        NOTE: re-running is safe: a step's KV and token-table writes depend only on the
+        request's own inputs and slots, so a repeated row rewrites the same values (and a
+        step split in parts never launches ahead: not every running request is in it)."""
+        try:
+            return self._run(scheduled)
+        except Exception as e:  # one request must not fail another, nor kill the engine
+            if len(scheduled) == 1:
+                logger.exception("step failed for request %s", scheduled[0].req.request_id)
+                return [e]
+            logger.warning("step of %d requests failed (%s); re-running them in halves to "
+                           "find the request responsible", len(scheduled), e)
+            mid = len(scheduled) // 2
+            return self._run_isolated(scheduled[:mid]) + self._run_isolated(scheduled[mid:])
 
     def _run(self, scheduled: list[ScheduledRequest]) -> list[tuple[list[int], list[float]]]:
         """One step over the scheduled work; returns the tokens each request gains."""
