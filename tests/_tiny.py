@@ -10,6 +10,7 @@ from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecCo
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import LlamaForCausalLM
+from draftgraph.spec.drafter import Drafter, Proposal
 
 
 def tiny_hf_model(seed: int = 0, vocab: int = 128, sliding_window: int | None = None):
@@ -42,3 +43,20 @@ def tiny_engine(hf, max_num_seqs: int = 8, budget: int = 64, kv_tokens: int = 20
         spec=spec or SpecConfig(),
     )
     return LLMEngine(config, loaded=tiny_loaded(hf), drafter=drafter)
+
+
+
+class OracleDrafter(Drafter):
+    """Drafts a known future sequence of one request, through the drafter seam: draft j of a
+    request with seq_lens n is future[n + j]."""
+
+    name = "oracle"
+
+    def __init__(self, future: list[int], k: int = 4) -> None:
+        super().__init__(k)
+        self.future = torch.tensor(future + [0] * (k + 1))
+
+    def propose(self, ctx):
+        idx = ctx.seq_lens[:, None] + torch.arange(self.k)[None, :]  # [bs, k] positions
+        drafts = self.future.to(idx.device)[idx.clamp_max(len(self.future) - 1)]
+        return Proposal(drafts, ctx.max_draft.clone())

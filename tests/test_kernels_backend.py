@@ -103,4 +103,4 @@ def test_triton_backend_logits_match_torch_backend(sliding_window, monkeypatch):
 
 def test_triton_backend_capabilities():
     assert TritonBackend.name == "triton"
-    assert TritonBackend.in_graph_metadata and not TritonBackend.draft_step_update
+    assert TritonBackend.in_graph_metadata and TritonBackend.draft_step_update

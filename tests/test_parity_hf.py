@@ -134,14 +134,14 @@ def test_smollm2_stops_on_im_end(ours):
 
 
 # ---- the engine on the default model ------------------------------------------------------
-def _engine(loaded, budget: int = 512, spec=None):
+def _engine(loaded, budget: int = 512, spec=None, drafter=None):
     from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 
     return LLMEngine(EngineConfig(
         model="default", device="cpu",
         cache=CacheConfig(kv_cache_tokens=8192),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget),
-        spec=spec or SpecConfig()), loaded=loaded)
+        spec=spec or SpecConfig()), loaded=loaded, drafter=drafter)
 
 
 def test_default_model_greedy_64_tokens_are_transformers_argmax_at_every_position(ours,
@@ -207,6 +207,8 @@ def test_default_model_stop_string_inside_an_accepted_run_is_never_streamed(ours
     """Drafts that are the target's own future tokens are all accepted; a stop string that
     lands in the middle of such a run ends the text before it, and nothing after it is
     streamed."""
+    from _tiny import OracleDrafter
+
     from draftgraph.config import SpecConfig
 
     sp = SamplingParams(max_tokens=40, temperature=0)
@@ -215,10 +217,8 @@ def test_default_model_stop_string_inside_an_accepted_run_is_never_streamed(ours
     stop = plain.text[len(plain.text) // 3 : len(plain.text) // 3 + 5]
     assert stop.strip(), plain.text
     future = plain.prompt_token_ids + plain.token_ids
-    engine = _engine(ours, spec=SpecConfig(method="ngram", num_draft_tokens=4))
-    engine.proposer.propose = lambda running: {
-        r.request_id: future[r.num_tokens : r.num_tokens + 4]
-        for r in running if not r.is_prefilling}
+    engine = _engine(ours, spec=SpecConfig(method="ngram", num_draft_tokens=4),
+                     drafter=OracleDrafter(future))
     streamed = []
     out = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=[stop]),
                           on_output=lambda o: streamed.append(o.delta_text))[0]

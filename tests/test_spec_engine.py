@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import tiny_engine, tiny_hf_model
+from _tiny import OracleDrafter, tiny_engine, tiny_hf_model
 
 from draftgraph.config import SpecConfig
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.spec.drafter import Drafter, Proposal
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 NGRAM = SpecConfig(method="ngram", num_draft_tokens=4, ngram_min=1, ngram_max=3)
@@ -40,22 +39,6 @@ def test_ngram_speculation_is_lossless_alone_and_batched(hf, prompts):
     assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
     assert engine.stats["num_drafts"] > 0  # drafts were really verified
     assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
-
-
-class OracleDrafter(Drafter):
-    """Drafts the tokens of a known future sequence (one request), through the drafter seam:
-    draft j of a request with seq_lens n is future[n + j]."""
-
-    name = "oracle"
-
-    def __init__(self, future: list[int], k: int = 4) -> None:
-        super().__init__(k)
-        self.future = torch.tensor(future + [0] * (k + 1))
-
-    def propose(self, ctx):
-        idx = ctx.seq_lens[:, None] + torch.arange(self.k)[None, :]  # [bs, k] positions
-        drafts = self.future[idx.clamp_max(len(self.future) - 1)]
-        return Proposal(drafts, ctx.max_draft.clone())
 
 
 def _oracle_engine(hf, future):
