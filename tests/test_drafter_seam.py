@@ -114,3 +114,18 @@ def test_speculative_flags_are_validated_and_name_the_flag():
     assert make_drafter(SpecConfig()) is None
     with pytest.raises(ValueError, match="--speculative block"):
         make_drafter(SpecConfig(method="block", draft_head="some/dir"))
+
+
+def test_kv_sizing_always_fits_one_request_of_max_model_len():
+    from draftgraph.config import CacheConfig, SchedulerConfig
+    from draftgraph.runtime.slot_space import kv_slots
+
+    cpu = torch.device("cpu")
+    small = kv_slots(CacheConfig(), SchedulerConfig(max_num_seqs=1), 100, 1000, cpu)
+    assert small == 100 + 2  # one request (and the dummy page), not the CPU default
+    default = kv_slots(CacheConfig(), SchedulerConfig(), 8192, 1000, cpu)
+    assert default == 8192 + 2  # the CPU default covers one full-length request
+    long = kv_slots(CacheConfig(page_size=16), SchedulerConfig(), 20000, 1000, cpu)
+    assert long >= 20000 + 16
+    assert kv_slots(CacheConfig(kv_cache_tokens=64), SchedulerConfig(), 20000, 1000,
+                    cpu) == 65  # the flag wins

@@ -16,7 +16,9 @@ import torch
 from draftgraph.config import CacheConfig, SchedulerConfig
 from draftgraph.runtime.kv_cache import PagedAllocator, ReqToTokenPool
 
-CPU_DEFAULT_KV_TOKENS = 32768
+# CPU: a KV pool for the CPU use case (a few requests at a time), never smaller than one
+# request of max_model_len; 8192 slots of SmolLM2-135M in fp32 are 360 MiB (was 32768: 1.4 GiB)
+CPU_DEFAULT_KV_TOKENS = 8192
 GPU_RESERVED_BYTES = 2 * 2**30  # activations, graphs, the allocator's slack
 
 
@@ -36,13 +38,15 @@ class SlotSpace:
 def kv_slots(cache_cfg: CacheConfig, sched_cfg: SchedulerConfig, max_model_len: int,
              bytes_per_token: int, device: torch.device) -> int:
     """KV slots to allocate: the flag, else what fits (GPU free memory, every model's KV per
-    token together) up to what max_num_seqs full-length requests could use."""
-    want = sched_cfg.max_num_seqs * (max_model_len + cache_cfg.page_size)
+    token together) up to what max_num_seqs full-length requests could use, and never fewer
+    than one request of max_model_len needs (plus the dummy page)."""
+    one_request = max_model_len + 2 * cache_cfg.page_size
+    want = max(sched_cfg.max_num_seqs * (max_model_len + cache_cfg.page_size), one_request)
     if cache_cfg.kv_cache_tokens is not None:
         return cache_cfg.kv_cache_tokens + cache_cfg.page_size
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * cache_cfg.gpu_memory_utilization) - GPU_RESERVED_BYTES
-        fit = max(budget // bytes_per_token, 4096)
+        fit = max(budget // bytes_per_token, 4096, one_request)
         return int(min(want, fit))
-    return int(min(want, CPU_DEFAULT_KV_TOKENS))
+    return int(min(want, max(CPU_DEFAULT_KV_TOKENS, one_request)))
