@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from bench_decode import profile_step
 
 from draftgraph import (
     CacheConfig,
@@ -29,23 +30,6 @@ from draftgraph import (
     SchedulerConfig,
     SpecConfig,
 )
-
-
-def launches(engine: LLMEngine, steps: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    counts = {"kernel_launches": 0, "graph_launches": 0}
-    for e in prof.key_averages():
-        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                     "cudaLaunchKernelExC"):
-            counts["kernel_launches"] += e.count
-        elif e.key in ("cudaGraphLaunch", "cuGraphLaunch"):
-            counts["graph_launches"] += e.count
-    return {k: v / steps for k, v in counts.items()}
 
 
 def arm(model: str, spec: SpecConfig | None, ctx: int, steps: int) -> dict:
@@ -69,7 +53,7 @@ def arm(model: str, spec: SpecConfig | None, ctx: int, steps: int) -> dict:
         engine.step()
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) / steps * 1e3
-    counts = launches(engine, 10)
+    counts = profile_step(engine, 10)  # host-launched kernels, graph launches, copies
     stats = dict(engine.stats)
     del engine
     torch.cuda.empty_cache()
