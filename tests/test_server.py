@@ -102,6 +102,24 @@ def test_chat_max_tokens_and_seed(client):
     assert a == b
 
 
+def test_n_choices_with_a_seed_differ_and_each_repeats(client):
+    """Choice i of a seeded request draws from its own stream (seed + i): n = 4 gives four
+    different choices, the same four on a repeat, and choice 0 is the n = 1 answer."""
+    def choices(n, **kw):
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16,
+                                      temperature=1.0, seed=11, n=n, **kw)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    first, again = choices(4), choices(4)
+    assert first == again and len(set(first)) == 4
+    assert choices(1) == first[:1]
+    chat = [client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                           temperature=1.0, seed=5, n=3) for _ in range(2)]
+    texts = [[c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+             for r in chat]
+    assert texts[0] == texts[1] and len(set(texts[0])) == 3
+
+
 def test_stop_string_cuts_the_text_before_it(client):
     prompt = "Count: 1, 2, 3, 4,"
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
@@ -177,3 +195,27 @@ def test_ngram_speculation_gives_the_same_greedy_text(loaded, client):
         assert float(drafts.group(1)) > 0
     finally:
         st.stop()
+
+
+def test_tokenize_detokenize_version_and_ping_routes(server, loaded):
+    base = server.base_url
+    text = "The capital of France is"
+    r = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": text})
+    assert r.status_code == 200
+    ids = loaded.tokenizer.encode(text)
+    assert r.json() == {"tokens": ids, "count": len(ids), "max_model_len": 2048}
+    chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.json()["tokens"] == loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    back = httpx.post(base + "/detokenize", json={"tokens": ids})
+    assert back.status_code == 200 and back.json()["prompt"] == loaded.tokenizer.decode(ids)
+    bad = httpx.post(base + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(base + "/tokenize", json={"prompt": "a", "messages": []})
+    assert both.status_code == 400
+    assert httpx.post(base + "/tokenize", json={"model": "nope", "prompt": "a"}).status_code \
+        == 404
+    v = httpx.get(base + "/version")
+    assert v.status_code == 200 and v.json()["version"]
+    assert httpx.get(base + "/ping").status_code == 200
+    assert httpx.head(base + "/ping").status_code == 200

@@ -9,7 +9,7 @@ and fail its batch-mates. Errors name the field (`SamplingParamsError.param`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # NOTE: top_k is clamped to the vocabulary at admission (engine/admission.py); this bound only
 # keeps it far inside int64 for callers that build params without an engine.
@@ -107,3 +107,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of n choices of one request: choice i of a seeded request draws from its
+    own stream, seed + i (mod 2^63), so the choices differ and each is reproducible (choice 0
+    keeps the request's seed: n = 1 is unchanged)."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
+            for i in range(n)]

@@ -37,12 +37,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from draftgraph.engine import admission
 from draftgraph.engine.engine import EngineError, QueueFullError
 from draftgraph.engine.request import RequestOutput
-from draftgraph.engine.sampling import SamplingParamsError
+from draftgraph.engine.sampling import SamplingParamsError, choice_params
 from draftgraph.server import serving
 from draftgraph.server.async_engine import AsyncEngine, EngineDeadError
 from draftgraph.server.config import ServerConfig
 from draftgraph.server.metrics import CONTENT_TYPE, ServerMetrics
-from draftgraph.server.protocol import ChatCompletionRequest, CompletionRequest
+from draftgraph.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ SHUTDOWN_MESSAGE = "the server is shutting down (--shutdown-timeout passed)"
 _FALLBACK_ERROR = (b'{"error":{"message":"internal error","type":"server_error",'
                    b'"param":null,"code":"internal_error"}}')
 # routes that need the key when one is set (/health and /metrics stay open, as in vLLM)
-_PROTECTED_PREFIXES = ("/v1/", "/info")
+_PROTECTED_PREFIXES = ("/v1/", "/info", "/tokenize", "/detokenize")
 
 
 class APIError(Exception):
@@ -291,7 +296,9 @@ class OpenAIServer:
         prompt_tokens = sum(len(ids) for ids in encoded)  # each prompt once, not once per n
         encoded = [ids for ids in encoded for _ in range(body.n)]
         texts = [t for t in texts for _ in range(body.n)]
-        params = [self.sampling_params(body, len(ids), body.max_tokens) for ids in encoded]
+        # choice j of each prompt draws from its own stream (seed + j)
+        params = [p for ids in encoded[:: body.n] for p in choice_params(
+            self.sampling_params(body, len(ids), body.max_tokens), body.n)]
         states = [serving.ChoiceState(i, prompt_text=text, prompt_token_ids=ids)
                   for i, (text, ids) in enumerate(zip(texts, encoded, strict=True))]
         self.check_admitting()  # tokenising took a while: still admitting?
@@ -351,7 +358,7 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         self.check_admitting()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        rids, streams = self.add([ids] * body.n, [params] * body.n, request_id)
+        rids, streams = self.add([ids] * body.n, choice_params(params, body.n), request_id)
         created = serving.now()
         prompt_tokens = len(ids)  # the prompt once, not once per choice
 
@@ -659,6 +666,40 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.head("/ping", include_in_schema=False)
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _package_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        server.check_model(body.model)
+        try:
+            prompt, chat = body.target()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        if server.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (random weights)", param="prompt")
+        ids = await server.run_blocking(lambda: server.encode(prompt, use_chat_template=chat))
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        server.check_model(body.model)
+        tok = server.engine.tokenizer
+        vocab = server.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token ids must be below the vocabulary size {vocab}; got "
+                           f"{bad[:3]}", param="tokens")
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer (random weights)", param="tokens")
+        return {"prompt": await server.run_blocking(lambda: tok.decode(body.tokens))}
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -680,3 +721,12 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
         return await server.chat(body, raw_request)
 
     return app
+
+
+def _package_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("draftgraph")
+    except metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"

@@ -195,3 +195,24 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return self._params(max_tokens, self.logprobs, default_temperature=1.0)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (text, chat template off) or chat messages (template on)."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+
+    def target(self) -> tuple[str | list[dict[str, Any]], bool]:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of `prompt` and `messages`")
+        if self.messages is not None:
+            return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in self.messages], True
+        return self.prompt, False
+
+
+class DetokenizeRequest(BaseModel):
+    model: Text | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
