@@ -92,8 +92,3 @@ class StepBatch:
         rows = body[2 * n + n_logits :]
         return StepBatch(list(Phase)[phase], body[:n], rows[:bs], rows[bs : 2 * bs],
                          rows[2 * bs :], body[n : 2 * n], body[2 * n : 2 * n + n_logits])
-
-    @staticmethod
-    def max_lanes(max_num_tokens: int, max_bs: int) -> int:
-        """Payload lanes of the largest eager forward (logit rows <= tokens)."""
-        return 3 * max_num_tokens + 3 * max_bs

@@ -196,11 +196,6 @@ class StepBody:
         self._forward_and_accept(bs, greedy)
 
 
-def decode_body(target, metadata_in_graph: bool | None = None,
-                use_graphs: bool = True) -> StepBody:
-    return StepBody(target, None, metadata_in_graph, use_graphs)
-
-
 class BodyFactory:
     """A picklable `(executor) -> StepBody` (TP ranks > 0 build the same bodies from it)."""
 
