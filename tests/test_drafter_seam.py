@@ -114,6 +114,12 @@ def test_speculative_flags_are_validated_and_name_the_flag():
     assert make_drafter(SpecConfig()) is None
     with pytest.raises(ValueError, match="--speculative block"):
         make_drafter(SpecConfig(method="block", draft_head="some/dir"))
+    from draftgraph.models.presets import preset_config
+    from draftgraph.spec.chain_head import ChainHeadDrafter
+
+    chain = make_drafter(SpecConfig(method="chain", draft_head="random:layers=2"),
+                         target_config=preset_config("tiny"))
+    assert isinstance(chain, ChainHeadDrafter) and chain.head.config.num_hidden_layers == 2
 
 
 def test_kv_sizing_always_fits_one_request_of_max_model_len():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
 
+from draftgraph.attention.backend import TorchBackend
 from draftgraph.config import SpecConfig
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.spec.draft_model import DraftModelDrafter
@@ -37,6 +38,7 @@ def test_the_target_as_its_own_draft_model_accepts_every_draft(hf, plain):
     """(It caught a hole: without the chain's last step writing the k-th draft's KV, a fully
     accepted round left that position empty in the draft cache: 63 of 79 drafts accepted.)"""
     engine, drafter = _draft_engine(hf, hf)
+    assert not engine.spec_graphs.body.fused_chain  # the CPU's torch backend: per step
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain
     s = engine.stats
@@ -48,8 +50,11 @@ def test_the_target_as_its_own_draft_model_accepts_every_draft(hf, plain):
     assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
 
 
-def test_a_no_op_metadata_advance_loses_acceptance_but_never_output(hf, plain):
+def test_a_no_op_metadata_advance_loses_acceptance_but_never_output(hf, plain, monkeypatch):
+    # declared capable, the torch backend runs the fused chain (advance in place)
+    monkeypatch.setattr(TorchBackend, "draft_step_update", True)
     engine, drafter = _draft_engine(hf, hf)
+    assert engine.spec_graphs.body.fused_chain
     drafter.executor.backend.advance_metadata = lambda fb: None  # steps 1.. reuse step 0's
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain  # verification keeps it lossless
@@ -119,9 +124,9 @@ def test_at_temperature_1_the_output_follows_the_target():
     pvalues, accepted = {}, {}
     for arm in ("true_q", "wrong_q", "point_mass"):
         engine, drafter = _draft_engine(target, draft, **kw)
-        real = drafter.propose
+        real = drafter.finish  # the proposal a chain hands to verification
 
-        def propose(ctx, real=real, arm=arm):
+        def finish(ctx, real=real, arm=arm):
             p = real(ctx)
             if arm == "wrong_q":
                 p.draft_probs = torch.full_like(p.draft_probs, 1.0 / vocab)
@@ -129,7 +134,7 @@ def test_at_temperature_1_the_output_follows_the_target():
                 p.draft_probs = None
             return p
 
-        drafter.propose = propose
+        drafter.finish = finish
         spec = _pair_counts(engine, n, vocab, batch)
         assert engine.stats["num_draft_tokens"] == n  # one draft per request
         pvalues[arm] = _chi2_pvalue(plain, spec)

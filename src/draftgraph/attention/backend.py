@@ -102,6 +102,15 @@ class AttentionBackend:
                 sliding: bool, fb: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
 
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                 fb: ForwardBatch) -> None:
+        """Only write the new tokens' K/V [T, Hkv, D] at fb.out_cache_loc (a drafter's KV
+        catch-up reads no attention output from its last layer)."""
+        k_cache = self.kv_pool.k_buffers[layer_id]
+        v_cache = self.kv_pool.v_buffers[layer_id]
+        k_cache[fb.out_cache_loc] = k.to(k_cache.dtype)
+        v_cache[fb.out_cache_loc] = v.to(v_cache.dtype)
+
 
 class TorchBackend(AttentionBackend):
     """Reference backend: torch metadata builders and per-request SDPA. Eager only."""
@@ -125,8 +134,7 @@ class TorchBackend(AttentionBackend):
         self.kernel_for(fb.phase)
         k_cache = self.kv_pool.k_buffers[layer_id]
         v_cache = self.kv_pool.v_buffers[layer_id]
-        k_cache[fb.out_cache_loc] = k.to(k_cache.dtype)
-        v_cache[fb.out_cache_loc] = v.to(v_cache.dtype)
+        self.store_kv(k, v, layer_id, fb)
         kind = SLIDING if sliding else FULL
         lists = fb.meta.lists[kind]
         qo = self._offsets["qo"]

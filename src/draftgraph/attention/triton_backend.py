@@ -90,10 +90,13 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 sliding: bool, fb: ForwardBatch) -> torch.Tensor:
-        k_cache = self.kv_pool.k_buffers[layer_id]
-        v_cache = self.kv_pool.v_buffers[layer_id]
-        store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
+        self.store_kv(k, v, layer_id, fb)
         return self.attend(q, layer_id, sliding, fb)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                 fb: ForwardBatch) -> None:
+        store_kv(k, v, self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id],
+                 fb.out_cache_loc)
 
     def attend(self, q: torch.Tensor, layer_id: int, sliding: bool,
                fb: ForwardBatch) -> torch.Tensor:

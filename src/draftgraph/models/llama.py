@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -169,6 +170,22 @@ class LlamaDecoderLayer(nn.Module):
         return mlp.down_proj(gate_up, silu_mul=True), residual
 
 
+@dataclass
+class HiddenCapture:
+    """Where a forward keeps the residual stream (before any norm) after chosen decoder
+    layers, for a drafter that reads the target's hidden states (an EAGLE-3 chain head):
+    out[t, i * H : (i + 1) * H] is the stream of token t after layer layer_ids[i]."""
+
+    layer_ids: tuple[int, ...]
+    out: torch.Tensor  # [max_num_tokens, len(layer_ids) * hidden], persistent
+
+    def write(self, layer_id: int, x: torch.Tensor, residual: torch.Tensor) -> None:
+        h = x.shape[-1]
+        for i, lid in enumerate(self.layer_ids):
+            if lid == layer_id:
+                torch.add(x, residual, out=self.out[: x.shape[0], i * h : (i + 1) * h])
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo | None = None) -> None:
         super().__init__()
@@ -203,13 +220,16 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, backend: AttentionBackend,
-                final_norm: bool = True):
+                final_norm: bool = True, capture: HiddenCapture | None = None):
         """Hidden states [num_tokens, hidden] after the final norm; with final_norm=False the
-        pair (x, residual) before it, for `compute_logits(x, residual)`."""
+        pair (x, residual) before it, for `compute_logits(x, residual)`. `capture` keeps the
+        streams of its layers on the way."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, fb, backend, self.cos_sin_cache)
+            if capture is not None:
+                capture.write(i, x, residual)
         if not final_norm:
             return x, residual
         x, _ = self.norm(x, residual)

@@ -17,7 +17,7 @@ from draftgraph.attention.kv_pool import KVPool
 from draftgraph.attention.metadata import MetadataBuffers
 from draftgraph.config import CacheConfig, SchedulerConfig
 from draftgraph.distributed.parallel import min_over_ranks
-from draftgraph.models.llama import LlamaForCausalLM
+from draftgraph.models.llama import HiddenCapture, LlamaForCausalLM
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.runtime.slot_space import SlotSpace, kv_slots
 from draftgraph.runtime.tp_control import tp_driver
@@ -67,8 +67,25 @@ class ModelExecutor:
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads)
         self.tp_driver = None  # rank 0 of a TP group: sends each step to ranks > 0
+        self.capture: HiddenCapture | None = None  # hidden states a drafter reads
         # graph sets by name, in creation order (TP ranks follow them by index)
         self.graph_sets: dict = {}
+
+    def capture_hidden(self, layer_ids: tuple[int, ...]) -> HiddenCapture:
+        """From now on every forward of this executor (eager, verify) keeps the residual
+        streams after `layer_ids` in one persistent buffer, for the drafter that asked."""
+        if self.capture is not None and self.capture.layer_ids != tuple(layer_ids):
+            raise ValueError(f"hidden states of layers {self.capture.layer_ids} are already "
+                             f"captured; a second drafter asks for {tuple(layer_ids)}")
+        bad = [i for i in layer_ids if not 0 <= i < self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"hidden layer ids {bad} are outside the target's "
+                             f"{self.config.num_hidden_layers} layers")
+        if self.capture is None:
+            out = torch.zeros(self.max_num_tokens, len(layer_ids) * self.config.hidden_size,
+                              dtype=self.dtype, device=self.device)
+            self.capture = HiddenCapture(tuple(layer_ids), out)
+        return self.capture
 
     def forward_batch(self, sb: StepBatch) -> ForwardBatch:
         dev = self.device
@@ -95,7 +112,7 @@ class ModelExecutor:
         self.backend.build_metadata(fb)
         self.slots.token_table[fb.req_pool_indices[fb.meta.token_req[: fb.num_tokens]],
                                fb.positions] = fb.input_ids
-        hidden = self.model(fb.input_ids, fb, self.backend)
+        hidden = self.model(fb.input_ids, fb, self.backend, capture=self.capture)
         if not sb.logit_indices:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         idx = torch.tensor(sb.logit_indices, dtype=torch.int64, device=self.device)

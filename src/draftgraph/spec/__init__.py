@@ -22,9 +22,10 @@ __all__ = [
 ]
 
 
-def make_drafter(cfg: SpecConfig, device="cpu", dtype=None) -> Drafter | None:
-    """The drafter `--speculative` names (None without speculation); a draft model is loaded
-    onto `device` in `dtype`."""
+def make_drafter(cfg: SpecConfig, device="cpu", dtype=None,
+                 target_config=None) -> Drafter | None:
+    """The drafter `--speculative` names (None without speculation); a draft model or head is
+    loaded onto `device` in `dtype` (a head is built for `target_config`)."""
     if cfg.method is None:
         return None
     if cfg.method == "ngram":
@@ -36,7 +37,20 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None) -> Drafter | None:
         kw = {} if dtype is None else {"dtype": dtype}
         loaded = load_model(cfg.draft_model, device=device, **kw)
         return DraftModelDrafter(loaded.model.eval(), cfg.num_draft_tokens)
-    # NOTE: the flags of these methods are validated (SpecConfig); their heads are the
-    # chain-head and block-drafter work still to land
+    if cfg.method == "chain":
+        import torch
+
+        from draftgraph.models.chain_head import load_head, random_head
+        from draftgraph.spec.chain_head import ChainHeadDrafter
+
+        dtype = dtype or torch.float32
+        path = cfg.draft_head
+        if path == "random" or path.startswith("random:"):
+            head = random_head(target_config, path.partition(":")[2], device, dtype)
+        else:
+            head = load_head(path, target_config, device, dtype)
+        return ChainHeadDrafter(head, cfg.num_draft_tokens)
+    # NOTE: the flags of this method are validated (SpecConfig); its head is the
+    # block-drafter work still to land
     raise ValueError(f"--speculative {cfg.method}: this drafter is not built yet; "
                      "use --speculative ngram")

@@ -30,6 +30,7 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.kernels.tokens import record_last_tokens
 from draftgraph.runtime.schema import Field, Lanes
+from draftgraph.spec.chain import ChainDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
 from draftgraph.spec.verify import emit
 
@@ -56,7 +57,8 @@ class StepBody:
     padding = {"seq_lens": 1, "top_p": 1.0}
 
     def __init__(self, target, drafter: Drafter | None = None,
-                 metadata_in_graph: bool | None = None, use_graphs: bool = True) -> None:
+                 metadata_in_graph: bool | None = None, use_graphs: bool = True,
+                 fused_chain: bool | None = None) -> None:
         self.target = target
         self.model = target.model
         self.backend = target.backend
@@ -86,6 +88,18 @@ class StepBody:
         self.num_drafts = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         if drafter is not None:
             drafter.bind(target)
+        # a chain drafter's k steps run in one piece when its backend advances draft metadata
+        # in place; otherwise one captured graph per step, metadata rebuilt eagerly between
+        self.fused_chain = False
+        if isinstance(drafter, ChainDrafter):
+            can = drafter.executor.backend.draft_step_update
+            self.fused_chain = can if fused_chain is None else (fused_chain and can)
+            if not self.fused_chain and use_graphs:
+                logger.warning(
+                    "attention backend %r: the %s drafter's %d steps replay one graph each, "
+                    "metadata rebuilt eagerly between them (%s)",
+                    drafter.executor.backend.name, drafter.name, drafter.num_steps,
+                    "requested" if can else "backend lacks draft_step_update")
         self._draft_probs: torch.Tensor | None = None  # [bs, k, V] of the last proposal
 
     def bind(self, raw: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
@@ -103,11 +117,42 @@ class StepBody:
 
     # ---- the body ---------------------------------------------------------------------------
     def parts(self, bs: int, greedy: bool) -> list:
+        verify_meta = (lambda: self.backend.build_metadata(self._fb(bs)), False)
+        verify = (lambda: self._forward_and_accept(bs, greedy), True)
+        if self.k and not self.fused_chain and isinstance(self.drafter, ChainDrafter):
+            return self._chain_parts(bs, greedy) + ([] if self.metadata_in_graph
+                                                    else [verify_meta, verify])
         if self.metadata_in_graph:
             return [(lambda: self._step(bs, greedy), True)]
-        return [(lambda: self._prepare(bs, greedy), True),
-                (lambda: self.backend.build_metadata(self._fb(bs)), False),
-                (lambda: self._forward_and_accept(bs, greedy), True)]
+        return [(lambda: self._prepare(bs, greedy), True), verify_meta, verify]
+
+    def _chain_parts(self, bs: int, greedy: bool) -> list:
+        """The unfused chain: record + step 0's inputs | for each step: its metadata (eager),
+        then the step and the next step's inputs (captured); the last step packs the
+        proposal, and verifies too when verify metadata is built in the graph."""
+        d, n = self.drafter, self.drafter.num_steps
+
+        def first():
+            ctx = self._record(bs, greedy)
+            d.begin(ctx)
+            d.stage_step(ctx, 0)
+
+        def step(i: int):
+            ctx = self._ctx(bs, greedy)
+            d.run_step(ctx, i, d.step_fb(ctx))
+            if i + 1 < n:
+                d.stage_step(ctx, i + 1)
+                return
+            self._pack(ctx, d.finish(ctx))
+            if self.metadata_in_graph:
+                self.backend.build_metadata(self._fb(bs))
+                self._forward_and_accept(bs, greedy)
+
+        parts = [(first, True)]
+        for i in range(n):
+            parts += [(lambda: d.step_metadata(self._ctx(bs, greedy)), False),
+                      (lambda i=i: step(i), True)]
+        return parts
 
     def _ctx(self, bs: int, greedy: bool = True) -> DraftContext:
         v = self.raw
@@ -128,19 +173,26 @@ class StepBody:
                             self.verify_seq_lens[:bs], self.extend_lens[:bs],
                             self.packed_loc[:n], meta)
 
+    def _record(self, bs: int, greedy: bool) -> DraftContext:
+        """Last tokens staged as -(j + 1) are row j of the previous replay's output (async
+        scheduling): resolved in place, then recorded in the token table."""
+        ctx = self._ctx(bs, greedy)
+        record_last_tokens(ctx.last_tokens, self.out["tokens"][:, 0], ctx.token_table,
+                           ctx.req_pool_indices, ctx.seq_lens)
+        return ctx
+
     def _prepare(self, bs: int, greedy: bool = True) -> None:
         """Last tokens resolved and recorded; drafts; the packed 1 + d tokens of each
         request (on the device)."""
-        v, T, k = self.raw, 1 + self.k, self.k
-        ctx = self._ctx(bs, greedy)
+        ctx = self._record(bs, greedy)
+        if self.k:
+            self._pack(ctx, self.drafter.propose(ctx))
+
+    def _pack(self, ctx: DraftContext, prop) -> None:
+        """The proposal kept; the packed 1 + d tokens of each request and their slots."""
+        v, T = self.raw, 1 + self.k
+        bs = ctx.seq_lens.shape[0]
         table = ctx.token_table
-        # last tokens staged as -(j + 1) are row j of the previous replay's output (async
-        # scheduling); resolved in place, then recorded in the token table
-        record_last_tokens(ctx.last_tokens, self.out["tokens"][:, 0], table,
-                           ctx.req_pool_indices, ctx.seq_lens)
-        if k == 0:
-            return
-        prop = self.drafter.propose(ctx)
         self.draft_tokens[:bs].copy_(prop.draft_tokens)
         self.num_drafts[:bs].copy_(prop.num_drafts)
         self._draft_probs = prop.draft_probs
@@ -171,7 +223,7 @@ class StepBody:
                                                            final_norm=False))
             drafts, num_drafts, probs = self.draft_tokens[:bs], self.num_drafts[:bs], None
         else:
-            hidden = self.model(fb.input_ids, fb, self.backend)
+            hidden = self.model(fb.input_ids, fb, self.backend, capture=self.target.capture)
             qo_start = self.extend_lens[:bs].cumsum(0) - self.extend_lens[:bs]
             idx = (qo_start[:, None] + torch.arange(T, device=self.device)).clamp_max(
                 bs * T - 1)
@@ -200,10 +252,12 @@ class BodyFactory:
     """A picklable `(executor) -> StepBody` (TP ranks > 0 build the same bodies from it)."""
 
     def __init__(self, drafter: Drafter | None = None, metadata_in_graph: bool | None = None,
-                 use_graphs: bool = True) -> None:
+                 use_graphs: bool = True, fused_chain: bool | None = None) -> None:
         self.drafter = drafter
         self.metadata_in_graph = metadata_in_graph
         self.use_graphs = use_graphs
+        self.fused_chain = fused_chain
 
     def __call__(self, target) -> StepBody:
-        return StepBody(target, self.drafter, self.metadata_in_graph, self.use_graphs)
+        return StepBody(target, self.drafter, self.metadata_in_graph, self.use_graphs,
+                        self.fused_chain)

@@ -1,0 +1,299 @@
+"""An EAGLE-3-style chain head: a small decoder that drafts from the target's hidden states.
+
+The target's residual streams after three of its layers (low, middle, high: `hidden_layer_ids`)
+are concatenated per token and projected by `fc` to the model width: the token's *feature*.
+The head's entry at position p reads (the feature of position p - 1, the token at p): its first
+layer normalises the token's embedding (`input_layernorm`) and the feature (`hidden_norm`),
+concatenates them into its q/k/v projection (2 x hidden -> heads), and keeps the feature as
+the residual stream; more layers are plain decoder layers. The stream after the last layer
+(before `norm`) is the feature the next chain step reads in place of the target's; after
+`norm` an LM head gives the next token. Position 0 reads a zero feature.
+
+The target's embedding is shared, and so is its LM head unless the head has a reduced draft
+vocabulary: then its own `lm_head` [draft_vocab, hidden] and `d2t` [draft_vocab] (the target id
+of each draft token) map draft logits onto the target's vocabulary.
+
+A head is a directory: `config.json` (the fields of `HeadConfig`) and `*.safetensors` holding
+this module's state dict; a tensor over the shard size is split by rows into `name.part<i>`
+tensors, and no file exceeds the shard size (16 MiB by default). `random_head` builds one of
+any shape for benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from draftgraph.attention.backend import AttentionBackend, ForwardBatch
+from draftgraph.distributed.parallel import TPInfo
+from draftgraph.kernels import gemv, ops
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    RMSNorm,
+    rope_cos_sin_cache,
+)
+
+SHARD_BYTES = 16 * 2**20
+
+
+@dataclass
+class HeadConfig:
+    """The shape of a chain head and the target it was built for."""
+
+    hidden_layer_ids: list[int]  # target layers whose output streams make the feature
+    target_hidden_size: int
+    target_vocab_size: int
+    num_layers: int = 1
+    num_attention_heads: int = 0  # 0: the target's
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    draft_vocab_size: int = 0  # 0: the target's vocabulary and LM head
+
+    def validate_for(self, target: ModelConfig) -> None:
+        """ValueError naming the mismatch when this head cannot draft for `target`."""
+        if (self.target_hidden_size, self.target_vocab_size) != (target.hidden_size,
+                                                                 target.vocab_size):
+            raise ValueError(
+                f"--draft-head was built for a target of hidden size {self.target_hidden_size} "
+                f"and {self.target_vocab_size} tokens; this target has "
+                f"{target.hidden_size} and {target.vocab_size}")
+        bad = [i for i in self.hidden_layer_ids
+               if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise ValueError(f"--draft-head reads target layers {bad}; the target has "
+                             f"{target.num_hidden_layers} layers")
+        if not 0 <= self.draft_vocab_size <= target.vocab_size:
+            raise ValueError(f"--draft-head draft vocabulary {self.draft_vocab_size} exceeds "
+                             f"the target's {target.vocab_size} tokens")
+
+    def model_config(self, target: ModelConfig) -> ModelConfig:
+        """The head's decoder shape: the target's, with the head's overrides."""
+        return dataclasses.replace(
+            target, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads or target.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads or target.num_key_value_heads,
+            head_dim=self.head_dim or target.head_dim,
+            intermediate_size=self.intermediate_size or target.intermediate_size,
+            sliding_window=None, layer_types=[], name="chain-head")
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """Low, middle and high target layers (EAGLE-3's choice): 2, L // 2, L - 3."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+
+
+class HeadFirstLayer(nn.Module):
+    """The first head layer: q/k/v read [norm(embedding), norm(feature)]; the feature is the
+    residual stream."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, 0, tp)
+        attn = self.self_attn
+        attn.qkv_proj = nn.Linear(2 * h, attn.q_size + 2 * attn.kv_size,
+                                  bias=cfg.attention_bias)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, tp)
+
+    def qkv(self, embeds: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        e, _ = self.input_layernorm(embeds)
+        f, _ = self.hidden_norm(feat)
+        return self.self_attn.qkv_proj(torch.cat([e, f], dim=-1))
+
+    def forward(self, embeds, feat, fb, backend, cos_sin_cache):
+        attn = self.self_attn
+        h = attn.o_proj(attn.attend(self.qkv(embeds, feat), fb, backend, cos_sin_cache))
+        h, residual = self.post_attention_layernorm(h, feat)
+        return self.mlp(h), residual
+
+
+def store_kv_only(attn: LlamaAttention, qkv: torch.Tensor, fb: ForwardBatch,
+                  backend: AttentionBackend, cos_sin_cache: torch.Tensor) -> None:
+    """RoPE and the KV store of one attention layer, without attention (KV catch-up)."""
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.view(-1, attn.num_heads, attn.head_dim)
+    k = k.view(-1, attn.num_kv_heads, attn.head_dim)
+    v = v.view(-1, attn.num_kv_heads, attn.head_dim)
+    if q.is_cuda and backend.fused_kv_store:
+        from draftgraph.kernels.elementwise import rope_and_store_kv
+
+        pool = backend.kv_pool
+        rope_and_store_kv(q, k, v, fb.positions, cos_sin_cache, pool.k_buffers[attn.layer_id],
+                          pool.v_buffers[attn.layer_id], fb.out_cache_loc)
+        return
+    _, k = ops.rope(q, k, fb.positions, cos_sin_cache)
+    backend.store_kv(k, v, attn.layer_id, fb)
+
+
+class ChainHead(nn.Module):
+    def __init__(self, head_cfg: HeadConfig, target: ModelConfig) -> None:
+        super().__init__()
+        head_cfg.validate_for(target)
+        self.head_config = head_cfg
+        self.config = cfg = head_cfg.model_config(target)
+        tp = TPInfo()  # replicated on every rank
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(head_cfg.hidden_layer_ids) * h, h, bias=False)
+        self.layers = nn.ModuleList(
+            [HeadFirstLayer(cfg, tp)]
+            + [LlamaDecoderLayer(cfg, i, tp) for i in range(1, cfg.num_hidden_layers)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        dv = head_cfg.draft_vocab_size
+        self.lm_head = nn.Linear(h, dv, bias=False) if dv else None
+        self.register_buffer("d2t", torch.arange(dv, dtype=torch.int64))  # [dv] target ids
+        self.register_buffer("cos_sin_cache",
+                             rope_cos_sin_cache(cfg, cfg.max_position_embeddings),
+                             persistent=False)
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.layers[0].self_attn.num_heads
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    def features(self, streams: torch.Tensor) -> torch.Tensor:
+        """The target's concatenated streams [T, n * hidden] -> features [T, hidden]."""
+        return self.fc(streams)
+
+    def forward(self, embeds: torch.Tensor, feat: torch.Tensor, fb: ForwardBatch,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) after the last layer, before `norm`: the next feature is x + residual
+        (`logits` takes the pair)."""
+        x, residual = self.layers[0](embeds, feat, fb, backend, self.cos_sin_cache)
+        for layer in self.layers[1:]:
+            x, residual = layer(x, residual, fb, backend, self.cos_sin_cache)
+        return x, residual
+
+    def write_kv(self, embeds: torch.Tensor, feat: torch.Tensor, fb: ForwardBatch,
+                 backend: AttentionBackend) -> None:
+        """The head's KV of these entries, nothing else: the last layer stops at its store."""
+        first, cache = self.layers[0], self.cos_sin_cache
+        if len(self.layers) == 1:
+            store_kv_only(first.self_attn, first.qkv(embeds, feat), fb, backend, cache)
+            return
+        x, residual = first(embeds, feat, fb, backend, cache)
+        for layer in self.layers[1:-1]:
+            x, residual = layer(x, residual, fb, backend, cache)
+        last = self.layers[-1]
+        h, _ = last.input_layernorm(x, residual)
+        store_kv_only(last.self_attn, last.self_attn.qkv_proj(h), fb, backend, cache)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor,
+               target_lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [T, V'] fp32, next feature x + residual [T, hidden]); V' is the draft
+        vocabulary (map with `d2t`) or the target's, through its LM head weight."""
+        w = self.lm_head.weight if self.lm_head is not None else target_lm_head
+        logits, stream = gemv.rmsnorm_gemv(x, self.norm.weight, self.norm.eps, w, None,
+                                           residual)
+        return logits.float(), stream
+
+
+# ---- head directories ----------------------------------------------------------------------
+
+def save_head(head: ChainHead, path: str, shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Write `config.json` and safetensors shards of at most `shard_bytes` each; returns the
+    shard file names."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(head.head_config), f, indent=1)
+    pieces: list[tuple[str, torch.Tensor]] = []
+    for name, t in head.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        if t.numel() * t.element_size() <= shard_bytes or t.dim() == 0:
+            pieces.append((name, t))
+            continue
+        rows = max(1, shard_bytes // (t[0].numel() * t.element_size()))
+        pieces += [(f"{name}.part{i}", c.clone())
+                   for i, c in enumerate(torch.split(t, rows, dim=0))]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for name, t in pieces:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and used + nbytes > shard_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][name] = t
+        used += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, os.path.join(path, name))
+    return names
+
+
+def load_head(path: str, target: ModelConfig, device="cpu",
+              dtype: torch.dtype = torch.float32) -> ChainHead:
+    """A head directory (see the module docstring) for `target`, on `device` in `dtype`."""
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"--draft-head {path!r}: no config.json there (a head directory "
+                         "holds config.json and *.safetensors; or use `random`)")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    known = {f.name for f in dataclasses.fields(HeadConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"--draft-head {path!r}: unknown config fields {unknown}")
+    head = ChainHead(HeadConfig(**raw), target)
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, name)))
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name in list(tensors):
+        base, sep, idx = name.rpartition(".part")
+        if sep and idx.isdigit():
+            parts.setdefault(base, []).append((int(idx), tensors.pop(name)))
+    for base, chunks in parts.items():
+        tensors[base] = torch.cat([t for _, t in sorted(chunks, key=lambda c: c[0])])
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"--draft-head {path!r}: missing weights {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def random_head(target: ModelConfig, spec: str = "", device="cpu",
+                dtype: torch.dtype = torch.float32, seed: int = 0) -> ChainHead:
+    """A head of random weights (norms 1, weights N(0, 0.02)); `spec` is empty or
+    `layers=N,draft_vocab=V,intermediate_size=I` (any subset)."""
+    kw: dict[str, int] = {}
+    for item in filter(None, spec.split(",")):
+        key, _, val = item.partition("=")
+        if key not in ("layers", "draft_vocab", "intermediate_size") or not val.isdigit():
+            raise ValueError(f"--draft-head random:{spec}: expected layers=N, draft_vocab=V "
+                             "or intermediate_size=I, comma-separated")
+        kw[key] = int(val)
+    cfg = HeadConfig(default_layer_ids(target.num_hidden_layers), target.hidden_size,
+                     target.vocab_size, num_layers=kw.get("layers", 1),
+                     intermediate_size=kw.get("intermediate_size", 0),
+                     draft_vocab_size=kw.get("draft_vocab", 0))
+    with torch.device(device):
+        head = ChainHead(cfg, target)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return head.to(dtype=dtype).eval()

@@ -1,0 +1,108 @@
+"""Chain drafters: `num_steps` small autoregressive forwards per proposal, over the drafter's
+own executor (its KV pool in the target's slot space).
+
+Step i (0 <= i < num_steps) feeds one token per request at position seq_lens - 1 + i (step 0:
+the last token; then the draft of step i - 1) into reserved_slots[:, i]: decode-shaped
+metadata with seq_lens + i. A proposal is
+
+    begin -> for each step: stage_step (raw inputs) -> metadata -> run_step -> finish
+
+`propose` runs it all in one piece, for one graph: step 0's metadata built, every later step's
+advanced in place (`AttentionBackend.advance_metadata`). For a backend without
+`draft_step_update` the step body (spec/step.py) cuts it instead into one captured graph per
+step with each step's metadata rebuilt eagerly between them (`step_metadata`): the fallback,
+the A arm of the fused-chain A/B. Both run the same code on the same buffers, so they give the
+same drafts.
+
+A draft token is the drafter's argmax at temperature 0, else a seeded draw from its processed
+distribution on STREAM_DRAFT at the step's position; its probabilities go to rejection
+sampling (spec/verify.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.runtime.sampling import STREAM_DRAFT, processed_probs, sample_from_probs
+from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
+
+
+class ChainDrafter(Drafter):
+    keeps_kv = True
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.executor = None  # the drafter's ModelExecutor, made in `bind`
+        self._probs: list[torch.Tensor] = []  # per step [bs, V] of the proposal being built
+
+    @property
+    def num_steps(self) -> int:
+        """Forwards per proposal (the draft model feeds its last draft too: k + 1)."""
+        return self.k
+
+    def alloc_steps(self, max_bs: int, device: torch.device) -> None:
+        """The chain's persistent per-step inputs."""
+        m, dev = max_bs, device
+        self.step_ids = torch.zeros(m, dtype=torch.int64, device=dev)  # [max_bs] int64
+        self.step_seq_lens = torch.ones(m, dtype=torch.int64, device=dev)  # [max_bs] int64
+        # NOTE: contiguous: kernels index out_cache_loc densely, and reserved_slots[:, i] is a
+        # strided column
+        self.step_loc = torch.zeros(m, dtype=torch.int64, device=dev)  # [max_bs] int64
+        self.ones = torch.ones(m, dtype=torch.int64, device=dev)
+        self.drafts = torch.zeros(m, self.k, dtype=torch.int64, device=dev)
+
+    # ---- the pieces of a proposal (each graph-safe) -----------------------------------------
+    def begin(self, ctx: DraftContext) -> None:
+        self.step_ids[: ctx.seq_lens.shape[0]].copy_(ctx.last_tokens)
+        self._probs = []
+
+    def stage_step(self, ctx: DraftContext, i: int) -> None:
+        bs = ctx.seq_lens.shape[0]
+        torch.add(ctx.seq_lens, i, out=self.step_seq_lens[:bs])
+        self.step_loc[:bs].copy_(ctx.reserved_slots[:, i])
+
+    def step_fb(self, ctx: DraftContext) -> ForwardBatch:
+        bs = ctx.seq_lens.shape[0]
+        return ForwardBatch(Phase.DRAFT_CHAIN, self.step_ids[:bs], ctx.req_pool_indices,
+                            self.step_seq_lens[:bs], self.ones[:bs], self.step_loc[:bs],
+                            self.executor.meta)
+
+    def step_metadata(self, ctx: DraftContext) -> None:
+        """The fallback: the staged step's metadata rebuilt eagerly."""
+        self.executor.backend.build_metadata(self.step_fb(ctx))
+
+    def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
+        raise NotImplementedError
+
+    def take(self, ctx: DraftContext, i: int, logits: torch.Tensor) -> torch.Tensor:
+        """Draft i from logits [bs, V] over the target's vocabulary: recorded, fed next."""
+        tok = logits.argmax(dim=-1)  # [bs] int64
+        if not ctx.greedy:
+            p = processed_probs(logits, ctx.temperature, ctx.top_p, ctx.top_k)  # [bs, V]
+            drawn = sample_from_probs(p, ctx.seeds, self.step_seq_lens[: tok.shape[0]],
+                                      STREAM_DRAFT)
+            tok = torch.where(ctx.temperature > 0, drawn, tok)
+            self._probs.append(p)
+        self.drafts[: tok.shape[0], i].copy_(tok)
+        self.step_ids[: tok.shape[0]].copy_(tok)
+        return tok
+
+    def finish(self, ctx: DraftContext) -> Proposal:
+        bs = ctx.seq_lens.shape[0]
+        probs = torch.stack(self._probs, dim=1) if self._probs else None  # [bs, k, V]
+        return Proposal(self.drafts[:bs], torch.clamp(ctx.max_draft, max=self.k), probs)
+
+    # ---- the fused chain ----------------------------------------------------------------------
+    def propose(self, ctx: DraftContext) -> Proposal:
+        backend = self.executor.backend
+        self.begin(ctx)
+        for i in range(self.num_steps):
+            self.stage_step(ctx, i)
+            fb = self.step_fb(ctx)
+            if i == 0:
+                backend.build_metadata(fb)
+            else:
+                backend.advance_metadata(fb)
+            self.run_step(ctx, i, fb)
+        return self.finish(ctx)
