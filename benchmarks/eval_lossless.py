@@ -60,6 +60,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--speculative", default="ngram", choices=["ngram", "chain", "draft"])
+    ap.add_argument("--draft-head", default=None, help="chain: a head directory (default: "
+                    "the shipped head of the default model), or random")
+    ap.add_argument("--draft-model", default=None, help="draft: the draft model")
     ap.add_argument("--prompt-ids", help="JSON {set: [[token ids], ...]} instead of text")
     ap.add_argument("--dump-prompt-ids", help="write the prompt sets as token ids and exit")
     ap.add_argument("--out")
@@ -87,7 +91,9 @@ def main() -> int:
         with open(args.dump_prompt_ids, "w") as f:
             json.dump(ids, f)
         return 0
-    spec = engine(SpecConfig(method="ngram", num_draft_tokens=args.k))
+    spec = engine(SpecConfig(method=args.speculative, num_draft_tokens=args.k,
+                             draft_head=args.draft_head, draft_model=args.draft_model,
+                             adaptive=args.speculative == "ngram"))
     report = {}
     for name, (prompts, raw) in sets.items():
         a, ta = run(plain, prompts, raw, args.max_tokens)
@@ -120,6 +126,9 @@ def main() -> int:
         **run_header(device),
         "dtype": plain.config.dtype,
         "model": args.model,
+        "speculative": args.speculative,
+        "draft_head": args.draft_head,
+        "draft_model": args.draft_model,
         "k": args.k,
         "max_tokens": args.max_tokens,
         "results": report,

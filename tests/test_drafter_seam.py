@@ -105,7 +105,9 @@ def test_speculative_flags_are_validated_and_name_the_flag():
     with pytest.raises(ValueError, match="--speculative must be one of: ngram, chain"):
         SpecConfig(method="medusa")
     with pytest.raises(ValueError, match="--draft-head"):
-        SpecConfig(method="chain")
+        SpecConfig(method="block")
+    with pytest.raises(ValueError, match="no head ships for model 'random:tiny'"):
+        make_drafter(SpecConfig(method="chain"), model="random:tiny")
     with pytest.raises(ValueError, match="--draft-model"):
         SpecConfig(method="draft")
     with pytest.raises(ValueError, match="--draft-head is for"):

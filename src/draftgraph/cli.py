@@ -253,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError as e:
         s.set_defaults(func=lambda a, e=e: _missing(e, "server"))
 
+    t = sub.add_parser("train-drafter", help="train a chain head for a model",
+                       formatter_class=Formatter,
+                       description="Regenerate responses with the target, then train an "
+                                   "EAGLE-3-style chain head against its forward.")
+    t.set_defaults(_parser=t)
+    from draftgraph.train.cli import add_train_args
+
+    add_train_args(t)
+
     b = sub.add_parser("bench", help="benchmarks against an OpenAI-compatible server",
                        formatter_class=Formatter)
     b.set_defaults(_parser=b)

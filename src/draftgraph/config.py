@@ -56,7 +56,9 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     adaptive: bool = True  # shrink the draft length when acceptance is low
-    draft_head: str | None = None  # chain / block: a head directory (--draft-head)
+    # chain / block: a head directory (--draft-head); chain without one: the shipped head of
+    # the model (spec.SHIPPED_HEADS)
+    draft_head: str | None = None
     draft_model: str | None = None  # draft: a model with the target's vocabulary (--draft-model)
 
     def __post_init__(self) -> None:
@@ -66,7 +68,7 @@ class SpecConfig:
               f"--num-draft-tokens must be in 1..16, got {self.num_draft_tokens}")
         _need(1 <= self.ngram_min <= self.ngram_max,
               f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
-        if self.method in ("chain", "block"):
+        if self.method == "block":
             _need(self.draft_head is not None,
                   f"--speculative {self.method} needs --draft-head (a head directory)")
         if self.method == "draft":

@@ -138,13 +138,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative", choices=list(SPEC_METHODS), default=None,
                    help="drafter (default: none, plain decoding): ngram (prompt lookup), "
-                   "draft (a separate draft model, --draft-model); chain / block heads "
-                   "(--draft-head) are not built yet")
+                   "chain (an EAGLE-3-style head: --draft-head, or the head that ships with "
+                   "the default model), draft (a separate draft model, --draft-model); "
+                   "block is not built yet")
     s.add_argument("--draft-model", default=None,
                    help="--speculative draft: a model with the target's vocabulary "
                    "(a .gguf file, a Hugging Face directory or random:<preset>)")
     s.add_argument("--draft-head", default=None,
-                   help="--speculative chain / block: a head directory")
+                   help="--speculative chain / block: a head directory (draftgraph "
+                   "train-drafter writes one), or random[:layers=N,draft_vocab=V]")
     s.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens proposed per step")
     s.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,

@@ -64,7 +64,7 @@ class LLMEngine:
             raise EngineError(f"--max-model-len {sched_cfg.max_model_len} exceeds the model's "
                               f"context of {model_ctx} tokens")
         self.drafter = drafter if drafter is not None else make_drafter(
-            config.spec, self.device, config.torch_dtype, self.model_config)
+            config.spec, self.device, config.torch_dtype, self.model_config, config.model)
         if self.drafter is not None and self.drafter.keeps_kv and \
                 config.tensor_parallel_size > 1:
             raise EngineError(f"--speculative {self.drafter.name} does not run under "

