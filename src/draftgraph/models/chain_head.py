@@ -33,6 +33,7 @@ from draftgraph.attention.backend import AttentionBackend, ForwardBatch
 from draftgraph.distributed.parallel import TPInfo
 from draftgraph.kernels import gemv, ops
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.presets import fill_random
 from draftgraph.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -290,10 +291,5 @@ def random_head(target: ModelConfig, spec: str = "", device="cpu",
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+            fill_random(name, p, gen)
     return head.to(dtype=dtype).eval()

@@ -55,7 +55,8 @@ def preset_config(name: str) -> ModelConfig:
     return copy.deepcopy(PRESETS[name])
 
 
-def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+def fill_random(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+    """Norms 1, biases 0, every other weight N(0, 0.02) (random presets and heads)."""
     if name.endswith("norm.weight"):
         p.fill_(1.0)
     elif name.endswith("bias"):
@@ -75,7 +76,7 @@ def init_random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     gen = torch.Generator(device=p0.device).manual_seed(seed)
     if model.tp.size == 1:
         for name, p in model.named_parameters():
-            _fill(name, p, gen)
+            fill_random(name, p, gen)
         return
     with torch.device("meta"):
         full = LlamaForCausalLM(model.config, TPInfo())
@@ -83,7 +84,7 @@ def init_random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
     def draws():
         for name, meta in full.named_parameters():
             t = torch.empty(meta.shape, device=p0.device, dtype=p0.dtype)
-            _fill(name, t, gen)
+            fill_random(name, t, gen)
             yield from unfuse_weight(model.config, name, t)
 
     model.load_weights(draws())
