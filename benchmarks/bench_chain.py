@@ -140,7 +140,7 @@ def main() -> int:
             TritonBackend.draft_step_update = False  # what a backend without it gets
         try:
             e = engine(d)
-            assert e.spec_graphs.body.fused_chain == (arm == "fused")
+            assert e.spec_graphs.body.fused_draft == (arm == "fused")
             out[arm] = run(e, a.context, a.steps, a.batch_size, arm == "fused")
         finally:
             TritonBackend.draft_step_update = True

@@ -104,17 +104,17 @@ def test_any_drafter_plugs_into_the_step_body_and_stays_lossless(hf):
 def test_speculative_flags_are_validated_and_name_the_flag():
     with pytest.raises(ValueError, match="--speculative must be one of: ngram, chain"):
         SpecConfig(method="medusa")
-    with pytest.raises(ValueError, match="--draft-head"):
-        SpecConfig(method="block")
-    with pytest.raises(ValueError, match="no head ships for model 'random:tiny'"):
+    with pytest.raises(ValueError, match="no chain head ships for model 'random:tiny'"):
         make_drafter(SpecConfig(method="chain"), model="random:tiny")
+    with pytest.raises(ValueError, match="--speculative block needs --draft-head"):
+        make_drafter(SpecConfig(method="block"), model="random:tiny")
     with pytest.raises(ValueError, match="--draft-model"):
         SpecConfig(method="draft")
     with pytest.raises(ValueError, match="--draft-head is for"):
         SpecConfig(method="ngram", draft_head="x")
     assert isinstance(make_drafter(SpecConfig(method="ngram")), NgramDrafter)
     assert make_drafter(SpecConfig()) is None
-    with pytest.raises(ValueError, match="--speculative block"):
+    with pytest.raises(ValueError, match="--draft-head 'some/dir': no config.json"):
         make_drafter(SpecConfig(method="block", draft_head="some/dir"))
     from draftgraph.models.presets import preset_config
     from draftgraph.spec.chain_head import ChainHeadDrafter

@@ -14,7 +14,7 @@ from draftgraph.attention.triton_backend import TritonBackend
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.models.chain_head import random_head
+from draftgraph.models.heads import random_head
 from draftgraph.models.loader import load_model
 from draftgraph.spec.chain_head import ChainHeadDrafter
 
@@ -75,7 +75,7 @@ def test_fused_fallback_and_eager_chains_draft_the_same_and_are_lossless(loaded,
         drafter = ChainHeadDrafter(head, K)
         engine = _engine(loaded, drafter, use_graphs=arm != "eager")
         body = engine.spec_graphs.body
-        assert body.fused_chain == (arm != "fallback")
+        assert body.fused_draft == (arm != "fallback")
         ptrs = [t.data_ptr() for t in (drafter.last_feat, drafter.step_ids, drafter.drafts,
                                        drafter.capture.out)]
         runs[arm] = _drafts_and_outputs(engine, drafter, prompts)
@@ -104,7 +104,7 @@ def test_the_head_kv_in_graphs_equals_a_from_scratch_computation(loaded):
     drafter = _Accepting(head, K, future=KV_PROMPT + out.token_ids)
     drafter.future = drafter.future.cuda()
     engine = _engine(loaded, drafter)
-    assert engine.spec_graphs.use_graphs and engine.spec_graphs.body.fused_chain
+    assert engine.spec_graphs.use_graphs and engine.spec_graphs.body.fused_draft
     assert _max_kv_error(engine, drafter) < 1e-3
     s = engine.stats
     assert s["num_accepted_tokens"] >= 0.9 * s["num_draft_tokens"] > 30

@@ -65,6 +65,48 @@ def test_extend_attention_matches_reference(dtype, window):
     torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_draft_block_attention_is_noncausal_over_window_and_block(dtype):
+    """DRAFT_BLOCK: every row of a block sees its request's whole list (the last W context
+    keys and the whole block), whatever its position; against the twin and against plain
+    softmax attention over exactly those keys."""
+    gamma, window = 5, 7
+    seq_lens = [3 + gamma, 40 + gamma, 0 + gamma]  # prefixes shorter and longer than W
+    gen = torch.Generator().manual_seed(3)
+    bs = len(seq_lens)
+    k_cache = torch.randn(NUM_SLOTS, HKV, D, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(NUM_SLOTS, HKV, D, generator=gen).to(DEVICE, dtype)
+    req_to_token = torch.randperm(NUM_SLOTS, generator=gen)[: bs * 200].view(bs, 200).to(DEVICE)
+    bufs = MetadataBuffers(bs, bs * gamma, 2048, None, DEVICE)
+    bufs.add_block_lists(window, gamma)
+    seq_t = torch.tensor(seq_lens, device=DEVICE)
+    loc = torch.stack([req_to_token[r, n - gamma + i] for r, n in enumerate(seq_lens)
+                       for i in range(gamma)])
+    build_metadata(torch.arange(bs, device=DEVICE), seq_t, torch.full_like(seq_t, gamma), loc,
+                   req_to_token, bufs, draft_block=True)
+    lists = bufs.lists["block"]
+    q = torch.randn(bs * gamma, HQ, D, generator=gen).to(DEVICE, dtype)
+    out = torch.full_like(q, float("nan"))
+    attn.extend_attention(q, k_cache, v_cache, bufs.qo_indptr, lists.kv_indptr, lists.kv_indices,
+                          lists.kv_start, bufs.positions, None, SCALE, out, bs, noncausal=True)
+    twin = attn.attention_ref(q, k_cache, v_cache, bufs.qo_indptr[: bs + 1],
+                              lists.kv_indptr[: bs + 1], lists.kv_indices, lists.kv_start[:bs],
+                              bufs.positions[: bs * gamma], None, SCALE, noncausal=True)
+    torch.testing.assert_close(out.float(), twin.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    for r, n in enumerate(seq_lens):
+        keys = req_to_token[r, max(0, n - gamma - window) : n]  # window, then the block
+        kr = k_cache[keys].float().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+        vr = v_cache[keys].float().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+        qr = q[r * gamma : (r + 1) * gamma].float().transpose(0, 1)
+        expect = torch.softmax(qr @ kr.transpose(1, 2) * SCALE, -1) @ vr
+        torch.testing.assert_close(out[r * gamma : (r + 1) * gamma].float(),
+                                   expect.transpose(0, 1), atol=TOL[dtype], rtol=TOL[dtype])
+    causal = torch.full_like(q, float("nan"))  # the causal kernel differs on the same lists
+    attn.extend_attention(q, k_cache, v_cache, bufs.qo_indptr, lists.kv_indptr, lists.kv_indices,
+                          lists.kv_start, bufs.positions, None, SCALE, causal, bs)
+    assert not torch.allclose(causal.float(), out.float(), atol=1e-2)
+
+
 def decode_scratch(bs, num_splits):
     """Caller-owned split-KV scratch. Partials start as NaN, so a combine that read a split's
     partial before (or without) it being written shows up; the counters start at zero, as the

@@ -22,9 +22,13 @@ MAX_BS, MAX_TOKENS, KV_CAP, MAX_CTX = 160, 320, 2048, 96
 GARBAGE = -7777
 
 
-def make_state(window):
+def make_state(window, block=None):
+    """`block` (W, block size): the buffers of a block drafter's executor."""
     bufs = {name: ref.MetadataBuffers(MAX_BS, MAX_TOKENS, KV_CAP, window, DEVICE)
             for name in ("ref", "tri")}
+    if block:
+        for b in bufs.values():
+            b.add_block_lists(*block)
     gen = torch.Generator().manual_seed(1)
     # [MAX_BS + 1, MAX_CTX] int64: distinct slot ids so a wrong copy is visible
     r2t = torch.randperm(100_000, generator=gen)[: (MAX_BS + 1) * MAX_CTX]
@@ -47,7 +51,7 @@ def poison(bufs):
         x.fill_(GARBAGE)
 
 
-def assert_same(bufs, r2t, batch):
+def assert_same(bufs, r2t, batch, draft_block=False):
     req_pool_indices, seq_lens, extend_lens, out_cache_loc = batch
     bs, nt = req_pool_indices.shape[0], out_cache_loc.shape[0]
     a, b = bufs["ref"], bufs["tri"]
@@ -55,7 +59,7 @@ def assert_same(bufs, r2t, batch):
     assert torch.equal(a.positions[:nt], b.positions[:nt])
     assert torch.equal(a.token_req[:nt], b.token_req[:nt])
     assert torch.equal(r2t["ref"], r2t["tri"])
-    for kind in a.lists:
+    for kind in a.kinds(draft_block):
         la, lb = a.lists[kind], b.lists[kind]
         total = int(la.kv_indptr[bs])
         assert torch.equal(la.kv_indptr[: bs + 1], lb.kv_indptr[: bs + 1]), kind
@@ -65,12 +69,12 @@ def assert_same(bufs, r2t, batch):
         assert (lb.kv_indices[total:] == GARBAGE).all(), kind
 
 
-def run_both(bufs, r2t, batch):
+def run_both(bufs, r2t, batch, draft_block=False):
     poison(bufs["ref"])
     poison(bufs["tri"])
-    ref.build_metadata(*batch, r2t["ref"], bufs["ref"])
-    tri.build_metadata(*batch, r2t["tri"], bufs["tri"])
-    assert_same(bufs, r2t, batch)
+    ref.build_metadata(*batch, r2t["ref"], bufs["ref"], draft_block)
+    tri.build_metadata(*batch, r2t["tri"], bufs["tri"], draft_block)
+    assert_same(bufs, r2t, batch, draft_block)
 
 
 BATCHES = [
@@ -149,3 +153,45 @@ def test_exclusive_scan_inplace():
     tri.exclusive_scan_inplace(indptr, 6)
     assert indptr[:7].tolist() == [0, 0, 3, 3, 3, 8, 9]
     assert (indptr[7:] == GARBAGE).all()
+
+
+# draft blocks (seq_lens = prefix + block size): prefixes shorter than, equal to and longer than
+# the window W = 6, and a prefix of 0 (a padded row)
+BLOCK_BATCHES = [([5 + 2, 6 + 5, 9 + 5, 0 + 5], 5), ([1 + 8, 80 + 8], 8), ([30 + 2], 2)]
+
+
+@pytest.mark.parametrize("seq_lens,gamma", BLOCK_BATCHES)
+def test_draft_block_lists_hold_the_window_then_the_block(seq_lens, gamma):
+    """In-graph block metadata equals the reference, and both are what the block sees: the
+    last min(prefix, W) context slots of the request, then its block's own slots."""
+    window = 6
+    bufs, r2t = make_state(None, (window, gamma))
+    batch = make_batch(seq_lens, [gamma] * len(seq_lens), seed=len(seq_lens))
+    table = r2t["ref"].clone()
+    addresses = [x.data_ptr() for x in bufs["tri"].all_tensors()]
+    run_both(bufs, r2t, batch, draft_block=True)
+    assert [x.data_ptr() for x in bufs["tri"].all_tensors()] == addresses
+    req_pool_indices, _, _, out_cache_loc = batch
+    lists = bufs["tri"].lists[ref.BLOCK]
+    assert lists.noncausal and lists.window == window
+    for r, n in enumerate(seq_lens):
+        prefix = n - gamma
+        start = max(0, prefix - window)
+        row = lists.kv_indices[lists.kv_indptr[r] : lists.kv_indptr[r + 1]].tolist()
+        context = table[req_pool_indices[r], start:prefix].tolist()
+        block = out_cache_loc[r * gamma : (r + 1) * gamma].tolist()
+        assert row == context + block, r
+        assert int(lists.kv_start[r]) == start
+        assert bufs["tri"].positions[r * gamma : (r + 1) * gamma].tolist() == list(
+            range(prefix, n))
+
+
+def test_a_noop_block_builder_is_caught():
+    bufs, r2t = make_state(None, (6, 5))
+    batch = make_batch([7, 11, 14], [5, 5, 5])
+    poison(bufs["ref"])
+    poison(bufs["tri"])
+    ref.build_metadata(*batch, r2t["ref"], bufs["ref"], True)
+    tri.build_positions_and_slots(*batch, r2t["tri"], bufs["tri"])  # the lists left undone
+    with pytest.raises(AssertionError):
+        assert_same(bufs, r2t, batch, draft_block=True)

@@ -17,7 +17,8 @@ from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
 from draftgraph.attention.backend import Phase, TorchBackend
 from draftgraph.config import SpecConfig
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.models.chain_head import HeadConfig, load_head, random_head, save_head
+from draftgraph.models.chain_head import HeadConfig
+from draftgraph.models.heads import load_head, random_head, save_head
 from draftgraph.runtime.executor import ModelExecutor
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.runtime.slot_space import SlotSpace
@@ -198,16 +199,16 @@ def _drafts_per_step(engine, drafter, steps: int = 10) -> list:
     return seen
 
 
-def test_the_fused_chain_and_the_per_step_fallback_give_the_same_drafts(hf, plain,
+def test_the_fused_draft_and_the_per_step_fallback_give_the_same_drafts(hf, plain,
                                                                        monkeypatch):
     """The CPU's torch backend has no in-place draft-step update, so its steps run as the
     fallback (metadata rebuilt between steps); declared capable, the same body runs fused."""
     engine, drafter = _head_engine(hf)
-    assert not engine.spec_graphs.body.fused_chain
+    assert not engine.spec_graphs.body.fused_draft
     fallback = _drafts_per_step(engine, drafter)
     monkeypatch.setattr(TorchBackend, "draft_step_update", True)
     engine, drafter = _head_engine(hf)
-    assert engine.spec_graphs.body.fused_chain
+    assert engine.spec_graphs.body.fused_draft
     fused = _drafts_per_step(engine, drafter)
     assert all(torch.equal(a, b) for a, b in zip(fallback, fused, strict=True))
     assert [o.token_ids for o in _head_engine(hf)[0].generate(PROMPTS, GREEDY)] == plain

@@ -38,7 +38,7 @@ def test_the_target_as_its_own_draft_model_accepts_every_draft(hf, plain):
     """(It caught a hole: without the chain's last step writing the k-th draft's KV, a fully
     accepted round left that position empty in the draft cache: 63 of 79 drafts accepted.)"""
     engine, drafter = _draft_engine(hf, hf)
-    assert not engine.spec_graphs.body.fused_chain  # the CPU's torch backend: per step
+    assert not engine.spec_graphs.body.fused_draft  # the CPU's torch backend: per step
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain
     s = engine.stats
@@ -54,7 +54,7 @@ def test_a_no_op_metadata_advance_loses_acceptance_but_never_output(hf, plain, m
     # declared capable, the torch backend runs the fused chain (advance in place)
     monkeypatch.setattr(TorchBackend, "draft_step_update", True)
     engine, drafter = _draft_engine(hf, hf)
-    assert engine.spec_graphs.body.fused_chain
+    assert engine.spec_graphs.body.fused_draft
     drafter.executor.backend.advance_metadata = lambda fb: None  # steps 1.. reuse step 0's
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain  # verification keeps it lossless

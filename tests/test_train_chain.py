@@ -14,7 +14,7 @@ from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
 
 from draftgraph.config import SpecConfig
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.models.chain_head import load_head, random_head
+from draftgraph.models.heads import load_head, random_head
 from draftgraph.spec.chain_head import ChainHeadDrafter
 from draftgraph.train.chain import (
     TrainConfig,

@@ -60,6 +60,10 @@ class SpecConfig:
     # the model (spec.SHIPPED_HEADS)
     draft_head: str | None = None
     draft_model: str | None = None  # draft: a model with the target's vocabulary (--draft-model)
+    # block: the anchor + block_size - 1 masks (None: the head's own); drafts per step are
+    # block_size - 1 (--block-size)
+    block_size: int | None = None
+    confidence_threshold: float | None = None  # block: None: the head's (--confidence-threshold)
 
     def __post_init__(self) -> None:
         _need(self.method is None or self.method in SPEC_METHODS,
@@ -68,9 +72,13 @@ class SpecConfig:
               f"--num-draft-tokens must be in 1..16, got {self.num_draft_tokens}")
         _need(1 <= self.ngram_min <= self.ngram_max,
               f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
-        if self.method == "block":
-            _need(self.draft_head is not None,
-                  f"--speculative {self.method} needs --draft-head (a head directory)")
+        _need(self.block_size is None or 2 <= self.block_size <= 17,
+              f"--block-size must be in 2..17 (1..16 drafts), got {self.block_size}")
+        _need(self.block_size is None and self.confidence_threshold is None
+              or self.method == "block",
+              "--block-size and --confidence-threshold are for --speculative block")
+        _need(self.confidence_threshold is None or 0.0 <= self.confidence_threshold <= 1.0,
+              f"--confidence-threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.method == "draft":
             _need(self.draft_model is not None, "--speculative draft needs --draft-model")
         _need(self.draft_head is None or self.method in ("chain", "block"),

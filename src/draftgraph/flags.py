@@ -139,8 +139,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative", choices=list(SPEC_METHODS), default=None,
                    help="drafter (default: none, plain decoding): ngram (prompt lookup), "
                    "chain (an EAGLE-3-style head: --draft-head, or the head that ships with "
-                   "the default model), draft (a separate draft model, --draft-model); "
-                   "block is not built yet")
+                   "the default model), draft (a separate draft model, --draft-model), "
+                   "block (a DSpark-style block head drafting block-size - 1 tokens in one "
+                   "forward: --draft-head, or the head that ships with the default model)")
     s.add_argument("--draft-model", default=None,
                    help="--speculative draft: a model with the target's vocabulary "
                    "(a .gguf file, a Hugging Face directory or random:<preset>)")
@@ -149,6 +150,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "train-drafter writes one), or random[:layers=N,draft_vocab=V]")
     s.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens proposed per step")
+    s.add_argument("--block-size", type=int, default=None,
+                   help="--speculative block: the anchor + this many - 1 mask tokens, "
+                   "block-size - 1 drafts per step (default: the head's)")
+    s.add_argument("--confidence-threshold", type=float, default=None,
+                   help="--speculative block with a confidence head: cut a block at the first "
+                   "draft the head rates below this (default: the head's)")
     s.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,
                    help="shortest n-gram matched against the context")
     s.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
@@ -162,7 +169,8 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
     return SpecConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
                       ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                       adaptive=not args.no_adaptive_draft, draft_model=args.draft_model,
-                      draft_head=args.draft_head)
+                      draft_head=args.draft_head, block_size=args.block_size,
+                      confidence_threshold=args.confidence_threshold)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from draftgraph.attention.kv_pool import KVPool
-from draftgraph.attention.metadata import FULL, SLIDING, MetadataBuffers, build_metadata
+from draftgraph.attention.metadata import (
+    BLOCK,
+    FULL,
+    SLIDING,
+    KVIndexLists,
+    MetadataBuffers,
+    build_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,12 @@ class ForwardBatch:
     @property
     def positions(self) -> torch.Tensor:
         return self.meta.positions[: self.num_tokens]
+
+    def lists(self, sliding: bool) -> KVIndexLists:
+        """The KV lists a layer attends over: a draft block's own in DRAFT_BLOCK."""
+        if self.phase is Phase.DRAFT_BLOCK:
+            return self.meta.lists[BLOCK]
+        return self.meta.lists[SLIDING if sliding else FULL]
 
 
 class AttentionBackend:
@@ -117,16 +130,17 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
     kernels = {Phase.EXTEND: "sdpa", Phase.DECODE: "sdpa", Phase.VERIFY: "sdpa",
-               Phase.DRAFT_CHAIN: "sdpa"}
+               Phase.DRAFT_CHAIN: "sdpa", Phase.DRAFT_BLOCK: "sdpa"}
 
     def build_metadata(self, fb: ForwardBatch) -> None:
         build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens, fb.out_cache_loc,
-                       self.req_to_token, fb.meta)
+                       self.req_to_token, fb.meta, fb.phase is Phase.DRAFT_BLOCK)
         # NOTE: the per-request loop needs the offsets on the host: read them once here,
         # for every layer of this forward (this backend is eager-only)
         bs = fb.bs
         self._offsets = {"qo": fb.meta.qo_indptr[: bs + 1].tolist()}
-        for kind, lists in fb.meta.lists.items():
+        for kind in fb.meta.kinds(fb.phase is Phase.DRAFT_BLOCK):
+            lists = fb.meta.lists[kind]
             self._offsets[kind] = (lists.kv_indptr[: bs + 1].tolist(),
                                    lists.kv_start[:bs].tolist())
 
@@ -135,10 +149,10 @@ class TorchBackend(AttentionBackend):
         k_cache = self.kv_pool.k_buffers[layer_id]
         v_cache = self.kv_pool.v_buffers[layer_id]
         self.store_kv(k, v, layer_id, fb)
-        kind = SLIDING if sliding else FULL
-        lists = fb.meta.lists[kind]
+        lists = fb.lists(sliding)
         qo = self._offsets["qo"]
-        kv_indptr, kv_start = self._offsets[kind]
+        kv_indptr, kv_start = self._offsets[BLOCK if lists.noncausal else
+                                            SLIDING if sliding else FULL]
         out = torch.empty_like(q)
         positions = fb.positions
         for r in range(fb.bs):
@@ -149,8 +163,8 @@ class TorchBackend(AttentionBackend):
             kr = k_cache[idx].transpose(0, 1)  # [Hkv, S, D]
             vr = v_cache[idx].transpose(0, 1)
             qr = q[q0:q1].transpose(0, 1)  # [Hq, L, D]
-            mask = None
-            if q1 - q0 > 1 or lists.window is not None:
+            mask = None  # a draft block sees its whole list
+            if not lists.noncausal and (q1 - q0 > 1 or lists.window is not None):
                 qpos = positions[q0:q1, None]
                 kpos = kv_start[r] + torch.arange(idx.shape[0], device=q.device)[None, :]
                 mask = kpos <= qpos

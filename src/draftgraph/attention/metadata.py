@@ -11,27 +11,32 @@ Derived, written into caller-owned buffers (`MetadataBuffers`):
   positions  [num_tokens]        absolute position of each new token
   token_req  [num_tokens]        batch row of each new token
   req_to_token[req, pos] = out_cache_loc   (the KV write slots, recorded in the table)
-  per layer kind (full, sliding window W):
+  per layer kind (full, sliding window W, draft block with context window W):
     kv_indptr  [bs + 1]          counts written into kv_indptr[1:], scanned in place
     kv_indices [capacity]        KV slots of the visible context, request after request
     kv_start   [bs]              position of each request's first listed KV slot
 
 A sliding layer with window W lets a query at position p see positions p - W + 1 .. p, so a
 request's list starts at max(0, first_query_position - W + 1); the attention kernel masks the
-rest per query row. Entries past a buffer's live part are left as they are and never read
-(a builder never sweeps the whole capacity).
+rest per query row. A draft block (phase DRAFT_BLOCK: its extend_lens tokens at the end of the
+sequence) sees the last W context positions before it and the whole block, non-causally: its
+list starts at max(0, first_block_position - W) and ends with the block's own slots, and every
+query row of the block sees all of it (`noncausal`). Entries past a buffer's live part are left
+as they are and never read (a builder never sweeps the whole capacity).
 
 The Triton twins in `draftgraph.kernels.metadata` must produce exactly these values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 FULL = "full"
 SLIDING = "sliding"
+BLOCK = "block"  # a draft block's window of context + the block itself (DRAFT_BLOCK only)
 
 
 @dataclass
@@ -42,6 +47,14 @@ class KVIndexLists:
     kv_indices: torch.Tensor  # [capacity] int64, -1 where empty
     kv_start: torch.Tensor  # [max_bs] int64
     window: int | None  # None for full attention
+    noncausal: bool = False  # a draft block: every query row sees every listed key
+
+    def first_visible(self, seq_lens: torch.Tensor, extend_lens: torch.Tensor) -> torch.Tensor:
+        """Position of each request's first listed key [bs]."""
+        if self.window is None:
+            return torch.zeros_like(seq_lens)
+        reach = self.window if self.noncausal else self.window - 1
+        return (seq_lens - extend_lens - reach).clamp_min(0)
 
 
 class MetadataBuffers:
@@ -78,6 +91,18 @@ class MetadataBuffers:
             kv_start=torch.zeros(self.max_bs, dtype=torch.int64, device=dev),
             window=window,
         )
+
+    def add_block_lists(self, window: int, block_size: int) -> None:
+        """The lists of phase DRAFT_BLOCK (a drafter's executor, before any capture)."""
+        cap = self.max_bs * (window + block_size)
+        self.lists[BLOCK] = dataclasses.replace(
+            self._lists(self.qo_indptr.device, cap, window), noncausal=True)
+
+    def kinds(self, draft_block: bool) -> list[str]:
+        """The layer kinds a forward builds lists for: the block's alone in DRAFT_BLOCK."""
+        if draft_block:
+            return [BLOCK]
+        return [kind for kind in self.lists if kind != BLOCK]
 
     def all_tensors(self) -> list[torch.Tensor]:
         out = [self.qo_indptr, self.positions, self.token_req]
@@ -122,10 +147,7 @@ def build_kv_index_lists(
 ) -> None:
     """kv_indptr / kv_indices / kv_start for one layer kind (full or sliding window)."""
     bs = req_pool_indices.shape[0]
-    if lists.window is None:
-        start = torch.zeros_like(seq_lens)
-    else:
-        start = (seq_lens - extend_lens - lists.window + 1).clamp_min(0)
+    start = lists.first_visible(seq_lens, extend_lens)
     counts = seq_lens - start
     lists.kv_start[:bs] = start
     lists.kv_indptr[0] = 0
@@ -148,9 +170,12 @@ def build_metadata(
     out_cache_loc: torch.Tensor,
     req_to_token: torch.Tensor,
     bufs: MetadataBuffers,
+    draft_block: bool = False,
 ) -> None:
-    """All metadata of one forward, in dependency order (slots before index lists)."""
+    """All metadata of one forward, in dependency order (slots before index lists); a draft
+    block builds its own lists alone."""
     build_positions_and_slots(req_pool_indices, seq_lens, extend_lens, out_cache_loc,
                               req_to_token, bufs)
-    for lists in bufs.lists.values():
-        build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, req_to_token, lists)
+    for kind in bufs.kinds(draft_block):
+        build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, req_to_token,
+                             bufs.lists[kind])

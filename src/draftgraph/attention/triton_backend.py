@@ -5,9 +5,10 @@ grids from static sizes); draft_step_update (a draft chain's next-step metadata 
 inside the graph from the advanced raw inputs); fused_kv_store.
 
 `forward` stores the new K/V, then runs the phase's kernel (`kernels`): split-KV decode
-attention for DECODE, the variable-length extend kernel for EXTEND and VERIFY; draft phases
-raise until their kernels exist. Nothing is read back to the host, so a
-whole forward can be captured in a CUDA graph.
+attention for DECODE and DRAFT_CHAIN, the variable-length extend kernel for EXTEND and VERIFY,
+and the same kernel non-causally over the block's lists for DRAFT_BLOCK (its metadata: the
+positions and one count/scan/compact of the block's lists, in the graph). Nothing is read
+back to the host, so a whole forward can be captured in a CUDA graph.
 
 NOTE: the split-KV scratch (partials `mid_o` / `mid_lse`, per-(row, KV head) arrival counters
 `kv_counters`) is allocated once, sized for the largest rows x splits of any batch up to
@@ -25,7 +26,6 @@ import torch
 
 from draftgraph.attention.backend import AttentionBackend, ForwardBatch, Phase
 from draftgraph.attention.kv_pool import KVPool
-from draftgraph.attention.metadata import FULL, SLIDING
 from draftgraph.kernels import attention as attn_kernels
 from draftgraph.kernels import metadata as meta_kernels
 from draftgraph.kernels.kv_store import store_kv
@@ -37,7 +37,7 @@ class TritonBackend(AttentionBackend):
     draft_step_update = True
     fused_kv_store = True
     kernels = {Phase.DECODE: "decode", Phase.DRAFT_CHAIN: "decode", Phase.EXTEND: "extend",
-               Phase.VERIFY: "extend"}
+               Phase.VERIFY: "extend", Phase.DRAFT_BLOCK: "extend"}
 
     def __init__(
         self,
@@ -80,7 +80,8 @@ class TritonBackend(AttentionBackend):
 
     def build_metadata(self, fb: ForwardBatch) -> None:
         meta_kernels.build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
-                                    fb.out_cache_loc, self.req_to_token, fb.meta)
+                                    fb.out_cache_loc, self.req_to_token, fb.meta,
+                                    fb.phase is Phase.DRAFT_BLOCK)
 
     def advance_metadata(self, fb: ForwardBatch) -> None:
         """The next draft step's metadata, inside the graph: the builders are capturable, so
@@ -104,7 +105,7 @@ class TritonBackend(AttentionBackend):
         `kernels.elementwise.rope_and_store_kv`, which saves the store launch)."""
         k_cache = self.kv_pool.k_buffers[layer_id]
         v_cache = self.kv_pool.v_buffers[layer_id]
-        lists = fb.meta.lists[SLIDING if sliding else FULL]
+        lists = fb.lists(sliding)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
@@ -135,6 +136,7 @@ class TritonBackend(AttentionBackend):
         else:
             attn_kernels.extend_attention(
                 q, k_cache, v_cache, fb.meta.qo_indptr, lists.kv_indptr, lists.kv_indices,
-                lists.kv_start, fb.positions, lists.window, self.scale, out, fb.bs,
+                lists.kv_start, fb.positions, None if lists.noncausal else lists.window,
+                self.scale, out, fb.bs, noncausal=lists.noncausal,
             )
         return out

@@ -43,9 +43,10 @@ def _attend_tile(
     k_cache, v_cache, kv_indices_row, kv_start, kv_hi_mask_len, n0,
     hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2, window,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr, NONCAUSAL: tl.constexpr,
 ):
     # One online-softmax step over keys n0 .. n0 + BLOCK_N of a row's list (< kv_hi_mask_len).
+    # NONCAUSAL (a draft block): every listed key is visible to every row.
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_mask = offs_n < kv_hi_mask_len
@@ -61,7 +62,10 @@ def _attend_tile(
                 mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * sm_scale_log2  # [rows, BLOCK_N]
     kpos = kv_start + offs_n
-    visible = n_mask[None, :] & (kpos[None, :] <= qpos[:, None]) & row_mask[:, None]
+    if NONCAUSAL:
+        visible = n_mask[None, :] & row_mask[:, None]
+    else:
+        visible = n_mask[None, :] & (kpos[None, :] <= qpos[:, None]) & row_mask[:, None]
     if SLIDING:
         visible = visible & (qpos[:, None] - kpos[None, :] < window)
     qk = tl.where(visible, qk, float("-inf"))
@@ -148,7 +152,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_tile(
             q_tile, qpos, h_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0, kv_first,
             hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2, window,
-            HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
+            HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION, False,
         )
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -187,6 +191,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN_BLOCK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NONCAUSAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -229,8 +234,12 @@ def _extend_kernel(
     row0 = tl.load(kv_indptr + r)
     kv_len = tl.load(kv_indptr + r + 1) - row0
     kv_first = tl.load(kv_start + r)
-    # keys this tile can see: up to its last query position; for a window, from its first
-    hi = tl.minimum(kv_len, tl.max(tl.where(row_mask, qpos, -1), axis=0) - kv_first + 1)
+    # keys this tile can see: up to its last query position; for a window, from its first;
+    # a draft block sees its whole list
+    if NONCAUSAL:
+        hi = kv_len
+    else:
+        hi = tl.minimum(kv_len, tl.max(tl.where(row_mask, qpos, -1), axis=0) - kv_first + 1)
     if SLIDING:
         min_qpos = tl.min(tl.where(row_mask, qpos, 1 << 62), axis=0)
         lo = tl.maximum(min_qpos - window + 1 - kv_first, 0) // BLOCK_N * BLOCK_N
@@ -244,7 +253,7 @@ def _extend_kernel(
         m_i, l_i, acc = _attend_tile(
             q_tile, qpos, row_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0,
             kv_first, hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2,
-            window, HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
+            window, HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION, NONCAUSAL,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -390,9 +399,11 @@ def extend_attention(
     bs: int,
     block_m: int = 64,
     block_n: int = 64,
+    noncausal: bool = False,
 ) -> torch.Tensor:
-    """Variable-length queries, causal by position. q, out [T, Hq, D]; positions [T];
-    qo_indptr [bs + 1]; the KV lists already hold the new tokens' slots."""
+    """Variable-length queries, causal by position (`noncausal`: a draft block, every row sees
+    its request's whole list; window None). q, out [T, Hq, D]; positions [T]; qo_indptr
+    [bs + 1]; the KV lists already hold the new tokens' slots."""
     num_tokens = q.shape[0]
     num_q_heads, num_kv_heads, head_dim = _check(q, k_cache)
     if num_tokens == 0 or bs == 0:
@@ -408,8 +419,8 @@ def extend_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SCAN_BLOCK=128,
-        SLIDING=window is not None, DOT_PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        SLIDING=window is not None and not noncausal, DOT_PRECISION=_precision(q.dtype),
+        NONCAUSAL=noncausal, num_warps=4, num_stages=2,
     )
     return out
 
@@ -425,9 +436,10 @@ def attention_ref(
     positions: torch.Tensor,
     window: int | None,
     scale: float,
+    noncausal: bool = False,
 ) -> torch.Tensor:
     """Torch twin of both kernels (decode: qo_indptr = arange(bs + 1)), per request in fp32.
-    Rows that see no key are zero."""
+    Rows that see no key are zero; `noncausal`: every row sees its request's whole list."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[1]
     qo, kvp, starts = qo_indptr.tolist(), kv_indptr.tolist(), kv_start.tolist()
@@ -441,8 +453,8 @@ def attention_ref(
         qr = q[q0:q1].float().transpose(0, 1)  # [Hq, L, D]
         qpos = positions[q0:q1, None]
         kpos = starts[r] + torch.arange(idx.shape[0], device=q.device)[None, :]
-        visible = kpos <= qpos
-        if window is not None:
+        visible = (kpos <= qpos) | noncausal
+        if window is not None and not noncausal:
             visible &= qpos - kpos < window
         scores = (qr @ kr.transpose(1, 2)) * scale
         scores = scores.masked_fill(~visible, -math.inf)

@@ -186,7 +186,9 @@ def build_kv_index_lists(
     by `MetadataBuffers` never overflow for batches within its max_bs / max_num_tokens.
     """
     bs = req_pool_indices.shape[0]
-    window = lists.window or 0
+    # the count kernel starts a list at first_position - window + 1; a draft block reaches
+    # one position further back (its window is of context positions before the block)
+    window = (lists.window or 0) + (1 if lists.noncausal else 0)
     _kv_count_scan_kernel[(1,)](
         seq_lens, extend_lens, lists.kv_indptr, lists.kv_start, bs, window,
         SLIDING=lists.window is not None, SCAN_BLOCK=SCAN_BLOCK, num_warps=4,
@@ -207,12 +209,15 @@ def build_metadata(
     out_cache_loc: torch.Tensor,
     req_to_token: torch.Tensor,
     bufs,
+    draft_block: bool = False,
 ) -> None:
-    """All metadata of one forward, in dependency order (slots before index lists)."""
+    """All metadata of one forward, in dependency order (slots before index lists); a draft
+    block builds its own lists alone."""
     build_positions_and_slots(req_pool_indices, seq_lens, extend_lens, out_cache_loc,
                               req_to_token, bufs)
-    for lists in bufs.lists.values():
-        build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, req_to_token, lists)
+    for kind in bufs.kinds(draft_block):
+        build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, req_to_token,
+                             bufs.lists[kind])
 
 
 def exclusive_scan_inplace(indptr: torch.Tensor, bs: int) -> None:

@@ -13,17 +13,12 @@ The target's embedding is shared, and so is its LM head unless the head has a re
 vocabulary: then its own `lm_head` [draft_vocab, hidden] and `d2t` [draft_vocab] (the target id
 of each draft token) map draft logits onto the target's vocabulary.
 
-A head is a directory: `config.json` (the fields of `HeadConfig`) and `*.safetensors` holding
-this module's state dict; a tensor over the shard size is split by rows into `name.part<i>`
-tensors, and no file exceeds the shard size (16 MiB by default). `random_head` builds one of
-any shape for benchmarks and tests.
+Head directories (save, load, random heads) are models/heads.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +28,6 @@ from draftgraph.attention.backend import AttentionBackend, ForwardBatch
 from draftgraph.distributed.parallel import TPInfo
 from draftgraph.kernels import gemv, ops
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.presets import fill_random
 from draftgraph.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -41,8 +35,6 @@ from draftgraph.models.llama import (
     RMSNorm,
     rope_cos_sin_cache,
 )
-
-SHARD_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -52,6 +44,7 @@ class HeadConfig:
     hidden_layer_ids: list[int]  # target layers whose output streams make the feature
     target_hidden_size: int
     target_vocab_size: int
+    kind: str = "chain"
     num_layers: int = 1
     num_attention_heads: int = 0  # 0: the target's
     num_key_value_heads: int = 0
@@ -201,95 +194,3 @@ class ChainHead(nn.Module):
         logits, stream = gemv.rmsnorm_gemv(x, self.norm.weight, self.norm.eps, w, None,
                                            residual)
         return logits.float(), stream
-
-
-# ---- head directories ----------------------------------------------------------------------
-
-def save_head(head: ChainHead, path: str, shard_bytes: int = SHARD_BYTES) -> list[str]:
-    """Write `config.json` and safetensors shards of at most `shard_bytes` each; returns the
-    shard file names."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(head.head_config), f, indent=1)
-    pieces: list[tuple[str, torch.Tensor]] = []
-    for name, t in head.state_dict().items():
-        t = t.detach().cpu().contiguous()
-        if t.numel() * t.element_size() <= shard_bytes or t.dim() == 0:
-            pieces.append((name, t))
-            continue
-        rows = max(1, shard_bytes // (t[0].numel() * t.element_size()))
-        pieces += [(f"{name}.part{i}", c.clone())
-                   for i, c in enumerate(torch.split(t, rows, dim=0))]
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    used = 0
-    for name, t in pieces:
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and used + nbytes > shard_bytes:
-            shards.append({})
-            used = 0
-        shards[-1][name] = t
-        used += nbytes
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards, strict=True):
-        save_file(shard, os.path.join(path, name))
-    return names
-
-
-def load_head(path: str, target: ModelConfig, device="cpu",
-              dtype: torch.dtype = torch.float32) -> ChainHead:
-    """A head directory (see the module docstring) for `target`, on `device` in `dtype`."""
-    from safetensors.torch import load_file
-
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"--draft-head {path!r}: no config.json there (a head directory "
-                         "holds config.json and *.safetensors; or use `random`)")
-    with open(cfg_path) as f:
-        raw = json.load(f)
-    known = {f.name for f in dataclasses.fields(HeadConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"--draft-head {path!r}: unknown config fields {unknown}")
-    head = ChainHead(HeadConfig(**raw), target)
-    tensors: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(path, name)))
-    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for name in list(tensors):
-        base, sep, idx = name.rpartition(".part")
-        if sep and idx.isdigit():
-            parts.setdefault(base, []).append((int(idx), tensors.pop(name)))
-    for base, chunks in parts.items():
-        tensors[base] = torch.cat([t for _, t in sorted(chunks, key=lambda c: c[0])])
-    missing, unexpected = head.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"--draft-head {path!r}: missing weights {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
-    return head.to(device=device, dtype=dtype).eval()
-
-
-def random_head(target: ModelConfig, spec: str = "", device="cpu",
-                dtype: torch.dtype = torch.float32, seed: int = 0) -> ChainHead:
-    """A head of random weights (norms 1, weights N(0, 0.02)); `spec` is empty or
-    `layers=N,draft_vocab=V,intermediate_size=I` (any subset)."""
-    kw: dict[str, int] = {}
-    for item in filter(None, spec.split(",")):
-        key, _, val = item.partition("=")
-        if key not in ("layers", "draft_vocab", "intermediate_size") or not val.isdigit():
-            raise ValueError(f"--draft-head random:{spec}: expected layers=N, draft_vocab=V "
-                             "or intermediate_size=I, comma-separated")
-        kw[key] = int(val)
-    cfg = HeadConfig(default_layer_ids(target.num_hidden_layers), target.hidden_size,
-                     target.vocab_size, num_layers=kw.get("layers", 1),
-                     intermediate_size=kw.get("intermediate_size", 0),
-                     draft_vocab_size=kw.get("draft_vocab", 0))
-    with torch.device(device):
-        head = ChainHead(cfg, target)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            fill_random(name, p, gen)
-    return head.to(dtype=dtype).eval()

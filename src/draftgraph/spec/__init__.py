@@ -22,19 +22,20 @@ __all__ = [
 ]
 
 
-# chain heads that ship inside the package (draftgraph/heads/<dir>), by the model name they
-# were trained for; each directory records its training command and data hash
-SHIPPED_HEADS = {"default": "smollm2-135m-chain"}
+# heads that ship inside the package (draftgraph/heads/<dir>), by method and the model name
+# they were trained for; each directory records its training command and data hash
+SHIPPED_HEADS = {"chain": {"default": "smollm2-135m-chain"}, "block": {}}
 
 
-def shipped_head(model: str | None) -> str:
+def shipped_head(method: str, model: str | None) -> str:
     import os
 
-    name = SHIPPED_HEADS.get(model or "")
+    name = SHIPPED_HEADS[method].get(model or "")
     if name is None:
-        raise ValueError(f"--speculative chain needs --draft-head: no head ships for model "
-                         f"{model!r} (heads ship for: {', '.join(SHIPPED_HEADS)}; "
-                         "`draftgraph train-drafter` trains one)")
+        ships = ", ".join(SHIPPED_HEADS[method]) or "none yet"
+        raise ValueError(f"--speculative {method} needs --draft-head: no {method} head ships "
+                         f"for model {model!r} (heads ship for: {ships}; "
+                         f"`draftgraph train-drafter` trains one)")
     return os.path.join(os.path.dirname(os.path.dirname(__file__)), "heads", name)
 
 
@@ -54,20 +55,24 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
         kw = {} if dtype is None else {"dtype": dtype}
         loaded = load_model(cfg.draft_model, device=device, **kw)
         return DraftModelDrafter(loaded.model.eval(), cfg.num_draft_tokens)
-    if cfg.method == "chain":
-        import torch
+    import torch
 
-        from draftgraph.models.chain_head import load_head, random_head
+    from draftgraph.models.heads import head_kind, load_head, random_head
+
+    dtype = dtype or torch.float32
+    path = cfg.draft_head or shipped_head(cfg.method, model)
+    if path == "random" or path.startswith("random:"):
+        head = random_head(target_config, path.partition(":")[2], device, dtype,
+                           kind=cfg.method)
+    else:
+        kind = head_kind(path)
+        if kind != cfg.method:
+            raise ValueError(f"--draft-head {path!r} is a {kind} head; use --speculative {kind}")
+        head = load_head(path, target_config, device, dtype)
+    if cfg.method == "chain":
         from draftgraph.spec.chain_head import ChainHeadDrafter
 
-        dtype = dtype or torch.float32
-        path = cfg.draft_head or shipped_head(model)
-        if path == "random" or path.startswith("random:"):
-            head = random_head(target_config, path.partition(":")[2], device, dtype)
-        else:
-            head = load_head(path, target_config, device, dtype)
         return ChainHeadDrafter(head, cfg.num_draft_tokens)
-    # NOTE: the flags of this method are validated (SpecConfig); its head is the
-    # block-drafter work still to land
-    raise ValueError(f"--speculative {cfg.method}: this drafter is not built yet; "
-                     "use --speculative ngram")
+    from draftgraph.spec.block import BlockHeadDrafter
+
+    return BlockHeadDrafter(head, cfg.block_size, cfg.confidence_threshold)

@@ -1,22 +1,24 @@
-"""Chain drafters: `num_steps` small autoregressive forwards per proposal, over the drafter's
-own executor (its KV pool in the target's slot space).
+"""Staged drafters: a proposal is `num_steps` forwards over the drafter's own executor (its KV
+pool in the target's slot space), and chain drafters, the staged drafters of k small
+autoregressive steps.
 
-Step i (0 <= i < num_steps) feeds one token per request at position seq_lens - 1 + i (step 0:
-the last token; then the draft of step i - 1) into reserved_slots[:, i]: decode-shaped
-metadata with seq_lens + i. A proposal is
+A proposal is
 
     begin -> for each step: stage_step (raw inputs) -> metadata -> run_step -> finish
 
 `propose` runs it all in one piece, for one graph: step 0's metadata built, every later step's
-advanced in place (`AttentionBackend.advance_metadata`). For a backend without
-`draft_step_update` the step body (spec/step.py) cuts it instead into one captured graph per
-step with each step's metadata rebuilt eagerly between them (`step_metadata`): the fallback,
-the A arm of the fused-chain A/B. Both run the same code on the same buffers, so they give the
-same drafts.
+advanced in place (`AttentionBackend.advance_metadata`). When the drafter's backend cannot do
+that in a graph (`in_graph` is False), the step body (spec/step.py) cuts the proposal instead
+into one captured graph per step with each step's metadata rebuilt eagerly between them
+(`step_metadata`): the fallback, the A arm of the fused A/B. Both run the same code on the same
+buffers, so they give the same drafts. A block drafter (spec/block.py) is a staged drafter of
+one step.
 
-A draft token is the drafter's argmax at temperature 0, else a seeded draw from its processed
-distribution on STREAM_DRAFT at the step's position; its probabilities go to rejection
-sampling (spec/verify.py).
+Chain step i (0 <= i < num_steps) feeds one token per request at position seq_lens - 1 + i
+(step 0: the last token; then the draft of step i - 1) into reserved_slots[:, i]:
+decode-shaped metadata with seq_lens + i. A draft token is the drafter's argmax at
+temperature 0, else a seeded draw from its processed distribution on STREAM_DRAFT at the
+step's position; its probabilities go to rejection sampling (spec/verify.py).
 """
 
 from __future__ import annotations
@@ -28,18 +30,79 @@ from draftgraph.runtime.sampling import STREAM_DRAFT, processed_probs, sample_fr
 from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
 
 
-class ChainDrafter(Drafter):
+class StagedDrafter(Drafter):
     keeps_kv = True
 
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self.executor = None  # the drafter's ModelExecutor, made in `bind`
+
+    @property
+    def num_steps(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether its backend builds every step's metadata inside one graph (the fused
+        proposal); read from the backend's capabilities."""
+        raise NotImplementedError
+
+    @property
+    def fallback_reason(self) -> str:
+        """What the backend lacks, for the fallback's log line."""
+        raise NotImplementedError
+
+    def begin(self, ctx: DraftContext) -> None:
+        pass
+
+    def stage_step(self, ctx: DraftContext, i: int) -> None:
+        raise NotImplementedError
+
+    def step_fb(self, ctx: DraftContext) -> ForwardBatch:
+        raise NotImplementedError
+
+    def step_metadata(self, ctx: DraftContext) -> None:
+        """The fallback: the staged step's metadata rebuilt eagerly."""
+        self.executor.backend.build_metadata(self.step_fb(ctx))
+
+    def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
+        raise NotImplementedError
+
+    def finish(self, ctx: DraftContext) -> Proposal:
+        raise NotImplementedError
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        """The fused proposal: metadata built for step 0, then advanced in place."""
+        backend = self.executor.backend
+        self.begin(ctx)
+        for i in range(self.num_steps):
+            self.stage_step(ctx, i)
+            fb = self.step_fb(ctx)
+            if i == 0:
+                backend.build_metadata(fb)
+            else:
+                backend.advance_metadata(fb)
+            self.run_step(ctx, i, fb)
+        return self.finish(ctx)
+
+
+class ChainDrafter(StagedDrafter):
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
         self._probs: list[torch.Tensor] = []  # per step [bs, V] of the proposal being built
 
     @property
     def num_steps(self) -> int:
         """Forwards per proposal (the draft model feeds its last draft too: k + 1)."""
         return self.k
+
+    @property
+    def in_graph(self) -> bool:
+        return self.executor.backend.draft_step_update
+
+    @property
+    def fallback_reason(self) -> str:
+        return "backend lacks draft_step_update"
 
     def alloc_steps(self, max_bs: int, device: torch.device) -> None:
         """The chain's persistent per-step inputs."""
@@ -68,13 +131,6 @@ class ChainDrafter(Drafter):
                             self.step_seq_lens[:bs], self.ones[:bs], self.step_loc[:bs],
                             self.executor.meta)
 
-    def step_metadata(self, ctx: DraftContext) -> None:
-        """The fallback: the staged step's metadata rebuilt eagerly."""
-        self.executor.backend.build_metadata(self.step_fb(ctx))
-
-    def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
-        raise NotImplementedError
-
     def take(self, ctx: DraftContext, i: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft i from logits [bs, V] over the target's vocabulary: recorded, fed next."""
         tok = logits.argmax(dim=-1)  # [bs] int64
@@ -92,17 +148,3 @@ class ChainDrafter(Drafter):
         bs = ctx.seq_lens.shape[0]
         probs = torch.stack(self._probs, dim=1) if self._probs else None  # [bs, k, V]
         return Proposal(self.drafts[:bs], torch.clamp(ctx.max_draft, max=self.k), probs)
-
-    # ---- the fused chain ----------------------------------------------------------------------
-    def propose(self, ctx: DraftContext) -> Proposal:
-        backend = self.executor.backend
-        self.begin(ctx)
-        for i in range(self.num_steps):
-            self.stage_step(ctx, i)
-            fb = self.step_fb(ctx)
-            if i == 0:
-                backend.build_metadata(fb)
-            else:
-                backend.advance_metadata(fb)
-            self.run_step(ctx, i, fb)
-        return self.finish(ctx)

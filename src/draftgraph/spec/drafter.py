@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftgraph.attention.backend import ForwardBatch
+
 
 @dataclass
 class DraftContext:
@@ -58,6 +60,9 @@ class Acceptance:
     tokens: torch.Tensor  # [bs, k + 1] int64: emitted tokens, -1 past accept_lens
     accept_lens: torch.Tensor  # [bs] int64: accepted drafts + 1
     verify_seq_lens: torch.Tensor  # [bs] int64: KV length after the verify forward
+    # the verify forward itself: its packed tokens' slots (out_cache_loc) and positions, the
+    # rows of the target's hidden-state capture (dead packed tokens: slot 0, position 0)
+    verify_fb: ForwardBatch | None = None
 
 
 class Drafter:

@@ -18,9 +18,10 @@ accept_lens (1) and num_drafts (0) are constants written once; the greedy tail w
 argmax and its logprob straight into the outputs, and the final norm runs in the LM head.
 
 Fallback: a backend without `in_graph_metadata` gets its metadata rebuilt eagerly between the
-step's two captured parts (logged once, naming the backend); the A arm of the A/B. A chain
-drafter (spec/chain.py) whose backend lacks `draft_step_update` has its steps cut into one
-captured part each, its metadata rebuilt eagerly between them (logged once too).
+step's two captured parts (logged once, naming the backend); the A arm of the A/B. A staged
+drafter (spec/chain.py: a chain's k steps, a block's one) whose backend cannot build its
+steps' metadata in the graph has its steps cut into one captured part each, its metadata
+rebuilt eagerly between them (logged once too).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.kernels.tokens import record_last_tokens
 from draftgraph.runtime.schema import Field, Lanes
-from draftgraph.spec.chain import ChainDrafter
+from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
 from draftgraph.spec.verify import emit
 
@@ -60,7 +61,7 @@ class StepBody:
 
     def __init__(self, target, drafter: Drafter | None = None,
                  metadata_in_graph: bool | None = None, use_graphs: bool = True,
-                 fused_chain: bool | None = None) -> None:
+                 fused_draft: bool | None = None) -> None:
         self.target = target
         self.model = target.model
         self.backend = target.backend
@@ -90,18 +91,18 @@ class StepBody:
         self.num_drafts = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         if drafter is not None:
             drafter.bind(target)
-        # a chain drafter's k steps run in one piece when its backend advances draft metadata
-        # in place; otherwise one captured graph per step, metadata rebuilt eagerly between
-        self.fused_chain = False
-        if isinstance(drafter, ChainDrafter):
-            can = drafter.executor.backend.draft_step_update
-            self.fused_chain = can if fused_chain is None else (fused_chain and can)
-            if not self.fused_chain and use_graphs:
+        # a staged drafter's steps run in one piece when its backend builds their metadata in
+        # the graph; otherwise one captured graph per step, metadata rebuilt eagerly between
+        self.fused_draft = False
+        if isinstance(drafter, StagedDrafter):
+            can = drafter.in_graph
+            self.fused_draft = can if fused_draft is None else (fused_draft and can)
+            if not self.fused_draft and use_graphs:
                 logger.warning(
-                    "attention backend %r: the %s drafter's %d steps replay one graph each, "
-                    "metadata rebuilt eagerly between them (%s)",
+                    "attention backend %r: the %s drafter's %d step(s) replay one graph each, "
+                    "metadata rebuilt eagerly before each (%s)",
                     drafter.executor.backend.name, drafter.name, drafter.num_steps,
-                    "requested" if can else "backend lacks draft_step_update")
+                    "requested" if can else drafter.fallback_reason)
         self._draft_probs: torch.Tensor | None = None  # [bs, k, V] of the last proposal
 
     def bind(self, raw: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
@@ -121,15 +122,15 @@ class StepBody:
     def parts(self, bs: int, greedy: bool) -> list:
         verify_meta = (lambda: self.backend.build_metadata(self._fb(bs)), False)
         verify = (lambda: self._forward_and_accept(bs, greedy), True)
-        if self.k and not self.fused_chain and isinstance(self.drafter, ChainDrafter):
-            return self._chain_parts(bs, greedy) + ([] if self.metadata_in_graph
-                                                    else [verify_meta, verify])
+        if self.k and not self.fused_draft and isinstance(self.drafter, StagedDrafter):
+            return self._staged_parts(bs, greedy) + ([] if self.metadata_in_graph
+                                                     else [verify_meta, verify])
         if self.metadata_in_graph:
             return [(lambda: self._step(bs, greedy), True)]
         return [(lambda: self._prepare(bs, greedy), True), verify_meta, verify]
 
-    def _chain_parts(self, bs: int, greedy: bool) -> list:
-        """The unfused chain: record + step 0's inputs | for each step: its metadata (eager),
+    def _staged_parts(self, bs: int, greedy: bool) -> list:
+        """The unfused proposal: record + step 0's inputs | for each step: its metadata (eager),
         then the step and the next step's inputs (captured); the last step packs the
         proposal, and verifies too when verify metadata is built in the graph."""
         d, n = self.drafter, self.drafter.num_steps
@@ -242,7 +243,8 @@ class StepBody:
         o["accept_lens"][:bs].copy_(accept_lens)
         o["num_drafts"][:bs].copy_(num_drafts)
         self.drafter.after_accept(self._ctx(bs, greedy),
-                                  Acceptance(tokens, accept_lens, self.verify_seq_lens[:bs]))
+                                  Acceptance(tokens, accept_lens, self.verify_seq_lens[:bs],
+                                             fb))
 
     def _step(self, bs: int, greedy: bool) -> None:
         self._prepare(bs, greedy)
@@ -254,12 +256,12 @@ class BodyFactory:
     """A picklable `(executor) -> StepBody` (TP ranks > 0 build the same bodies from it)."""
 
     def __init__(self, drafter: Drafter | None = None, metadata_in_graph: bool | None = None,
-                 use_graphs: bool = True, fused_chain: bool | None = None) -> None:
+                 use_graphs: bool = True, fused_draft: bool | None = None) -> None:
         self.drafter = drafter
         self.metadata_in_graph = metadata_in_graph
         self.use_graphs = use_graphs
-        self.fused_chain = fused_chain
+        self.fused_draft = fused_draft
 
     def __call__(self, target) -> StepBody:
         return StepBody(target, self.drafter, self.metadata_in_graph, self.use_graphs,
-                        self.fused_chain)
+                        self.fused_draft)

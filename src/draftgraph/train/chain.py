@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from draftgraph.attention.backend import Phase
 from draftgraph.kernels.ops import rope_ref
-from draftgraph.models.chain_head import ChainHead, save_head
+from draftgraph.models.chain_head import ChainHead
+from draftgraph.models.heads import save_head
 from draftgraph.runtime.executor import ModelExecutor
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.runtime.slot_space import SlotSpace

@@ -80,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
     from draftgraph.engine.engine import LLMEngine
-    from draftgraph.models.chain_head import random_head
+    from draftgraph.models.heads import random_head
     from draftgraph.train.chain import Sequence, TrainConfig, regenerate, train_head
 
     model = resolve_model(args)

@@ -1,0 +1,169 @@
+"""The DSpark-style block head as a drafter (`--speculative block --draft-head PATH`): one
+parallel forward of the head (models/block_head.py) drafts a whole block, over its own KV pool
+in the shared slot space, reading the target's hidden states.
+
+A staged drafter (spec/chain.py) of one step. For a request at seq_lens n the step feeds the
+block [last token, mask, ..., mask] (block_size tokens) at positions n - 1 .. n + block_size - 2
+into its reserved slots (reserved_slots [bs, 1 + k], k = block_size - 1): phase DRAFT_BLOCK,
+whose metadata (positions, and a list per request of the last `window` context slots followed
+by the block's own slots, seen non-causally by every row of the block) the Triton backend
+builds inside the graph from req_pool_indices, seq_lens and the reserved slots, and a backend
+without `in_graph_metadata` eagerly before the step's replay (the fallback, logged once).
+
+Draft j (1 <= j <= k) is taken from block row j: argmax at temperature 0, else a seeded draw
+from the processed distribution at the position the chain uses for it (STREAM_DRAFT), with its
+probabilities for rejection sampling. With a Markov head the drafts are taken left to right,
+row j's logits corrected by the token before it; with a confidence head a request's active
+draft count stops at the first draft under the head's threshold (and at max_draft).
+
+The head's context K/V lives at the target's slots of the positions before the block. After
+the verify forward (`after_accept`) the target's captured streams of the verified tokens (the
+last token and its drafts, positions n - 1 .. n - 1 + d) are injected as the head's context
+K/V at their slots (one fixed-shape pass over the verify's packed tokens): the accepted ones
+are the context of the next block; the rejected ones sit at positions the next block starts
+at or past, in slots that are freed, and are never in any window. The block's own K/V at the
+same slots is overwritten by that injection before any later block reads it. Eager target
+forwards (prefill chunks, mixed steps) reach `observe`, which injects their tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.models.block_head import BlockHead
+from draftgraph.runtime.executor import ModelExecutor
+from draftgraph.runtime.sampling import STREAM_DRAFT, processed_probs, sample_from_probs
+from draftgraph.runtime.schema import StepBatch
+from draftgraph.spec.chain import StagedDrafter
+from draftgraph.spec.drafter import Acceptance, DraftContext, Proposal
+
+logger = logging.getLogger(__name__)
+
+
+class BlockHeadDrafter(StagedDrafter):
+    name = "block"
+    needs_hidden_states = True
+
+    def __init__(self, head: BlockHead, block_size: int | None = None,
+                 confidence_threshold: float | None = None, inject: bool = True) -> None:
+        cfg = head.head_config
+        self.block_size = block_size or cfg.block_size
+        if not 2 <= self.block_size <= 17:
+            raise ValueError(f"--block-size must be in 2..17 (1..16 drafts), got "
+                             f"{self.block_size}")
+        super().__init__(self.block_size - 1)
+        self.head = head
+        self.threshold = (cfg.confidence_threshold if confidence_threshold is None
+                          else confidence_threshold)
+        # NOTE: inject=False is the broken drafter the tests prove they catch
+        self.inject = inject
+
+    @property
+    def num_steps(self) -> int:
+        return 1
+
+    @property
+    def in_graph(self) -> bool:
+        return self.executor.backend.in_graph_metadata
+
+    @property
+    def fallback_reason(self) -> str:
+        return "backend lacks in_graph_metadata"
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        c = self.head.config
+        return (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+                * torch.tensor([], dtype=dtype).element_size())
+
+    def bind(self, target: ModelExecutor) -> None:
+        head, hc = self.head, self.head.head_config
+        hc.validate_for(target.config)
+        self.target_model = target.model
+        self.target_meta = target.meta
+        self.executor = ModelExecutor(head, target.slots, target.max_bs, target.max_num_tokens,
+                                      target.device, target.dtype, target.backend.name)
+        self.executor.meta.add_block_lists(hc.window, self.block_size)
+        self.capture = target.capture_hidden(tuple(hc.hidden_layer_ids))
+        m, g, dev = target.max_bs, self.block_size, target.device
+        # the block's raw inputs: [last token, mask, ..., mask] per request, its slots
+        self.block_ids = torch.full((m, g), hc.mask_token_id, dtype=torch.int64,
+                                    device=dev)  # [max_bs, block_size] int64
+        self.block_loc = torch.zeros(m * g, dtype=torch.int64, device=dev)
+        self.block_seq_lens = torch.ones(m, dtype=torch.int64, device=dev)
+        self.block_lens = torch.full((m,), g, dtype=torch.int64, device=dev)
+        self.drafts = torch.zeros(m, self.k, dtype=torch.int64, device=dev)
+        self.num_drafts = torch.zeros(m, dtype=torch.int64, device=dev)
+        self._probs: torch.Tensor | None = None  # [bs, k, V] of the proposal being built
+        logger.info("block head: %d layer(s), block size %d, window %d, target layers %s, "
+                    "Markov rank %d, confidence %s, KV pool %.1f MiB",
+                    head.config.num_hidden_layers, g, hc.window, list(hc.hidden_layer_ids),
+                    hc.markov_rank, f"cut < {self.threshold}" if hc.confidence else "off",
+                    self.executor.kv_pool.bytes() / 2**20)
+
+    # ---- the block ------------------------------------------------------------------------
+    def stage_step(self, ctx: DraftContext, i: int) -> None:
+        bs = ctx.seq_lens.shape[0]
+        self.block_ids[:bs, 0].copy_(ctx.last_tokens)
+        self.block_loc[: bs * self.block_size].copy_(ctx.reserved_slots.flatten())
+        torch.add(ctx.seq_lens, self.k, out=self.block_seq_lens[:bs])
+
+    def step_fb(self, ctx: DraftContext) -> ForwardBatch:
+        bs, g = ctx.seq_lens.shape[0], self.block_size
+        return ForwardBatch(Phase.DRAFT_BLOCK, self.block_ids[:bs].flatten(),
+                            ctx.req_pool_indices, self.block_seq_lens[:bs],
+                            self.block_lens[:bs], self.block_loc[: bs * g], self.executor.meta)
+
+    def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
+        head, bs, k = self.head, fb.bs, self.k
+        hidden = head(self.target_model.embed_tokens(fb.input_ids), fb, self.executor.backend)
+        rows = hidden.view(bs, self.block_size, -1)[:, 1:]  # [bs, k, H]: drafts 1..k
+        logits = head.logits(rows.reshape(bs * k, -1),
+                             self.target_model.lm_head_weight).view(bs, k, -1)
+        markov = head.markov_in is not None
+        if ctx.greedy and not markov:  # every draft at once
+            self.drafts[:bs].copy_(logits.argmax(dim=-1))
+        probs, prev = [], ctx.last_tokens
+        if not (ctx.greedy and not markov):
+            for j in range(k):  # left to right: the Markov head reads the draft before
+                lj = logits[:, j] + head.markov(prev) if markov else logits[:, j]
+                tok = lj.argmax(dim=-1)  # [bs] int64
+                if not ctx.greedy:
+                    p = processed_probs(lj, ctx.temperature, ctx.top_p, ctx.top_k)  # [bs, V]
+                    drawn = sample_from_probs(p, ctx.seeds, ctx.seq_lens + j, STREAM_DRAFT)
+                    tok = torch.where(ctx.temperature > 0, drawn, tok)
+                    probs.append(p)
+                self.drafts[:bs, j].copy_(tok)
+                prev = tok
+        self._probs = torch.stack(probs, dim=1) if probs else None
+        count = torch.clamp(ctx.max_draft, max=k)
+        if head.confidence is not None:  # cut at the first draft the head doubts
+            before = torch.cat([ctx.last_tokens[:, None], self.drafts[:bs, :-1]], dim=1)
+            conf = head.accept_prob(rows.reshape(bs * k, -1),
+                                    before.flatten()).view(bs, k)  # [bs, k] fp32
+            sure = (conf >= self.threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)
+            count = torch.minimum(count, sure)
+        self.num_drafts[:bs].copy_(count)
+
+    def finish(self, ctx: DraftContext) -> Proposal:
+        bs = ctx.seq_lens.shape[0]
+        return Proposal(self.drafts[:bs], self.num_drafts[:bs], self._probs)
+
+    # ---- KV injection -----------------------------------------------------------------------
+    def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
+        """The verified tokens' context K/V, from the streams the verify forward captured."""
+        if not self.inject:
+            return
+        fb = accept.verify_fb
+        self.head.inject_kv(self.capture.out[: fb.num_tokens], fb, self.executor.backend)
+
+    def observe(self, sb: StepBatch) -> None:
+        """An eager target forward captured the streams of its tokens: inject them."""
+        if not self.inject:
+            return
+        ex = self.executor
+        fb = ex.forward_batch(sb)
+        ex.backend.build_metadata(fb)
+        self.head.inject_kv(self.capture.out[: fb.num_tokens], fb, ex.backend)

@@ -1,0 +1,358 @@
+"""The DSpark-style block drafter (`--speculative block`): random block heads of every shape are
+lossless; the head's context KV after every step equals a from-scratch injection of the
+target's hidden states (a drafter that skips the injection fails it); pending and rejected
+positions are never read (a block one position off reads them); the in-graph proposal and the
+eager-metadata fallback give the same drafts, and a builder that leaves the block's lists
+undone is caught; the Markov head drafts left to right; the confidence head cuts blocks; at
+temperature 1 the output follows the target; block head directories round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
+
+from draftgraph.attention.backend import Phase, TorchBackend
+from draftgraph.attention.metadata import build_positions_and_slots
+from draftgraph.config import SpecConfig
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.models.block_head import BlockHead
+from draftgraph.models.heads import load_head, random_head, save_head
+from draftgraph.runtime.executor import ModelExecutor
+from draftgraph.runtime.schema import StepBatch
+from draftgraph.runtime.slot_space import SlotSpace
+from draftgraph.spec import make_drafter
+from draftgraph.spec.block import BlockHeadDrafter
+
+SPEC = SpecConfig(method="ngram", adaptive=False)  # the method: see drafter=
+GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3] * 5, list(range(40, 70))]
+KV_PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(seed=5)
+
+
+@pytest.fixture(scope="module")
+def plain(hf):
+    return [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, GREEDY)]
+
+
+def _head(hf, spec: str = "block_size=5,window=8") -> BlockHead:
+    return random_head(tiny_loaded(hf).config, spec, seed=3, kind="block")
+
+
+def _engine(hf, spec: str = "block_size=5,window=8", cls=None, **kw):
+    drafter = (cls or BlockHeadDrafter)(_head(hf, spec), **kw)
+    return tiny_engine(hf, spec=SPEC, drafter=drafter), drafter
+
+
+@pytest.mark.parametrize("spec,threshold", [
+    ("block_size=5,window=8", None),
+    ("block_size=8,window=3,layers=2", None),  # windows shorter than most prefixes
+    ("block_size=6,markov_rank=8", None),
+    ("block_size=6,markov_rank=8,confidence=1", 0.5),  # blocks cut short
+    ("block_size=4,confidence=1", 0.0),  # never cut
+])
+def test_a_random_block_head_is_lossless(hf, plain, spec, threshold):
+    engine, drafter = _engine(hf, spec, confidence_threshold=threshold)
+    if threshold:
+        _doubting(drafter)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    s = engine.stats
+    assert s["num_draft_tokens"] > 40
+    if threshold:  # the same head never cut drafts more (max_draft alone caps it)
+        uncut, d = _engine(hf, spec, confidence_threshold=0.0)
+        _doubting(d)
+        uncut.generate(PROMPTS, GREEDY)
+        assert s["num_draft_tokens"] < uncut.stats["num_draft_tokens"]
+    assert drafter.executor.slots is engine.slots
+    assert drafter.executor.kv_pool is not engine.target.kv_pool
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+
+
+def _doubting(drafter: BlockHeadDrafter) -> None:
+    """Confidence weights large enough that the head's ratings spread around 0.5."""
+    with torch.no_grad():
+        drafter.head.confidence.weight.normal_(0, 2.0,
+                                               generator=torch.Generator().manual_seed(0))
+
+
+# ---- the context KV -----------------------------------------------------------------------
+
+def _reference_kv(engine, drafter: BlockHeadDrafter, tokens: list[int]) -> list:
+    """The head's context K and V of every position of `tokens`, from scratch: a fresh target
+    executor runs the sequence once as a prefill, and a fresh drafter injects its hidden
+    states (per layer: [len, Hkv, D] each)."""
+    n, dev = len(tokens), engine.device
+    slots = SlotSpace(n + 8, 1, 1, n + 8, dev)
+    target = ModelExecutor(engine.model, slots, 1, n + 8, dev, torch.float32,
+                           engine.target.backend.name)
+    ref = BlockHeadDrafter(drafter.head, drafter.block_size)
+    ref.bind(target)
+    sb = StepBatch(Phase.EXTEND, tokens, [1], [n], [n], list(range(1, n + 1)), [])
+    target.forward(sb)
+    ref.observe(sb)
+    pool = ref.executor.kv_pool
+    return [(k[1 : n + 1], v[1 : n + 1]) for k, v in zip(pool.k_buffers, pool.v_buffers,
+                                                          strict=True)]
+
+
+class _Accepting(BlockHeadDrafter):
+    """Drafts the plain greedy continuation, so blocks are accepted and the injection has
+    several accepted positions per step."""
+
+    def __init__(self, head, future: list[int], **kw) -> None:
+        super().__init__(head, **kw)
+        self.future = torch.tensor(future + [0] * (self.k + 2))
+
+    def run_step(self, ctx, i, fb):
+        super().run_step(ctx, i, fb)
+        bs = ctx.seq_lens.shape[0]
+        idx = ctx.seq_lens[:, None] + torch.arange(self.k)[None, :]  # [bs, k] positions
+        self.drafts[:bs].copy_(self.future[idx.clamp_max(len(self.future) - 1)])
+
+
+class _OneAhead(BlockHeadDrafter):
+    """Broken: the block sits one position too far on (in the slots after the last token's),
+    so its window takes in the last token's position, whose entry nothing has written yet."""
+
+    def stage_step(self, ctx, i):
+        super().stage_step(ctx, i)
+        bs = ctx.seq_lens.shape[0]
+        torch.add(ctx.seq_lens, self.k + 1, out=self.block_seq_lens[:bs])
+        loc = self.block_loc[: bs * self.block_size].view(bs, self.block_size)
+        loc[:, :-1] = ctx.reserved_slots[:, 1:]
+        loc[:, -1] = 0
+
+
+def _kv_engine(hf, cls=BlockHeadDrafter, spec: str = "block_size=5,window=8", **kw):
+    if cls is _Accepting:
+        (out,) = tiny_engine(hf).generate([KV_PROMPT], LONG)
+        kw["future"] = KV_PROMPT + out.token_ids
+    return _engine(hf, spec, cls, **kw)
+
+
+def _max_kv_error(engine, drafter, steps: int = 12) -> float:
+    """One request step by step; after each step, the head's context KV of every position
+    before the last token (what later blocks may read) against the from-scratch values."""
+    engine.add_request(KV_PROMPT, LONG)
+    pool = drafter.executor.kv_pool
+    worst = 0.0
+    for _ in range(steps):
+        engine.step()
+        (req,) = engine.scheduler.running
+        n = req.num_tokens - 1  # positions 0 .. n - 1 are context now
+        slots = engine.slots.req_pool.req_to_token[req.req_pool_idx][:n]
+        for layer, (k, v) in enumerate(_reference_kv(engine, drafter, req.token_slice(0, n))):
+            err = max((pool.k_buffers[layer][slots] - k).abs().max().item(),
+                      (pool.v_buffers[layer][slots] - v).abs().max().item())
+            worst = max(worst, err if err == err else float("inf"))
+    return worst
+
+
+@pytest.mark.parametrize("spec", ["block_size=5,window=8", "block_size=4,layers=2"])
+def test_the_context_kv_after_every_step_equals_a_from_scratch_injection(hf, spec):
+    engine, drafter = _kv_engine(hf, _Accepting, spec)
+    assert _max_kv_error(engine, drafter) < 1e-4
+    s = engine.stats
+    assert s["num_accepted_tokens"] == s["num_draft_tokens"] > 30  # several per step
+
+
+def test_a_drafter_that_skips_the_injection_keeps_block_entries(hf):
+    """Without the injection, accepted positions keep the block's own K/V (made from the mask
+    token), never the target's context."""
+    engine, drafter = _kv_engine(hf, _Accepting, inject=False)
+    assert _max_kv_error(engine, drafter) > 1e-2
+
+
+def _drafts_per_step(engine, drafter, steps: int = 10, poison: bool = False) -> list:
+    """Drafts of two requests after each step; `poison`: the head's KV from each request's
+    last-token position on (pending or rejected entries) set to NaN after every step."""
+    engine.add_request(PROMPTS[2], GREEDY)
+    engine.add_request(PROMPTS[0], GREEDY)
+    pool, seen = drafter.executor.kv_pool, []
+    for _ in range(steps):
+        engine.step()
+        seen.append(drafter.drafts[:2].clone())
+        if poison:
+            for req in engine.scheduler.running:
+                n = req.num_tokens - 1
+                ahead = engine.slots.req_pool.req_to_token[req.req_pool_idx][n : n + 8]
+                ahead = ahead[ahead > 0]
+                for buf in pool.k_buffers + pool.v_buffers:
+                    buf[ahead] = float("nan")
+    return seen
+
+
+def _same(a: list, b: list) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_pending_and_rejected_positions_are_never_read(hf):
+    clean = _drafts_per_step(*_engine(hf))
+    assert _same(clean, _drafts_per_step(*_engine(hf), poison=True))
+    off = _drafts_per_step(*_engine(hf, cls=_OneAhead))
+    assert not _same(off, _drafts_per_step(*_engine(hf, cls=_OneAhead), poison=True))
+
+
+def test_in_graph_block_metadata_and_the_eager_fallback_give_the_same_drafts(hf, plain,
+                                                                            monkeypatch):
+    """The CPU's torch backend builds metadata eagerly, so the block's step runs as the
+    fallback; declared capable, the same body builds it inside the (eager) proposal."""
+    engine, drafter = _engine(hf)
+    assert not engine.spec_graphs.body.fused_draft
+    fallback = _drafts_per_step(engine, drafter)
+    monkeypatch.setattr(TorchBackend, "in_graph_metadata", True)
+    engine, drafter = _engine(hf)
+    assert engine.spec_graphs.body.fused_draft
+    fused = _drafts_per_step(engine, drafter)
+    assert _same(fallback, fused)
+    # a builder that writes positions and slots but leaves the block's lists as the previous
+    # step left them
+    engine, drafter = _engine(hf)
+    backend = drafter.executor.backend
+    real, stale = backend.build_metadata, {}
+
+    def no_block_lists(fb):
+        if fb.phase is not Phase.DRAFT_BLOCK or not stale:
+            real(fb)
+            if fb.phase is Phase.DRAFT_BLOCK:
+                stale.update(backend._offsets)
+            return
+        build_positions_and_slots(fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
+                                  fb.out_cache_loc, backend.req_to_token, fb.meta)
+        backend._offsets = dict(stale, qo=fb.meta.qo_indptr[: fb.bs + 1].tolist())
+
+    backend.build_metadata = no_block_lists
+    assert not _same(fused, _drafts_per_step(engine, drafter))
+    while engine.has_unfinished():
+        engine.step()
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain  # verify holds
+
+
+# ---- Markov and confidence heads ----------------------------------------------------------
+
+def test_the_markov_head_drafts_left_to_right(hf):
+    """A Markov head that strongly favours `previous token + 1` makes every block count up
+    from its anchor: draft j reads draft j - 1, not the block's input."""
+    engine, drafter = _engine(hf, "block_size=6,markov_rank=128")
+    head, vocab = drafter.head, tiny_loaded(hf).config.vocab_size
+    with torch.no_grad():
+        head.markov_in.weight.copy_(torch.eye(vocab, 128))
+        head.markov_out.weight.copy_(1e3 * torch.roll(torch.eye(vocab, 128), 1, dims=0))
+    engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(4):
+        engine.step()
+        (req,) = engine.scheduler.running
+        anchor = req.token_slice(req.num_tokens - 1, req.num_tokens)[0]  # next block's anchor
+        engine.step()
+        drafts = drafter.drafts[0].tolist()
+        assert drafts == [(anchor + j) % vocab for j in range(1, drafter.k + 1)]
+
+
+@pytest.mark.parametrize("bias,expect", [(8.0, "all"), (-8.0, "none")])
+def test_the_confidence_head_cuts_the_block(hf, plain, bias, expect):
+    engine, drafter = _engine(hf, "block_size=5,confidence=1", confidence_threshold=0.5)
+    with torch.no_grad():
+        drafter.head.confidence.weight.zero_()
+        drafter.head.confidence.bias.fill_(bias)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
+    s = engine.stats
+    if expect == "all":  # as many as max_draft allows: the same as a head without one
+        uncut, _ = _engine(hf, "block_size=5")
+        uncut.generate(PROMPTS, GREEDY)
+        assert s["num_draft_tokens"] == uncut.stats["num_draft_tokens"] > 0
+    else:
+        assert s["num_draft_tokens"] == 0
+
+
+def test_the_confidence_cut_stops_at_the_first_doubted_draft(hf):
+    """Per request: the active count is the number of leading drafts rated >= threshold."""
+    engine, drafter = _engine(hf, "block_size=6,confidence=1", confidence_threshold=0.5)
+    head = drafter.head
+    _doubting(drafter)
+    seen = []
+    real = head.accept_prob
+
+    def spy(hidden, prev):
+        conf = real(hidden, prev)
+        seen.append(conf.view(-1, drafter.k).clone())
+        return conf
+
+    head.accept_prob = spy
+    engine.add_request(PROMPTS[2], LONG)
+    engine.add_request(PROMPTS[1], LONG)
+    counts = set()
+    engine.step()  # the prefill drafts nothing
+    for _ in range(8):
+        engine.step()
+        conf = seen[-1]
+        lead = (conf >= 0.5).long().cumprod(1).sum(1)
+        assert drafter.num_drafts[:2].tolist() == lead.tolist()
+        counts |= set(lead.tolist())
+    assert len(counts) > 1  # the cut really varies
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+def test_at_temperature_1_the_output_follows_the_target():
+    """The first token a speculative step emits, drafted from the block head's own q: against
+    plain sampling the same distribution; against a wrong (uniform) q: biased."""
+    from test_spec_draft_model import _chi2_pvalue, _pair_counts, _peaked
+
+    vocab, n, batch = 8, 512, 128
+    target = _peaked(3, vocab)
+    kw = dict(max_num_seqs=batch, budget=1024)
+    plain = _pair_counts(tiny_engine(target, **kw), n, vocab, batch)
+    pvalues = {}
+    for arm in ("true_q", "wrong_q"):
+        drafter = BlockHeadDrafter(random_head(tiny_loaded(target).config, "block_size=3",
+                                               seed=3, kind="block"))
+        engine = tiny_engine(target, spec=SPEC, drafter=drafter, **kw)
+        real = drafter.finish
+
+        def finish(ctx, real=real, arm=arm):
+            p = real(ctx)
+            assert p.draft_probs is not None  # the head samples from its own distribution
+            if arm == "wrong_q":
+                p.draft_probs = torch.full_like(p.draft_probs, 1.0 / vocab)
+            return p
+
+        drafter.finish = finish
+        spec = _pair_counts(engine, n, vocab, batch)
+        assert engine.stats["num_draft_tokens"] == n
+        pvalues[arm] = _chi2_pvalue(plain, spec)
+    assert pvalues["true_q"] > 1e-3 and pvalues["wrong_q"] < 1e-3, pvalues
+
+
+# ---- head directories and flags -----------------------------------------------------------
+
+def test_block_head_directories_round_trip_and_make_the_drafter(hf, tmp_path):
+    cfg = tiny_loaded(hf).config
+    head = _head(hf, "block_size=6,markov_rank=4,confidence=1,window=16")
+    save_head(head, str(tmp_path), shard_bytes=8192)
+    loaded = load_head(str(tmp_path), cfg)
+    assert isinstance(loaded, BlockHead) and loaded.head_config == head.head_config
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    spec = SpecConfig(method="block", draft_head=str(tmp_path), block_size=4,
+                      confidence_threshold=0.2)
+    drafter = make_drafter(spec, target_config=cfg)
+    assert isinstance(drafter, BlockHeadDrafter)
+    assert (drafter.k, drafter.threshold) == (3, 0.2)
+    with pytest.raises(ValueError, match="is a block head; use --speculative block"):
+        make_drafter(SpecConfig(method="chain", draft_head=str(tmp_path)), target_config=cfg)
+    random_spec = SpecConfig(method="block", draft_head="random:block_size=7")
+    assert make_drafter(random_spec, target_config=cfg).k == 6
+    with pytest.raises(ValueError, match="no block head ships"):
+        make_drafter(SpecConfig(method="block"), target_config=cfg, model="tiny")
+    with pytest.raises(ValueError, match="--block-size"):
+        SpecConfig(method="block", block_size=1)
+    with pytest.raises(ValueError, match="are for --speculative block"):
+        SpecConfig(method="chain", block_size=4)
