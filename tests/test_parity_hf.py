@@ -167,6 +167,35 @@ def test_default_model_greedy_64_tokens_are_transformers_argmax_at_every_positio
         assert abs(out.logprobs[j] - float(ref[n - 1 + j, tok])) < 1e-3
 
 
+def test_default_model_prompt_logprobs_equal_transformers_log_softmax(ours, hf_model):
+    """Prompt logprobs, scored on the device during a chunked prefill (16-token chunks), are
+    transformers' full-forward log_softmax at every position but the first (None), with the
+    top-5 alternatives and the rank of each prompt token; a batch-mate that did not ask gets
+    none and the same tokens as alone."""
+    engine = _engine(ours, budget=16)
+    prompt = ("Speculative decoding: a small draft model proposes a few tokens, and the target "
+              "model verifies all of them in one forward pass.")
+    asked = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=5)
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out, mate = engine.generate([prompt, "2+2="], [asked, plain], use_chat_template=False)
+    ids = out.prompt_token_ids
+    assert len(ids) > 16  # the prompt spans several chunks
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        row = ref[p - 1]
+        assert abs(out.prompt_logprobs[p] - float(row[ids[p]])) < 1e-3, f"position {p}"
+        rank, top_ids, top_lps = out.prompt_top_logprobs[p]
+        assert rank == int((row > row[ids[p]]).sum()) + 1
+        assert top_lps == pytest.approx(row.topk(5).values.tolist(), abs=1e-3)
+        assert top_ids[0] == int(row.argmax())
+    assert mate.prompt_logprobs is None
+    assert mate.token_ids == _engine(ours).generate(["2+2="], plain,
+                                                    use_chat_template=False)[0].token_ids
+
+
 MIXED = [
     "Hi!",
     "Explain what a hash map is and when to use one, with a short example in Python.",

@@ -8,7 +8,7 @@ block or fail the others once it is in.
 - A request whose prompt + max_tokens can never fit the KV pool is refused
   (`check_fits_kv`) instead of waiting forever at the head of the queue.
 - Sampling parameters that depend on the model are bounded (`bound_params`: top_k is clamped
-  to the vocabulary, which the device sampler does anyway).
+  to the vocabulary, which the device sampler does anyway; logit_bias keys are token ids).
 """
 
 from __future__ import annotations
@@ -105,8 +105,18 @@ def check_fits_kv(engine, prompt_len: int, params: SamplingParams) -> None:
 
 
 def bound_params(engine, params: SamplingParams) -> SamplingParams:
-    """Params with the model-dependent bounds applied (a copy when anything changes)."""
+    """Params with the model-dependent bounds applied (a copy when anything changes);
+    logit_bias keys must be token ids of the vocabulary; prompt logprobs need one rank."""
+    from draftgraph.engine.sampling import SamplingParamsError
+
     vocab = engine.model_config.vocab_size
+    bad = [t for t in params.logit_bias if t >= vocab]
+    if bad:
+        raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids below the "
+                                  f"vocabulary size {vocab}; got {bad[:3]}")
+    if params.prompt_logprobs is not None and engine.config.tensor_parallel_size > 1:
+        raise SamplingParamsError("prompt_logprobs", "prompt logprobs are not computed under "
+                                  "--tensor-parallel-size > 1 yet")
     if params.top_k > vocab:
         params = dataclasses.replace(params, top_k=vocab)
     return params

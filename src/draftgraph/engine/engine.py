@@ -24,10 +24,12 @@ from draftgraph.engine.sampling import SamplingParams
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
 from draftgraph.engine.speculation import SpecPolicy
 from draftgraph.models.loader import missing_tokenizer_reason
+from draftgraph.runtime.controls import StepControls
 from draftgraph.runtime.executor import build_target
 from draftgraph.runtime.kv_cache import OutOfKVSlots
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.spec import Drafter, emit, make_drafter
+from draftgraph.spec.extras import TOP_N_MAX, ExtrasFactory, ensure_controls
 from draftgraph.spec.step import BodyFactory
 
 logger = logging.getLogger(__name__)
@@ -98,12 +100,19 @@ class LLMEngine:
         # decode and speculative steps are graph sets of step bodies: captured on a GPU, run
         # eagerly elsewhere (the same body, the same buffers)
         use_graphs = self.device.type == "cuda" and config.use_graphs
+        # each with an extras twin (spec/extras.py): top-N logprobs and sampling controls,
+        # replayed only for steps where a request asks for them
+        self.controls = ensure_controls(self.target, 1 + k)
         bodies = {"decode": BodyFactory(None, use_graphs=use_graphs)}
         if self.drafter is not None:
             bodies["spec"] = BodyFactory(self.drafter, use_graphs=use_graphs)
+        bodies.update({f"{name}+extras": ExtrasFactory(f, 1 + k) for name, f in bodies.items()})
         self.target.init_graphs(bodies, use_graphs=use_graphs)
         self.decode_graphs = self.target.graph_sets["decode"]
         self.spec_graphs = self.target.graph_sets.get("spec")
+        self.extras_graphs = {gs: self.target.graph_sets[f"{name}+extras"]
+                              for name, gs in self.target.graph_sets.items()
+                              if not name.endswith("+extras")}
         # async scheduling: requests of a launched decode replay whose tokens are not read yet.
         # NOTE: with graphs only (eagerly nothing overlaps), off with speculation, and under TP
         # until it has run on GPUs (the ranks > 0 would resolve the token references from
@@ -111,6 +120,7 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling and use_graphs
                                  and self.drafter is None and config.tensor_parallel_size == 1)
         self._inflight: list[Request] | None = None
+        self._inflight_graphs = None  # the graph set of that replay
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
@@ -232,14 +242,26 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self.spec_k)
         if not scheduled:
             return outputs
+        self._admit_controls([sr.req for sr in scheduled])
         for sr, result in zip(scheduled, self._run_isolated(scheduled), strict=True):
             if isinstance(result, Exception):  # this request's rows made the step raise
                 sr.req.error = f"internal error: {result}"
                 self._finish(sr.req, "error")
                 outputs.append(self._output(sr.req, []))
             else:
-                outputs.append(self._append(sr.req, *result, sr.num_new_tokens))
+                outputs.append(self._append(sr.req, *result, num_fed=sr.num_new_tokens))
         return outputs
+
+    def _admit_controls(self, reqs: list[Request]) -> None:
+        """A request with sampling controls that has a new request row (first scheduled, or
+        again after a preemption) gets that row of the control tables written, once."""
+        for req in reqs:
+            if req.params.has_controls and req.controls_row != req.req_pool_idx:
+                stops = sorted(req.eos_token_ids | req.stop_token_ids) \
+                    if req.params.min_tokens else []
+                self.controls.admit(req.req_pool_idx, req.prompt_token_ids,
+                                    req.output_token_ids, req.params.logit_bias, stops)
+                req.controls_row = req.req_pool_idx
 
     def _run_isolated(self, scheduled: list[ScheduledRequest]) -> list:
         """`_run`, and when the step raises, the same work again in halves until the
@@ -258,18 +280,27 @@ class LLMEngine:
             mid = len(scheduled) // 2
             return self._run_isolated(scheduled[:mid]) + self._run_isolated(scheduled[mid:])
 
-    def _run(self, scheduled: list[ScheduledRequest]) -> list[tuple[list[int], list[float]]]:
-        """One step over the scheduled work; returns the tokens each request gains."""
+    def _run(self, scheduled: list[ScheduledRequest]) -> list[tuple[list[int], list[float],
+                                                                 list]]:
+        """One step over the scheduled work; returns the tokens each request gains, their
+        logprobs and their top-N alternatives ([] when not asked)."""
         if all(sr.num_new_tokens == 1 and not sr.req.is_prefilling for sr in scheduled) \
                 and self.decode_graphs.bucket_for(len(scheduled)) is not None:
             return self._replay(scheduled)
         # a step with prefill chunks: one eager forward, decode rows draft nothing
         sb = StepBatch(Phase.EXTEND, [], [], [], [], [], [])
         rows: list[tuple[ScheduledRequest, int]] = []  # (request, number of logit rows)
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, rows)
         for sr in scheduled:
             req = sr.req
             start = req.num_computed_tokens
             toks = req.token_slice(start, start + sr.num_new_tokens)
+            # prompt logprobs: position p's row scores prompt token p + 1, once per token
+            if req.params.prompt_logprobs is not None:
+                first = len(req.prompt_logprobs) - 1  # the next position not scored yet
+                end = min(start + len(toks), len(req.prompt_token_ids) - 1)
+                if start <= first < end:
+                    prompt_rows.append((req, len(sb.input_ids) + first - start, end - first))
             sb.input_ids += toks
             sb.req_pool_indices.append(req.req_pool_idx)
             sb.seq_lens.append(start + len(toks))
@@ -279,10 +310,33 @@ class LLMEngine:
             if samples:
                 sb.logit_indices.append(len(sb.input_ids) - 1)
             rows.append((sr, int(samples)))
-        logits = self.target.forward(sb)  # always runs: prefill chunks write KV
+        if prompt_rows:
+            logits = self._forward_scoring_prompts(sb, prompt_rows)
+        else:
+            logits = self.target.forward(sb)  # always runs: prefill chunks write KV
         if self.drafter is not None and self.drafter.keeps_kv:
             self.drafter.observe(sb)  # the drafter's KV for the same tokens
         return self._sample(rows, logits)
+
+    def _forward_scoring_prompts(self, sb: StepBatch,
+                                 prompt_rows: list[tuple[Request, int, int]]) -> torch.Tensor:
+        """The eager forward, which also scores prompt tokens on the device for the requests
+        that asked (runtime/executor.py `forward_scoring`); the others' rows cost nothing."""
+        indices, next_ids, top_n = [], [], 0
+        for req, first, n in prompt_rows:
+            p0 = len(req.prompt_logprobs)  # the first prompt token scored by these rows
+            indices += range(first, first + n)
+            next_ids += req.prompt_token_ids[p0 : p0 + n]
+            top_n = max(top_n, req.params.prompt_logprobs)
+        logits, scored = self.target.forward_scoring(sb, indices, next_ids, top_n)
+        i = 0
+        for req, _, n in prompt_rows:
+            k = req.params.prompt_logprobs
+            for lp, rank, ids, tops in zip(*(x[i : i + n] for x in scored), strict=True):
+                req.prompt_logprobs.append(lp)
+                req.prompt_top_logprobs.append((rank, ids[:k], tops[:k]))
+            i += n
+        return logits
 
     def _replay(self, scheduled: list[ScheduledRequest]):
         """A step of decoding requests as one graph-set replay, staged straight from the
@@ -296,29 +350,49 @@ class LLMEngine:
             # a drafter with its own KV sees every token: every decode step is speculative
             if any(max_draft) or self.drafter.keeps_kv:
                 graphs = self.spec_graphs
+        spec = graphs is self.spec_graphs
+        if any(r.params.needs_extras for r in reqs):
+            graphs = self.extras_graphs[graphs]
         self._stage(graphs, reqs, [r.token_slice(r.num_tokens - 1, r.num_tokens)[0]
                                    for r in reqs], [r.num_tokens for r in reqs],
                     [sr.slots for sr in scheduled], max_draft)
-        ahead = graphs is self.decode_graphs and self._launch_ahead(reqs)
+        ahead = not spec and self._launch_ahead(reqs, graphs)
         results = graphs.result(back=1 if ahead else 0)
-        if graphs is self.spec_graphs:
-            for req, d, (tokens, _, num_drafts) in zip(reqs, max_draft, results, strict=True):
+        if spec:
+            for req, d, (tokens, _, num_drafts, _) in zip(reqs, max_draft, results,
+                                                          strict=True):
                 if num_drafts:
                     self.policy.record(req, num_drafts, len(tokens) - 1)
                 elif d:
                     self.policy.no_proposal(req)
-        return [(tokens, logprobs) for tokens, logprobs, _ in results]
+        return [(tokens, logprobs, top) for tokens, logprobs, _, top in results]
 
-    @staticmethod
-    def _stage(graphs, reqs: list[Request], input_ids: list[int], seq_lens: list[int],
+    def _stage(self, graphs, reqs: list[Request], input_ids: list[int], seq_lens: list[int],
                reserved_slots: list[list[int]], max_draft: list[int] | None = None) -> int:
-        """Replay a step of `graphs` for `reqs` (the raw-input lanes of spec/step.py)."""
+        """Replay a step of `graphs` for `reqs` (the raw-input lanes of spec/step.py; an
+        extras graph set's control lanes too)."""
         p = [r.params for r in reqs]
-        return graphs.replay(len(reqs), all(x.temperature == 0 for x in p), dict(
+        fields = dict(
             input_ids=input_ids, req_pool_indices=[r.req_pool_idx for r in reqs],
             seq_lens=seq_lens, max_draft=max_draft, top_k=[x.top_k for x in p],
             seeds=[r.seed for r in reqs], reserved_slots=reserved_slots,
-            temperature=[x.temperature for x in p], top_p=[x.top_p for x in p]))
+            temperature=[x.temperature for x in p], top_p=[x.top_p for x in p])
+        if graphs in self.extras_graphs.values():
+            fields.update(self._control_lanes(reqs))
+        return graphs.replay(len(reqs), all(x.temperature == 0 for x in p), fields)
+
+    @staticmethod
+    def _control_lanes(reqs: list[Request]) -> dict[str, list]:
+        """Per request: the sampling controls' lanes (spec/step.py `step_inputs`); a request
+        without controls gets them off (its row of the tables is never read)."""
+        p = [r.params if r.params.has_controls else None for r in reqs]
+        return dict(
+            min_tokens=[x.min_tokens if x else 0 for x in p],
+            prompt_lens=[len(r.prompt_token_ids) for r in reqs],
+            num_logit_bias=[len(x.logit_bias) if x else 0 for x in p],
+            presence_penalty=[x.presence_penalty if x else 0.0 for x in p],
+            frequency_penalty=[x.frequency_penalty if x else 0.0 for x in p],
+            repetition_penalty=[x.repetition_penalty if x else 1.0 for x in p])
 
     # ---- async scheduling: launch decode step N + 1 before reading step N ----------------
     # The next step's last tokens are the ones step N samples, still on the device: they are
@@ -326,9 +400,10 @@ class LLMEngine:
     # independent, so a request that finishes at step N only wastes its row of step N + 1
     # (its token is dropped, its KV slot freed with the rest of its pages).
 
-    def _launch_ahead(self, reqs: list[Request]) -> bool:
+    def _launch_ahead(self, reqs: list[Request], graphs) -> bool:
         """Launch the decode step after the one just launched for `reqs` (its tokens unread)
-        when every running request is in it and nothing waits; True when launched."""
+        when every running request is in it and nothing waits; True when launched. `graphs`:
+        the decode graph set of that step (plain or extras), the next one's too."""
         for r in reqs:
             r.ahead = 0
         if not self.async_scheduling or self.scheduler.waiting:
@@ -349,19 +424,22 @@ class LLMEngine:
             # appended (truncation to the computed tokens, `ahead` being 0)
             return False
         ahead = [r for _, r in rows]
-        self._stage(self.decode_graphs, ahead, [-(j + 1) for j, _ in rows],
+        # NOTE: the row references -(j + 1) read the previous replay of the same graph set
+        self._stage(graphs, ahead, [-(j + 1) for j, _ in rows],
                     [r.num_tokens + 1 for r in ahead], slots)
         for r in ahead:
             r.ahead = 1
         self._inflight = ahead
+        self._inflight_graphs = graphs
         return True
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch the next decode step if it can go, then read the one in flight."""
         reqs, self._inflight = self._inflight, None
+        graphs = self._inflight_graphs
         try:
-            ahead = self._launch_ahead(reqs)
-            results = self.decode_graphs.result(back=1 if ahead else 0)
+            ahead = self._launch_ahead(reqs, graphs)
+            results = graphs.result(back=1 if ahead else 0)
         except Exception as e:  # a failing step must not kill the engine
             logger.exception("step failed for requests %s", [r.request_id for r in reqs])
             self._inflight = None
@@ -372,43 +450,60 @@ class LLMEngine:
                     self._finish(r, "error")
                     outputs.append(self._output(r, []))
             return outputs
-        return [self._append(r, tokens, logprobs, 1)
-                for r, (tokens, logprobs, _) in zip(reqs, results, strict=True)
+        return [self._append(r, tokens, logprobs, top, num_fed=1)
+                for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True)
                 if not r.finished]  # finished or aborted while its step ran: token dropped
 
-    def _sample(self, rows, logits: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+    def _sample(self, rows, logits: torch.Tensor) -> list[tuple[list[int], list[float], list]]:
         """Tokens of the requests whose last prompt token was fed (one logit row each), by the
-        same tail as the step bodies (spec.verify.emit with no drafts)."""
+        same tail as the step bodies (spec.verify.emit with no drafts; top-N and controls
+        only when one of them asks)."""
         reqs = [sr.req for sr, n in rows if n]
         if not reqs:
-            return [([], []) for _ in rows]
+            return [([], [], []) for _ in rows]
         dev = logits.device
 
         def t(x: list, dtype=torch.int64) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, device=dev)
 
         p = [r.params for r in reqs]
+        bs = len(reqs)
+        extras = {}
+        if any(x.needs_extras for x in p):
+            lanes = self._control_lanes(reqs)
+            extras = dict(
+                out_top_ids=torch.empty(bs, TOP_N_MAX, dtype=torch.int64, device=dev),
+                out_top_logprobs=torch.empty(bs, TOP_N_MAX, dtype=torch.float32, device=dev),
+                controls=StepControls(
+                    self.controls, t([r.req_pool_idx for r in reqs]),
+                    *(t(lanes[f"{n}_penalty"], torch.float32)
+                      for n in ("presence", "frequency", "repetition")),
+                    t(lanes["min_tokens"]), t(lanes["prompt_lens"]), t(lanes["num_logit_bias"])))
         tokens, _, lps = emit(
-            logits, torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev),
-            t([0] * len(reqs)), None, t([x.temperature for x in p], torch.float32),
+            logits, torch.zeros(bs, 0, dtype=torch.int64, device=dev),
+            t([0] * bs), None, t([x.temperature for x in p], torch.float32),
             t([x.top_p for x in p], torch.float32), t([x.top_k for x in p]),
             t([r.seed for r in reqs]), t([r.num_tokens for r in reqs]),
-            all(x.temperature == 0 for x in p))
+            all(x.temperature == 0 for x in p), **extras)
         tokens, lps = tokens[:, 0].tolist(), lps[:, 0].tolist()
-        out: list[tuple[list[int], list[float]]] = []
+        tops = ([(a, b) for a, b in zip(extras["out_top_ids"].tolist(),
+                                        extras["out_top_logprobs"].tolist(), strict=True)]
+                if extras else None)
+        out: list[tuple[list[int], list[float], list]] = []
         i = 0
         for _sr, n in rows:
             if n:
-                out.append(([tokens[i]], [lps[i]]))
+                out.append(([tokens[i]], [lps[i]], [tops[i]] if tops else []))
                 i += 1
             else:
-                out.append(([], []))
+                out.append(([], [], []))
         return out
 
-    def _append(self, req: Request, tokens: list[int], logprobs: list[float],
+    def _append(self, req: Request, tokens: list[int], logprobs: list[float], top: list,
                 num_fed: int) -> RequestOutput:
         """Record a step's result for one request: KV progress, new tokens, stops.
 
+        top: per token (top ids, their logprobs), or [] when the step computed none;
         num_fed: tokens of the sequence fed this step (drafts not counted)."""
         if tokens:
             # tokens fed this step now have KV: all but the newest sampled one
@@ -416,9 +511,14 @@ class LLMEngine:
         else:
             req.num_computed_tokens += num_fed
         new: list[int] = []
-        for tok, lp in zip(tokens, logprobs, strict=True):
+        n_top = req.params.top_logprobs if req.params.logprobs else 0
+        for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             req.output_token_ids.append(tok)
             req.output_logprobs.append(lp)
+            if n_top:
+                ids, tlp = top[i]
+                req.output_top_logprobs.append(list(zip(ids[:n_top], tlp[:n_top],
+                                                        strict=True)))
             new.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
@@ -464,6 +564,10 @@ class LLMEngine:
         req.num_sent_chars = len(text)
         n_new = len(new_tokens)
         lps = req.output_logprobs if req.params.logprobs else None
+        tops = req.output_top_logprobs if req.params.logprobs else None
+        # the first output with tokens (prefill done) and the last carry the prompt logprobs
+        prompt_lps = req.params.prompt_logprobs is not None and (
+            req.finished or (n_new > 0 and len(req.output_token_ids) == n_new))
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -476,6 +580,11 @@ class LLMEngine:
             logprobs=list(lps) if lps is not None else None,
             new_logprobs=list(lps[len(lps) - n_new :]) if lps is not None and n_new else
             ([] if lps is not None else None),
+            top_logprobs=list(tops) if tops is not None else None,
+            new_top_logprobs=(list(tops[len(tops) - n_new :]) if n_new else [])
+            if tops is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if prompt_lps else None,
+            prompt_top_logprobs=list(req.prompt_top_logprobs) if prompt_lps else None,
             # timing metrics where they are read: the first tokens (TTFT) and the end
             metrics=req.metrics() if req.finished or len(req.output_token_ids) == n_new
             else {},

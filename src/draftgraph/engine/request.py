@@ -29,6 +29,14 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     logprobs: list[float] | None = None  # per output token, from the target model
     new_logprobs: list[float] | None = None
+    # per output token its top alternatives [(token id, logprob)], most likely first (when
+    # the request asked for top_logprobs; [] entries otherwise)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # per prompt token its logprob (None for the first), and (rank, top ids, top logprobs)
+    # (None for the first); in the first output and the final one, when asked
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list | None = None
     metrics: dict = field(default_factory=dict)
     error: str | None = None
 
@@ -44,6 +52,11 @@ class Request:
         self.stop_token_ids = set(params.stop_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        # prompt token p's logprob (p = 0: None), filled as prefill chunks are scored
+        self.prompt_logprobs: list[float | None] = [None]
+        self.prompt_top_logprobs: list = [None]
+        self.controls_row = 0  # the request row whose control tables were written for it
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None

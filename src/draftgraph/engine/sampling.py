@@ -11,6 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+# the device tables size these (min_tokens masks EOS and stop_token_ids: that many ids)
+from draftgraph.runtime.controls import MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
+from draftgraph.spec.extras import TOP_N_MAX
+
 # NOTE: top_k is clamped to the vocabulary at admission (engine/admission.py); this bound only
 # keeps it far inside int64 for callers that build params without an engine.
 MAX_TOP_K = 2**31 - 1
@@ -24,6 +28,10 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOP_LOGPROBS = TOP_N_MAX  # the device tail computes this many alternatives
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's bound
+MAX_PENALTY = 2.0  # presence / frequency penalties in [-2, 2] (OpenAI)
+MAX_REPETITION_PENALTY = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -66,6 +74,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per output token, 0..MAX_TOP_LOGPROBS (with logprobs)
+    prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob + top N
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
@@ -103,6 +118,50 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be true or false, "
                                           f"got {getattr(self, name)!r}")
+        self._check_extras()
+
+    def _check_extras(self) -> None:
+        for name in ("top_logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if (v is not None or name == "top_logprobs") and (
+                    not _is_int(v) or not 0 <= v <= MAX_TOP_LOGPROBS):
+                raise SamplingParamsError(name, f"{name} must be an integer in "
+                                          f"[0, {MAX_TOP_LOGPROBS}], got {v!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _check_number(name, getattr(self, name), -MAX_PENALTY,
+                                              MAX_PENALTY))
+        self.repetition_penalty = _check_number("repetition_penalty", self.repetition_penalty,
+                                                0.0, MAX_REPETITION_PENALTY, lo_open=True)
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError("logit_bias", f"logit_bias must map at most "
+                                      f"{MAX_LOGIT_BIAS} token ids to biases")
+        bias = {}
+        for t, b in self.logit_bias.items():
+            tid = int(t) if isinstance(t, str) and t.isdigit() else t
+            if not _is_int(tid) or tid < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids "
+                                          f"(non-negative integers), got {t!r}")
+            bias[tid] = _check_number("logit_bias", b, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+        self.logit_bias = bias
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError("min_tokens", f"min_tokens must be an integer in "
+                                      f"[0, max_tokens = {self.max_tokens}], got "
+                                      f"{self.min_tokens!r}")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS - 8:
+            raise SamplingParamsError("min_tokens", f"min_tokens holds back at most "
+                                      f"{MAX_MIN_TOKENS_STOP_IDS - 8} stop_token_ids, got "
+                                      f"{len(self.stop_token_ids)}")
+
+    @property
+    def has_controls(self) -> bool:
+        """Any control that changes the distribution (runtime/controls.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
+
+    @property
+    def needs_extras(self) -> bool:
+        """The step's tail must do more than sample (spec/extras.py)."""
+        return self.has_controls or (self.logprobs and self.top_logprobs > 0)
 
     @property
     def greedy(self) -> bool:

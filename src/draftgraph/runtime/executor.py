@@ -18,11 +18,14 @@ from draftgraph.attention.metadata import MetadataBuffers
 from draftgraph.config import CacheConfig, SchedulerConfig
 from draftgraph.distributed.parallel import min_over_ranks
 from draftgraph.models.llama import HiddenCapture, LlamaForCausalLM
+from draftgraph.runtime.controls import ControlTables
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.runtime.slot_space import SlotSpace, kv_slots
 from draftgraph.runtime.tp_control import tp_driver
 
 logger = logging.getLogger(__name__)
+
+SCORE_ROWS = 256  # prompt rows scored per LM-head pass (forward_scoring)
 
 
 def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_cfg,
@@ -68,6 +71,7 @@ class ModelExecutor:
                                     max_bs, device, num_q_heads=model.num_local_heads)
         self.tp_driver = None  # rank 0 of a TP group: sends each step to ranks > 0
         self.capture: HiddenCapture | None = None  # hidden states a drafter reads
+        self.controls: ControlTables | None = None  # sampling controls' per-request tables
         # graph sets by name, in creation order (TP ranks follow them by index)
         self.graph_sets: dict = {}
 
@@ -106,17 +110,47 @@ class ModelExecutor:
     @torch.inference_mode()
     def forward(self, sb: StepBatch) -> torch.Tensor:
         """Run one eager forward; returns logits [len(logit_indices), vocab] fp32."""
+        return self._logits(sb, self._hidden(sb))
+
+    def _hidden(self, sb: StepBatch) -> torch.Tensor:
         if self.tp_driver is not None:  # TP: ranks > 0 run the same forward
             self.tp_driver.send_forward(sb)
         fb = self.forward_batch(sb)
         self.backend.build_metadata(fb)
         self.slots.token_table[fb.req_pool_indices[fb.meta.token_req[: fb.num_tokens]],
                                fb.positions] = fb.input_ids
-        hidden = self.model(fb.input_ids, fb, self.backend, capture=self.capture)
+        return self.model(fb.input_ids, fb, self.backend, capture=self.capture)
+
+    def _logits(self, sb: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
         if not sb.logit_indices:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         idx = torch.tensor(sb.logit_indices, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[idx])
+
+    @torch.inference_mode()
+    def forward_scoring(self, sb: StepBatch, indices: list[int], next_ids: list[int],
+                        top_n: int) -> tuple[torch.Tensor, tuple[list, list, list, list]]:
+        """`forward`, and the tokens at `indices` (into the batch's tokens) scored on the
+        device: the log_softmax of `next_ids` (the token that follows each), its rank (1 = the
+        most likely) and the top_n alternatives. Logits are made SCORE_ROWS rows at a time
+        and reduced at once, so a long prompt never holds [num_tokens, vocab] logits.
+        NOTE: rank 0 only (the LM head's collectives would need every rank under TP; the
+        engine refuses prompt logprobs there). Returns (logits, (logprobs, ranks, top ids,
+        top logprobs)), lists of len(indices) (top lists of top_n each)."""
+        hidden = self._hidden(sb)
+        logits = self._logits(sb, hidden)
+        idx = torch.tensor(indices, dtype=torch.int64, device=self.device)  # [n]
+        nxt = torch.tensor(next_ids, dtype=torch.int64, device=self.device)  # [n]
+        parts = []
+        for i in range(0, len(indices), SCORE_ROWS):
+            rows = self.model.compute_logits(hidden[idx[i : i + SCORE_ROWS]])  # [m, V] fp32
+            lse = torch.logsumexp(rows, dim=-1)
+            picked = rows.gather(1, nxt[i : i + SCORE_ROWS, None])  # [m, 1]
+            rank = (rows > picked).sum(dim=-1) + 1
+            values, ids = torch.topk(rows, top_n, dim=-1)
+            parts.append((picked[:, 0] - lse, rank, ids, values - lse[:, None]))
+        scored = tuple(torch.cat(x).tolist() for x in zip(*parts, strict=True))
+        return logits, scored
 
     def init_graphs(self, bodies: dict, use_graphs: bool = True) -> None:
         """One graph set per step body, by name: `bodies` maps a name to a factory

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from draftgraph.kernels.argmax import argmax_lse
+from draftgraph.runtime.controls import ControlTables, StepControls, apply_controls
 from draftgraph.runtime.sampling import (
     STREAM_ACCEPT,
     STREAM_RESIDUAL,
@@ -27,7 +28,7 @@ from draftgraph.runtime.sampling import (
 )
 
 __all__ = ["emit", "first_stop_index", "greedy_accept", "greedy_accept_from_argmax",
-           "rejection_sample"]
+           "rejection_sample", "step_extras"]
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -200,6 +201,8 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
          draft_probs: torch.Tensor | None, temperature: torch.Tensor, top_p: torch.Tensor,
          top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, greedy: bool,
          out_tokens: torch.Tensor | None = None, out_logprobs: torch.Tensor | None = None,
+         out_top_ids: torch.Tensor | None = None, out_top_logprobs: torch.Tensor | None = None,
+         controls: StepControls | None = None,
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one sampling tail of every step (eager, host verify, graphs): logits -> emitted
     tokens and their logprobs. With k = 0 drafts it is plain sampling.
@@ -209,6 +212,12 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
     top_k / seeds [bs] int64; positions [bs] int64: the position of each request's first new
     token; greedy: every row has temperature 0 (the caller knows it on the host).
     out_tokens / out_logprobs [bs, k + 1]: written in place when given (a graph's outputs).
+    out_top_ids [bs, (k + 1) * N] int64 / out_top_logprobs [bs, (k + 1) * N] fp32: when given,
+    the N most likely tokens of every row and their logprobs, most likely first.
+    controls: logit bias, min_tokens and penalties (runtime/controls.py), applied to every row
+    before sampling, acceptance and the greedy argmax; None: none of them (no extra work).
+    Logprobs (emitted and top) are those of the model's own distribution, log_softmax of the
+    logits before any control (vLLM's default, "raw").
     Returns tokens [bs, k + 1] (-1 past accept_lens), accept_lens [bs], logprobs [bs, k + 1]
     fp32 (log_softmax of each emitted token; past accept_lens the value of token 0).
     """
@@ -218,11 +227,18 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
         out_tokens = torch.empty(bs, T, dtype=torch.int64, device=logits.device)
         out_logprobs = torch.empty(bs, T, dtype=torch.float32, device=logits.device)
     ones = torch.ones(bs, dtype=torch.int64, device=logits.device)
-    if k == 0 and greedy:  # one pass: the argmax and its logprob straight into the outputs
-        argmax_lse(logits, out=out_tokens[:, 0], top_logprob=out_logprobs[:, 0])
+    raw = logits
+    if controls is not None:
+        controls.tables.fold(controls.req_pool_indices, positions)
+        logits = apply_controls(raw, controls, draft_tokens, positions)
+    if k == 0 and greedy and controls is None:
+        # one pass: the argmax and its logprob straight into the outputs
+        _, raw_lse = argmax_lse(logits, out=out_tokens[:, 0], top_logprob=out_logprobs[:, 0])
+        _top_n(raw, raw_lse, out_top_ids, out_top_logprobs)
         return out_tokens, ones, out_logprobs
     # one pass over the vocabulary: the greedy tokens and the logsumexp of every row
     target_argmax, lse = argmax_lse(logits)  # [bs * T] int64, [bs * T] fp32
+    raw_lse = lse if controls is None else argmax_lse(raw)[1]
     if k == 0:
         tokens = sample(logits, temperature, top_p, top_k, seeds, positions, target_argmax)
         tokens, accept_lens = tokens[:, None], ones
@@ -237,6 +253,36 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
                                                temperature <= 0, target_argmax.view(bs, T))
     out_tokens.copy_(tokens)
     # log_softmax of each emitted token (-1 past accept_lens reads token 0, never emitted)
-    picked = logits.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1)
-    torch.sub(picked, lse, out=out_logprobs.view(-1))
+    picked = raw.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1)
+    torch.sub(picked, raw_lse, out=out_logprobs.view(-1))
+    _top_n(raw, raw_lse, out_top_ids, out_top_logprobs)
     return out_tokens, accept_lens, out_logprobs
+
+
+def _top_n(logits: torch.Tensor, lse: torch.Tensor, out_ids: torch.Tensor | None,
+           out_logprobs: torch.Tensor | None) -> None:
+    """The N most likely tokens of each row and their log_softmax, into out_ids / out_logprobs
+    [bs, T * N] (N from their width); nothing when they are None.
+    logits [bs * T, V] fp32; lse [bs * T] fp32."""
+    if out_ids is None:
+        return
+    n = out_ids.shape[1] * out_ids.shape[0] // logits.shape[0]
+    values, ids = torch.topk(logits, n, dim=-1)  # [bs * T, N]
+    out_ids.view(-1, n).copy_(ids)
+    torch.sub(values, lse[:, None], out=out_logprobs.view(-1, n))
+
+
+def step_extras(raw: dict[str, torch.Tensor], out: dict[str, torch.Tensor], bs: int,
+                controls: ControlTables | None) -> dict:
+    """The optional tail arguments of `emit` that a step body's lanes ask for: top-N outputs
+    when its results have `top_ids` / `top_logprobs` lanes, sampling controls when its inputs
+    have the penalty lanes (spec/extras.py). A body without them gets {}: no extra work."""
+    extras: dict = {}
+    if "top_ids" in out:
+        extras.update(out_top_ids=out["top_ids"][:bs], out_top_logprobs=out["top_logprobs"][:bs])
+    if "repetition_penalty" in raw:
+        extras["controls"] = StepControls(
+            controls, raw["req_pool_indices"][:bs], raw["presence_penalty"][:bs],
+            raw["frequency_penalty"][:bs], raw["repetition_penalty"][:bs],
+            raw["min_tokens"][:bs], raw["prompt_lens"][:bs], raw["num_logit_bias"][:bs])
+    return extras

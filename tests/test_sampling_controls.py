@@ -1,0 +1,298 @@
+"""Sampling controls on the device (runtime/controls.py): logit bias, min_tokens, repetition /
+frequency / presence penalties, applied inside the one sampling tail (spec.verify.emit) to
+every row, verify rows included; and top-N logprobs from the same tail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import OracleDrafter, tiny_engine, tiny_hf_model
+
+from draftgraph.config import SpecConfig
+from draftgraph.engine.sampling import SamplingParams, SamplingParamsError
+from draftgraph.runtime import controls as controls_mod
+from draftgraph.runtime.controls import ControlTables, StepControls, apply_controls
+from draftgraph.runtime.sampling import processed_probs
+from draftgraph.spec.verify import emit
+
+# ------------------------------------------------------------------ a plain-torch reference
+
+
+def controlled_ref(logits: torch.Tensor, prompt: list[int], outputs: list[int],
+                   p: SamplingParams, stop_ids: list[int] = ()) -> torch.Tensor:
+    """vLLM's order on one row of logits [V]: logit bias, min_tokens mask, repetition penalty
+    (prompt + output tokens), frequency and presence penalties (output tokens)."""
+    x = logits.clone().double()
+    for t, b in p.logit_bias.items():
+        x[t] += b
+    if len(outputs) < p.min_tokens:
+        for t in stop_ids:
+            x[t] = float("-inf")
+    for t in set(prompt) | set(outputs):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(outputs):
+        c = outputs.count(t)
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    return x.float()
+
+
+def _tables(vocab: int, rows: int, width: int) -> ControlTables:
+    table = torch.zeros(rows, 64, dtype=torch.int64)
+    return ControlTables(rows, vocab, table, width, torch.device("cpu"))
+
+
+def _step_controls(tables, rows, params, prompt_lens):
+    f = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+    return StepControls(tables, torch.tensor(rows), f([p.presence_penalty for p in params]),
+                        f([p.frequency_penalty for p in params]),
+                        f([p.repetition_penalty for p in params]),
+                        torch.tensor([p.min_tokens for p in params]), torch.tensor(prompt_lens),
+                        torch.tensor([len(p.logit_bias) for p in params]))
+
+
+def _admit(tables, row, seq, prompt_len, params, stop_ids):
+    """Write a request's row the way the engine does, its tokens into the token table."""
+    tables.token_table[row, : len(seq)] = torch.tensor(seq)
+    tables.admit(row, seq[:prompt_len], [], params.logit_bias, stop_ids)
+
+
+PARAMS = [
+    SamplingParams(repetition_penalty=1.7, frequency_penalty=0.8, presence_penalty=-0.5,
+                   logit_bias={3: 4.0, 9: -30.0}, min_tokens=6),
+    SamplingParams(frequency_penalty=1.5, presence_penalty=1.0),
+    SamplingParams(repetition_penalty=0.6, logit_bias={0: 2.5}),
+    SamplingParams(),  # no controls: unchanged
+]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_controlled_logits_equal_the_reference_on_every_row(k) -> None:
+    """Every target row of a verify step: row j counts the drafts before it as outputs."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, bs = 12, len(PARAMS)
+    T = k + 1
+    tables = _tables(vocab, bs + 1, T)
+    prompts = [[1, 2, 2, 5], [5, 6], [3, 3, 4], [0, 1]]
+    outs = [[3, 7, 3, 9], [6, 6, 1], [], [2]]  # outputs so far (the last one not yet counted)
+    stop_ids = [[8, 11], [], [], []]
+    rows = [1, 2, 3, 4]
+    for r, prompt, out, params, stops in zip(rows, prompts, outs, PARAMS, stop_ids,
+                                             strict=True):
+        tables.admit(r, prompt, out[:-1], params.logit_bias, stops)
+    seqs = [p + o for p, o in zip(prompts, outs, strict=True)]
+    for r, seq in zip(rows, seqs, strict=True):
+        tables.token_table[r, : len(seq)] = torch.tensor(seq)
+    seq_lens = torch.tensor([len(s) for s in seqs])
+    # all but a request's last output were counted before (admit); the fold takes the last
+    ctl = _step_controls(tables, rows, PARAMS, [len(p) for p in prompts])
+    tables.fold(ctl.req_pool_indices, seq_lens)
+    tables.fold(ctl.req_pool_indices, seq_lens)  # folding again adds nothing
+    drafts = torch.randint(0, vocab, (bs, k), generator=gen)
+    if k:
+        drafts[0] = torch.tensor([3, 3, 7])  # repeats inside the draft
+    logits = torch.randn(bs * T, vocab, generator=gen) * 3
+    got = apply_controls(logits, ctl, drafts, seq_lens).view(bs, T, vocab)
+    for b in range(bs):
+        for j in range(T):
+            ref = controlled_ref(logits.view(bs, T, vocab)[b, j], prompts[b],
+                                 outs[b] + drafts[b, :j].tolist(), PARAMS[b], stop_ids[b])
+            torch.testing.assert_close(got[b, j], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[3], logits.view(bs, T, vocab)[3])  # no controls: unchanged
+
+
+def test_fold_counts_only_new_positions_and_is_bounded() -> None:
+    tables = _tables(8, 3, 2)
+    tables.token_table[1, :6] = torch.tensor([1, 2, 3, 4, 4, 5])
+    tables.admit(1, [1, 2], [], {}, [])  # counted up to position 2
+    rows = torch.tensor([1])
+    tables.fold(rows, torch.tensor([4]))
+    tables.fold(rows, torch.tensor([6]))
+    counts = tables.token_counts[1] & controls_mod.COUNT_MASK
+    assert counts.tolist() == [0, 0, 0, 1, 2, 1, 0, 0]
+    assert (tables.token_counts[1, [1, 2]] >= controls_mod.PROMPT_FLAG).all()
+    assert tables.counted_lens[1].item() == 6
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def _reference_greedy(hf, prompt: list[int], params: SamplingParams, n: int,
+                      stop_ids=()) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0, -1].float()
+        tok = int(controlled_ref(logits, prompt, out, params, stop_ids).argmax())
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(seed=3, vocab=64)
+
+
+PENALIZED = SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3,
+                           frequency_penalty=0.4, presence_penalty=0.2,
+                           logit_bias={5: 0.5, 17: -1.0}, ignore_eos=True)
+PROMPT = [3, 9, 4, 3, 9, 4, 3, 9, 4, 3]
+
+
+def test_greedy_with_penalties_equals_a_plain_torch_loop(hf) -> None:
+    engine = tiny_engine(hf)
+    got = engine.generate([PROMPT], PENALIZED)[0].token_ids
+    assert got == _reference_greedy(hf, PROMPT, PENALIZED, 24)
+    plain = engine.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0,
+                                                     ignore_eos=True))[0].token_ids
+    assert got != plain  # the controls changed something
+
+
+def test_greedy_speculative_with_penalties_equals_plain(hf) -> None:
+    """n-gram drafts and an oracle that drafts the right answer: verify rows see the same
+    processed distribution as plain decoding, so the output is the same; the oracle's drafts
+    are accepted (its row j counts drafts 0..j-1 as outputs)."""
+    plain = tiny_engine(hf).generate([PROMPT], PENALIZED)[0].token_ids
+    ngram = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=3))
+    assert ngram.generate([PROMPT], PENALIZED)[0].token_ids == plain
+    oracle = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=4),
+                         drafter=OracleDrafter(PROMPT + plain, k=4))
+    assert oracle.generate([PROMPT], PENALIZED)[0].token_ids == plain
+    assert oracle.stats["num_accepted_tokens"] >= len(plain) // 2
+
+
+def test_min_tokens_masks_stop_tokens_until_reached(hf) -> None:
+    engine = tiny_engine(hf)
+    stop = 11
+    # a bias that makes the stop token the argmax at every step
+    greedy = dict(max_tokens=20, temperature=0, stop_token_ids=[stop], logit_bias={stop: 50.0})
+    assert engine.generate([PROMPT], SamplingParams(**greedy))[0].token_ids == [stop]
+    out = engine.generate([PROMPT], SamplingParams(min_tokens=6, **greedy))[0]
+    assert len(out.token_ids) == 7 and out.token_ids[-1] == stop
+    assert stop not in out.token_ids[:6] and out.finish_reason == "stop"
+    spec = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=3))
+    assert spec.generate([PROMPT], SamplingParams(min_tokens=6, **greedy))[0].token_ids == \
+        out.token_ids
+
+
+def test_controls_do_not_leak_into_batch_mates(hf) -> None:
+    engine = tiny_engine(hf)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = engine.generate([PROMPT[:5]], plain)[0].token_ids
+    both = engine.generate([PROMPT, PROMPT[:5]], [PENALIZED, plain])
+    assert both[1].token_ids == alone
+    assert both[0].token_ids == _reference_greedy(hf, PROMPT, PENALIZED, 24)
+
+
+def test_top_logprobs_are_the_models_top_alternatives(hf) -> None:
+    engine = tiny_engine(hf)
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, logprobs=True,
+                                                   top_logprobs=5))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([PROMPT + out.token_ids])).logits[0].float(), -1)
+    for i, alts in enumerate(out.top_logprobs):
+        row = ref[len(PROMPT) - 1 + i]
+        values, ids = row.topk(5)
+        assert [t for t, _ in alts] == ids.tolist()
+        assert [lp for _, lp in alts] == pytest.approx(values.tolist(), abs=1e-4)
+        assert alts[0] == (out.token_ids[i], pytest.approx(out.logprobs[i], abs=1e-6))
+
+
+def test_sampling_controls_are_validated_naming_the_field() -> None:
+    cases = [dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")),
+             dict(repetition_penalty=0.0), dict(logit_bias={1: 101.0}),
+             dict(logit_bias={-1: 1.0}), dict(logit_bias={i: 1.0 for i in range(301)}),
+             dict(min_tokens=65, max_tokens=64), dict(top_logprobs=21)]
+    for kw in cases:
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams(**kw)
+        assert e.value.param == next(iter(kw)) if "max_tokens" not in kw else "min_tokens"
+    assert SamplingParams(logit_bias={"7": 1}).logit_bias == {7: 1.0}  # JSON keys
+
+
+def test_logit_bias_key_past_the_vocabulary_is_refused(hf) -> None:
+    engine = tiny_engine(hf)
+    with pytest.raises(SamplingParamsError, match="vocabulary size 64") as e:
+        engine.add_request(PROMPT, SamplingParams(logit_bias={64: 1.0}))
+    assert e.value.param == "logit_bias"
+
+
+# ------------------------------------------------------------------ the distribution, T = 1
+
+N = 100_000
+VOCAB = 6
+TV_THRESHOLD = 0.012  # a correct sampler sits near 0.004 at 100k samples
+
+
+def _tv(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=p.numel()).double()
+    return 0.5 * (counts / counts.sum() - p.double()).abs().sum().item()
+
+
+def _sampled_round(k: int):
+    """N requests sharing logits, prompt and controls; k point-mass drafts (token 2 first)."""
+    params = SamplingParams(frequency_penalty=1.2, presence_penalty=0.3, repetition_penalty=1.5,
+                            logit_bias={4: 1.0})
+    prompt = [1, 2]
+    tables = _tables(VOCAB, N + 1, k + 1)
+    tables.token_table[1:, :2] = torch.tensor(prompt)
+    tables.admit(1, prompt, [], params.logit_bias, [])
+    for name in ("token_counts", "counted_lens", "bias_ids", "bias_values", "stop_ids"):
+        t = getattr(tables, name)
+        t[2:] = t[1]
+    rows = list(range(1, N + 1))
+    ctl = _step_controls(tables, rows, [params] * N, [2] * N)
+    base = torch.tensor([0.5, 1.0, 1.5, 0.2, -0.3, 0.8])
+    logits = base.repeat(N * (k + 1), 1)
+    drafts = torch.tensor([2, 2][:k]).repeat(N, 1)
+    seq_lens = torch.full((N,), 2)
+    ones = torch.ones(N)
+    tokens, accept, _ = emit(logits, drafts, torch.full((N,), k), None, ones, ones,
+                             torch.full((N,), -1), torch.arange(N) * 7 + 3, seq_lens, False,
+                             controls=ctl)
+    targets = [torch.softmax(controlled_ref(base, prompt, [2] * j, params), -1)
+               for j in range(k + 1)]
+    return tokens, accept, targets
+
+
+def test_sampled_first_token_follows_the_processed_distribution() -> None:
+    tokens, _, (target,) = _sampled_round(0)
+    assert _tv(tokens[:, 0], target) < TV_THRESHOLD
+    raw = torch.softmax(torch.tensor([0.5, 1.0, 1.5, 0.2, -0.3, 0.8]), -1)
+    assert _tv(tokens[:, 0], raw) > 3 * TV_THRESHOLD  # the test sees the controls
+
+
+def test_rejection_sampling_verifies_against_the_processed_distribution(monkeypatch) -> None:
+    """With drafts [2, 2]: the second emitted token, given the first draft accepted, follows
+    the processed distribution that counts that draft (and fails to when the per-row
+    correction is removed)."""
+    tokens, accept, targets = _sampled_round(2)
+    assert _tv(tokens[:, 0], targets[0]) < TV_THRESHOLD
+    second = tokens[accept >= 2, 1]
+    assert second.numel() > N // 10
+    assert _tv(second, targets[1]) < TV_THRESHOLD * (N / second.numel()) ** 0.5
+    # without the verify-row correction (every row sees only the outputs so far)
+    real = apply_controls
+
+    def no_draft_counts(logits, ctl, draft_tokens, seq_lens):
+        bs, k = draft_tokens.shape
+        x = real(logits.view(bs, k + 1, -1)[:, 0].contiguous(), ctl,
+                 draft_tokens[:, :0], seq_lens)
+        return x[:, None].expand(bs, k + 1, -1).reshape(bs * (k + 1), -1)
+
+    monkeypatch.setattr("draftgraph.spec.verify.apply_controls", no_draft_counts)
+    tokens, accept, targets = _sampled_round(2)
+    second = tokens[accept >= 2, 1]
+    assert _tv(second, targets[1]) > 3 * TV_THRESHOLD * (N / second.numel()) ** 0.5
+
+
+def test_processed_distribution_of_a_controlled_row_is_what_emit_samples() -> None:
+    """The controlled logits feed the same processed_probs as plain sampling (top-k here)."""
+    tables = _tables(VOCAB, 2, 1)
+    params = SamplingParams(logit_bias={0: 3.0})
+    tables.admit(1, [5], [], params.logit_bias, [])
+    ctl = _step_controls(tables, [1], [params], [1])
+    logits = torch.zeros(1, VOCAB)
+    x = apply_controls(logits, ctl, torch.zeros(1, 0, dtype=torch.int64), torch.tensor([1]))
+    probs = processed_probs(x, torch.ones(1), torch.ones(1), torch.tensor([1]))
+    assert probs[0].tolist() == [1.0, 0, 0, 0, 0, 0]
