@@ -134,19 +134,44 @@ def test_lax_or_non_finite_fields_get_400_naming_the_field(server, raw, param, w
         assert word in err["message"].lower(), err
 
 
-def test_more_than_one_logprob_is_refused_naming_the_field(server, chat_server):
-    r = _post(server, "/v1/completions", {**INNOCENT, "logprobs": 5})
-    _assert_error(r, 400, "logprobs", "sampled token")
-    r = _post(chat_server, "/v1/chat/completions",
-              {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-               "logprobs": True, "top_logprobs": 5})
-    _assert_error(r, 400, "top_logprobs", "sampled token")
-    assert _post(server, "/v1/completions", {**INNOCENT, "logprobs": 1}).status_code == 200
+def test_up_to_20_logprobs_return_that_many_alternatives_and_21_is_refused(server,
+                                                                           chat_server):
+    """Issue 17 item 6: top_logprobs / logprobs up to 20 return that many alternatives (from
+    the device tail), most likely first; more is a 400 naming the field."""
+    r = _post(server, "/v1/completions", {**INNOCENT, "logprobs": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    for tok, tlp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                             strict=True):
+        assert len(top) == 5 and max(top.values()) == pytest.approx(tlp)  # greedy: the top
+        assert tok in top and list(top.values()) == sorted(top.values(), reverse=True)
+    _assert_error(_post(server, "/v1/completions", {**INNOCENT, "logprobs": 21}), 400,
+                  "logprobs")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 20}
+    r = _post(chat_server, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert all(len(c["top_logprobs"]) == 20 for c in r.json()["choices"][0]["logprobs"]["content"])
+    _assert_error(_post(chat_server, "/v1/chat/completions", {**chat, "top_logprobs": 21}), 400,
+                  "top_logprobs")
+
+
+@pytest.mark.parametrize("field,value,word", [
+    ("presence_penalty", 2.5, "2"), ("frequency_penalty", -3, "-2"),
+    ("repetition_penalty", 0, "0"), ("logit_bias", {"5": 150}, "100"),
+    ("logit_bias", {"abc": 1}, "token ids"), ("logit_bias", {"100000": 1}, "vocabulary"),
+    ("logit_bias", {str(i): 1 for i in range(301)}, "300"), ("min_tokens", -1, "0"),
+    ("min_tokens", 5, "max_tokens"), ("prompt_logprobs", 21, "20"),
+])
+def test_sampling_controls_out_of_bounds_get_400_naming_the_field(server, field, value, word):
+    r = _post(server, "/v1/completions", {**INNOCENT, "max_tokens": 2, field: value})
+    err = _assert_error(r, 400, field)
+    assert word in err["message"], err
 
 
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("logit_bias", {"5": 100}), ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
+    ("min_p", 0.1), ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
 ])
 def test_unsupported_fields_get_400_naming_them(server, field, value):
     r = _post(server, "/v1/completions", {**INNOCENT, field: value})

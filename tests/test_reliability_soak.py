@@ -37,7 +37,7 @@ HOSTILE = [
     ('{"model": "tiny", "prompt": "hi \\ud800"}', 400),
     ('{"model": "tiny\\ud800", "prompt": [5]}', 400),
     ({**PROBE, "max_tokens": True}, 400),
-    ({**PROBE, "logprobs": 5}, 400),
+    ({**PROBE, "logprobs": 21}, 400),
     ({**PROBE, "tools": [{"type": "function"}]}, 400),
     ({**PROBE, "prompt": [3] * 600}, 400),
     ({**PROBE, "max_tokens": 100000}, 400),

@@ -151,6 +151,77 @@ def test_logprobs_of_sampled_tokens(client):
     assert len(content) == 6 and all(c.logprob <= 0 for c in content)
 
 
+def test_top_logprobs_streamed_and_not_on_completions_and_chat(client):
+    """Up to 20 alternatives per token, most likely first, computed on the device; the
+    streamed chunks carry the same ones."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  logprobs=4)
+    lp = r.choices[0].logprobs
+    for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 4 and list(top.values()) == sorted(top.values(), reverse=True)
+        assert top[tok] == pytest.approx(tlp) and max(top.values()) == pytest.approx(tlp)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                         temperature=0, logprobs=4, stream=True)
+    tops = [t for c in streamed for t in c.choices[0].logprobs.top_logprobs]
+    assert [list(t) for t in tops] == [list(t) for t in lp.top_logprobs]
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+              top_logprobs=7)
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert all(len(c.top_logprobs) == 7 and c.top_logprobs[0].token == c.token
+               for c in content)
+    chunks = client.chat.completions.create(stream=True, **kw)
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]
+    assert [[t.token for t in c.top_logprobs] for c in streamed] == \
+        [[t.token for t in c.top_logprobs] for c in content]
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, server):
+    """lm-eval's loglikelihood request: echo + logprobs + max_tokens 1 gives every prompt
+    token's logprob (None only for the first), equal to vLLM's prompt_logprobs extra."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    n = len(_tokenize(server, prompt))
+    assert "".join(lp.tokens[:n]) == prompt and len(lp.tokens) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
+    body = httpx.post(server.base_url + "/v1/completions", timeout=60, json=dict(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, prompt_logprobs=0)).json()
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == n
+    ids = [int(next(iter(d))) for d in plp[1:]]
+    assert [d[str(t)]["logprob"] for d, t in zip(plp[1:], ids, strict=True)] == \
+        pytest.approx(lp.token_logprobs[1:n], abs=1e-5)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                         temperature=0, echo=True, logprobs=2, stream=True)
+    lps = [x for c in streamed if c.choices[0].logprobs
+           for x in c.choices[0].logprobs.token_logprobs]
+    assert lps[0] is None and lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def _tokenize(server, text: str) -> list[int]:
+    return httpx.post(server.base_url + "/tokenize", json={"prompt": text},
+                      timeout=60).json()["tokens"]
+
+
+def test_logit_bias_penalties_and_min_tokens_change_the_output(client, server):
+    base = dict(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=12, temperature=0)
+    plain = client.completions.create(**base).choices[0].text
+    comma = _tokenize(server, ",")
+    biased = client.completions.create(**base, logit_bias={str(comma[0]): -100})
+    assert "," not in biased.choices[0].text and "," in plain
+    penalized = client.completions.create(**base, frequency_penalty=2.0,
+                                          presence_penalty=1.0).choices[0].text
+    assert penalized != plain
+    stop = dict(stop_token_ids=comma, logit_bias={str(comma[0]): 100})
+    assert client.completions.create(**base, extra_body=stop).usage.completion_tokens == 1
+    held = client.completions.create(**base, extra_body=dict(min_tokens=5, **stop))
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+
+
 def test_echo_and_batched_prompts(client):
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
                                   echo=True)

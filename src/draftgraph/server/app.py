@@ -230,6 +230,9 @@ class OpenAIServer:
         except EngineDeadError as e:
             self._abort(rids)
             raise APIError(503, str(e), "server_error", code="engine_not_running") from None
+        except SamplingParamsError as e:  # a bound that depends on the model (logit_bias)
+            self._abort(rids)
+            raise APIError(400, str(e), param=e.param) from None
         except (EngineError, ValueError) as e:
             self._abort(rids)
             raise APIError(400, str(e)) from None
@@ -321,7 +324,8 @@ class OpenAIServer:
             return Response(status_code=499)
         self.check_failed(request_id, finals)
         return serving.completion_body(request_id, model, created, finals, states, tok,
-                                       body.logprobs, body.echo, prompt_tokens)
+                                       body.logprobs, body.echo, prompt_tokens,
+                                       body.prompt_logprobs)
 
     async def _sse_events(self, streams, request_id: str, model: str, created: int, chunk,
                           usage_object: str, include_usage: bool,
@@ -380,7 +384,7 @@ class OpenAIServer:
             return Response(status_code=499)
         self.check_failed(request_id, finals)
         return serving.chat_body(request_id, model, created, finals, tok, num_logprobs,
-                                 prompt_tokens)
+                                 prompt_tokens, body.prompt_logprobs)
 
     def _stream_error(self, request_id: str, out: RequestOutput) -> str:
         if out.error == SHUTDOWN_MESSAGE:

@@ -35,16 +35,22 @@ def merge_outputs(first: RequestOutput, later: list[RequestOutput]) -> RequestOu
     new_ids = list(first.new_token_ids)
     delta = first.delta_text
     new_lps = list(first.new_logprobs) if first.new_logprobs is not None else None
+    new_tops = list(first.new_top_logprobs) if first.new_top_logprobs is not None else None
+    prompt = next((o for o in [first, *later] if o.prompt_logprobs is not None), first)
     for o in later:
         new_ids += o.new_token_ids
         delta += o.delta_text
         if new_lps is not None and o.new_logprobs is not None:
             new_lps += o.new_logprobs
+        if new_tops is not None and o.new_top_logprobs is not None:
+            new_tops += o.new_top_logprobs
     return RequestOutput(
         request_id=last.request_id, prompt_token_ids=last.prompt_token_ids,
         token_ids=last.token_ids, new_token_ids=new_ids, text=last.text, delta_text=delta,
         finished=last.finished, finish_reason=last.finish_reason, logprobs=last.logprobs,
-        new_logprobs=new_lps, metrics=last.metrics, error=last.error,
+        new_logprobs=new_lps, top_logprobs=last.top_logprobs, new_top_logprobs=new_tops,
+        prompt_logprobs=prompt.prompt_logprobs, prompt_top_logprobs=prompt.prompt_top_logprobs,
+        metrics=last.metrics, error=last.error,
     )
 
 

@@ -4,7 +4,13 @@ Types are strict (`max_tokens: true` or `"4"` is a 400 naming the field, not 1 o
 are finite, text is valid Unicode (a lone UTF-16 surrogate is a 400, not a crash in the
 tokenizer or the error handler). Unknown fields are ignored (clients send many optional ones),
 but fields of the OpenAI API this server does not implement (`tools`, `response_format`,
-`logit_bias`, ...) are refused by name rather than silently ignored.
+`min_p`, ...) are refused by name rather than silently ignored.
+
+Logprobs: `logprobs` (completions) / `top_logprobs` (chat) up to 20 alternatives, computed on
+the device; `echo` + `logprobs` scores the prompt too (null only for its first token), as does
+vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequency_penalty`
+([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
+`min_tokens` (vLLM's), applied on the device (runtime/controls.py).
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ from pydantic import (
     field_validator,
 )
 
-from draftgraph.engine.sampling import MAX_SEED, MAX_TOP_K, SamplingParams
-
-# only the sampled token's log-probability is computed (the device tail writes one per row)
-MAX_LOGPROBS = 1
+from draftgraph.engine.sampling import (
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 
 # Fields of the OpenAI API (and vLLM's extensions) that change what a request means: ignoring
 # one would return a plausible but wrong answer. The value that means "off" is accepted.
@@ -36,16 +46,13 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "min_tokens": (None, 0),
     "min_p": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False),
     "guided_json": (None,),
@@ -53,7 +60,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
-    "prompt_logprobs": (None,),
 }
 
 
@@ -71,6 +77,8 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 TokenIds = list[TokenId]
 Count = Annotated[StrictInt, Field(ge=1)]
 Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+NumLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
 class StreamOptions(BaseModel):
@@ -91,14 +99,21 @@ class _SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
-    presence_penalty: Finite = 0.0
-    frequency_penalty: Finite = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[Finite, Field(gt=0, le=MAX_REPETITION_PENALTY)] = 1.0
+    # OpenAI's JSON object keys are strings: token ids as decimal strings; the values are
+    # bounded by SamplingParams (errors then name `logit_bias`, not `logit_bias.<key>`)
+    logit_bias: dict[StrictStr, Any] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's extra
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("presence/frequency penalties are not supported (use 0)")
+    def _token_id_keys(cls, v: dict | None) -> dict | None:
+        bad = [k for k in (v or {}) if not k.isdigit()]
+        if bad:
+            raise ValueError(f"keys must be token ids (decimal integers), got {bad[:3]}")
         return v
 
     def unsupported_fields(self) -> list[str]:
@@ -109,8 +124,8 @@ class _SamplingRequest(BaseModel):
                 if k in extra and not any(extra[k] == v and type(extra[k]) is type(v)
                                           for v in off)]
 
-    def _params(self, max_tokens: int, logprobs: bool,
-                default_temperature: float) -> SamplingParams:
+    def _params(self, max_tokens: int, logprobs: bool, default_temperature: float,
+                top_logprobs: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -122,6 +137,13 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens,
         )
 
     @property
@@ -129,22 +151,11 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-def _check_num_logprobs(v: int | None) -> int | None:
-    if v is not None and v > MAX_LOGPROBS:
-        raise ValueError(f"at most {MAX_LOGPROBS} is supported, got {v}: only the sampled "
-                         "token's log-probability is computed, not the top alternatives")
-    return v
-
-
-NumLogprobs = Annotated[Annotated[StrictInt, Field(ge=0)] | None,
-                        AfterValidator(_check_num_logprobs)]
-
-
 class CompletionRequest(_SamplingRequest):
     # text, token ids, or a batch of either
     prompt: Text | TokenIds | list[Text] | list[TokenIds]
     max_tokens: Count | None = 16
-    logprobs: NumLogprobs = None
+    logprobs: NumLogprobs | None = None
     echo: StrictBool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -157,8 +168,18 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]
         return list(p)
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token: echo + logprobs scores the prompt (OpenAI), and so
+        does prompt_logprobs (vLLM); None: the prompt is not scored."""
+        asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                 if n is not None]
+        return max(asked) if asked else None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._params(max_tokens, self.logprobs is not None, default_temperature=1.0)
+        return self._params(max_tokens, self.logprobs is not None, default_temperature=1.0,
+                            top_logprobs=self.logprobs or 0,
+                            prompt_logprobs=self.num_prompt_logprobs)
 
 
 class TextPart(BaseModel):
@@ -183,7 +204,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Count | None = None
     max_tokens: Count | None = None  # deprecated alias in the OpenAI API
     logprobs: StrictBool = False
-    top_logprobs: NumLogprobs = None
+    top_logprobs: NumLogprobs | None = None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -194,7 +215,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._params(max_tokens, self.logprobs, default_temperature=1.0)
+        return self._params(max_tokens, self.logprobs, default_temperature=1.0,
+                            top_logprobs=(self.top_logprobs or 0) if self.logprobs else 0,
+                            prompt_logprobs=self.prompt_logprobs)
 
 
 class TokenizeRequest(BaseModel):

@@ -29,29 +29,73 @@ def token_str(tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float | None],
-                        num_top: int, text_offset: int = 0) -> dict:
-    """The completions API's logprobs object for the given tokens. Only the sampled token's
-    log-probability is known (from the target model), so top_logprobs lists that token."""
+                        num_top: int, text_offset: int = 0,
+                        tops: list[list[tuple[int, float]] | None] | None = None) -> dict:
+    """The completions API's logprobs object for the given tokens. tops: per token its top
+    alternatives [(token id, logprob)] (None for the first prompt token); top_logprobs maps
+    the first num_top of them, and the token itself (as OpenAI and vLLM do), to logprobs."""
     tokens = [token_str(tokenizer, t) for t in token_ids]
     offsets = []
     for t in tokens:
         offsets.append(text_offset)
         text_offset += len(t)
-    top = ([{t: lp} if lp is not None else None for t, lp in zip(tokens, logprobs, strict=True)]
-           if num_top > 0 else None)
+    top = None
+    if num_top > 0:
+        top = []
+        for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            alts = tops[i] if tops is not None else None
+            if lp is None:
+                top.append(None)
+                continue
+            entry = {token_str(tokenizer, a): alp for a, alp in (alts or [])[:num_top]}
+            entry.setdefault(t, lp)
+            top.append(entry)
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top,
             "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float],
-                  num_top: int) -> dict:
+def _chat_entry(tokenizer, token_id: int, logprob: float) -> dict:
+    tok = token_str(tokenizer, token_id)
+    return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], num_top: int,
+                  tops: list[list[tuple[int, float]]] | None = None) -> dict:
+    """The chat API's logprobs object: per token its logprob and its num_top alternatives."""
     content = []
-    for tid, lp in zip(token_ids, logprobs, strict=True):
-        tok = token_str(tokenizer, tid)
-        entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-        entry["top_logprobs"] = [dict(entry)] if num_top > 0 else []
+    for i, (tid, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+        entry = _chat_entry(tokenizer, tid, lp)
+        alts = (tops[i] if tops else [])[:num_top]
+        entry["top_logprobs"] = [_chat_entry(tokenizer, a, alp) for a, alp in alts]
         content.append(entry)
     return {"content": content}
+
+
+def prompt_logprobs(tokenizer, token_ids: list[int], logprobs: list[float | None] | None,
+                    tops: list | None, num_top: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the token itself and its num_top alternatives."""
+    if logprobs is None:
+        return None
+    out: list = []
+    for tid, lp, top in zip(token_ids, logprobs, tops, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        rank, ids, lps = top
+        entry = {str(tid): {"logprob": lp, "rank": rank,
+                            "decoded_token": token_str(tokenizer, tid)}}
+        for r, (a, alp) in enumerate(zip(ids[:num_top], lps[:num_top], strict=True), 1):
+            entry.setdefault(str(a), {"logprob": alp, "rank": r,
+                                      "decoded_token": token_str(tokenizer, a)})
+        out.append(entry)
+    return out
+
+
+def _prompt_tops(out: RequestOutput) -> list:
+    """Per prompt token its top alternatives [(id, logprob)] (None for the first)."""
+    return [None if t is None else list(zip(t[1], t[2], strict=True))
+            for t in out.prompt_top_logprobs or []]
 
 
 def usage(outputs: list[RequestOutput], prompt_tokens: int) -> dict:
@@ -63,21 +107,35 @@ def usage(outputs: list[RequestOutput], prompt_tokens: int) -> dict:
             "total_tokens": prompt + completion}
 
 
+def _echoed_logprobs(out: RequestOutput, st: ChoiceState) -> tuple[list, list]:
+    """The prompt's tokens' logprobs and alternatives, to put before the output's (echo)."""
+    n = len(st.prompt_token_ids)
+    return (list(out.prompt_logprobs or [None] * n),
+            _prompt_tops(out) if out.prompt_top_logprobs else [None] * n)
+
+
 def completion_body(response_id: str, model: str, created: int, finals: list[RequestOutput],
                     states: list[ChoiceState], tokenizer, num_logprobs: int | None,
-                    echo: bool, prompt_tokens: int) -> dict:
+                    echo: bool, prompt_tokens: int,
+                    num_prompt_logprobs: int | None = None) -> dict:
     choices = []
     for out, st in zip(finals, states, strict=True):
         text = (st.prompt_text if echo else "") + out.text
         lp = None
         if num_logprobs is not None:
             ids, lps = list(out.token_ids), list(out.logprobs or [])
+            tops = list(out.top_logprobs or [])
             if echo:
-                ids = st.prompt_token_ids + ids
-                lps = [None] * len(st.prompt_token_ids) + lps
-            lp = completion_logprobs(tokenizer, ids, lps, num_logprobs)
-        choices.append({"index": st.index, "text": text, "logprobs": lp,
-                        "finish_reason": out.finish_reason})
+                p_lps, p_tops = _echoed_logprobs(out, st)
+                ids, lps, tops = st.prompt_token_ids + ids, p_lps + lps, p_tops + tops
+            lp = completion_logprobs(tokenizer, ids, lps, num_logprobs, tops=tops)
+        choice = {"index": st.index, "text": text, "logprobs": lp,
+                  "finish_reason": out.finish_reason}
+        if num_prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(
+                tokenizer, st.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs,
+                num_prompt_logprobs)
+        choices.append(choice)
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(finals, prompt_tokens)}
 
@@ -89,19 +147,23 @@ def completion_chunk(response_id: str, model: str, created: int, out: RequestOut
     text = out.delta_text
     ids = list(out.new_token_ids)
     lps: list[float | None] = list(out.new_logprobs or [])
+    tops = list(out.new_top_logprobs or [])
     if not st.started:
+        if echo and num_logprobs is not None and out.prompt_logprobs is None and \
+                not out.finished:
+            return None  # the prompt's logprobs come with the first tokens
         st.started = True
         if echo:
             text = st.prompt_text + text
-            ids = st.prompt_token_ids + ids
-            lps = [None] * len(st.prompt_token_ids) + lps
+            p_lps, p_tops = _echoed_logprobs(out, st)
+            ids, lps, tops = st.prompt_token_ids + ids, p_lps + lps, p_tops + tops
     # without a tokenizer (random weights) a chunk per step still reports progress
     if not text and not out.finished and not ((num_logprobs is not None or tokenizer is None)
                                               and ids):
         return None
     lp = None
     if num_logprobs is not None:
-        lp = completion_logprobs(tokenizer, ids, lps, num_logprobs, st.text_offset)
+        lp = completion_logprobs(tokenizer, ids, lps, num_logprobs, st.text_offset, tops)
         st.text_offset += sum(len(t) for t in lp["tokens"])
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": st.index, "text": text, "logprobs": lp,
@@ -109,15 +171,22 @@ def completion_chunk(response_id: str, model: str, created: int, out: RequestOut
 
 
 def chat_body(response_id: str, model: str, created: int, finals: list[RequestOutput],
-              tokenizer, num_logprobs: int | None, prompt_tokens: int) -> dict:
+              tokenizer, num_logprobs: int | None, prompt_tokens: int,
+              num_prompt_logprobs: int | None = None) -> dict:
     choices = []
     for i, out in enumerate(finals):
-        lp = (chat_logprobs(tokenizer, out.token_ids, out.logprobs or [], num_logprobs)
-              if num_logprobs is not None else None)
+        lp = (chat_logprobs(tokenizer, out.token_ids, out.logprobs or [], num_logprobs,
+                            out.top_logprobs) if num_logprobs is not None else None)
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
                         "logprobs": lp, "finish_reason": out.finish_reason})
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+    body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(finals, prompt_tokens)}
+    if num_prompt_logprobs is not None and finals:  # vLLM: once, for the shared prompt
+        out = finals[0]
+        body["prompt_logprobs"] = prompt_logprobs(tokenizer, out.prompt_token_ids,
+                                                  out.prompt_logprobs, out.prompt_top_logprobs,
+                                                  num_prompt_logprobs)
+    return body
 
 
 def chat_chunk(response_id: str, model: str, created: int, out: RequestOutput, st: ChoiceState,
@@ -132,7 +201,8 @@ def chat_chunk(response_id: str, model: str, created: int, out: RequestOutput, s
         return None
     lp = None
     if num_logprobs is not None and out.new_token_ids:
-        lp = chat_logprobs(tokenizer, out.new_token_ids, out.new_logprobs or [], num_logprobs)
+        lp = chat_logprobs(tokenizer, out.new_token_ids, out.new_logprobs or [], num_logprobs,
+                           out.new_top_logprobs)
     return {"id": response_id, "object": "chat.completion.chunk", "created": created,
             "model": model,
             "choices": [{"index": st.index, "delta": delta, "logprobs": lp,
