@@ -9,6 +9,7 @@ import torch
 from _tiny import OracleDrafter, tiny_engine, tiny_hf_model
 
 from draftgraph.config import SpecConfig
+from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams, SamplingParamsError
 from draftgraph.runtime import controls as controls_mod
 from draftgraph.runtime.controls import ControlTables, StepControls, apply_controls
@@ -296,3 +297,67 @@ def test_processed_distribution_of_a_controlled_row_is_what_emit_samples() -> No
     x = apply_controls(logits, ctl, torch.zeros(1, 0, dtype=torch.int64), torch.tensor([1]))
     probs = processed_probs(x, torch.ones(1), torch.ones(1), torch.tensor([1]))
     assert probs[0].tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_requests_without_extras_replay_the_plain_graph_set(hf) -> None:
+    """Top-N and controls cost nothing to a request that asks for neither: its steps replay
+    the plain decode body (no top-N lanes, no control lanes); one that asks replays its
+    extras twin."""
+    engine = tiny_engine(hf)
+    plain, extras = engine.decode_graphs, engine.extras_graphs[engine.decode_graphs]
+    assert "top_ids" not in plain.body.outputs._offsets
+    assert "repetition_penalty" not in plain.body.inputs._offsets
+    engine.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                             logprobs=True))
+    assert plain._launched == 5 and extras._launched == 0
+    engine.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                             logprobs=True, top_logprobs=2))
+    assert plain._launched == 5 and extras._launched == 5
+
+
+def test_speculative_top_logprobs_equal_plain_ones(hf) -> None:
+    """Verify rows write their alternatives too: a speculative run (an oracle drafting the
+    right answer, so several rows are accepted per step) reports the same top-N as plain
+    decoding, token for token."""
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=True,
+                        top_logprobs=3)
+    plain = tiny_engine(hf).generate([PROMPT], sp)[0]
+    spec = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=3),
+                       drafter=OracleDrafter(PROMPT + plain.token_ids, k=3))
+    out = spec.generate([PROMPT], sp)[0]
+    assert spec.stats["num_accepted_tokens"] > 0
+    assert out.token_ids == plain.token_ids
+    for a, b in zip(out.top_logprobs, plain.top_logprobs, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", [None, SpecConfig(method="ngram", num_draft_tokens=3)])
+def test_gpu_extras_graphs_equal_the_eager_tail(spec) -> None:
+    """The extras graph sets (top-N and controls captured) give the eager run's tokens and
+    alternatives, with a plain request batched alongside; buffers keep their addresses."""
+    from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    def engine(use_graphs: bool):
+        return LLMEngine(EngineConfig(
+            model="random:smollm2-135m", device="cuda", dtype="float32", use_graphs=use_graphs,
+            seed=0, cache=CacheConfig(kv_cache_tokens=8192),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
+            spec=spec or SpecConfig()))
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5], [11, 12, 13]]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True,
+                             top_logprobs=5, repetition_penalty=1.3, frequency_penalty=0.5,
+                             logit_bias={9: 3.0}, min_tokens=4),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)]
+    graph = engine(True)
+    counts = graph.controls.token_counts.data_ptr()
+    a = engine(False).generate(prompts, params)
+    b = graph.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a[0].top_logprobs, b[0].top_logprobs, strict=True):
+        assert [t for t, _ in x] == [t for t, _ in y]
+    assert graph.controls.token_counts.data_ptr() == counts
+    assert graph.extras_graphs[graph.decode_graphs]._launched > 0
