@@ -113,7 +113,7 @@ class _Accepting(BlockHeadDrafter):
     def run_step(self, ctx, i, fb):
         super().run_step(ctx, i, fb)
         bs = ctx.seq_lens.shape[0]
-        idx = ctx.seq_lens[:, None] + torch.arange(self.k)[None, :]  # [bs, k] positions
+        idx = ctx.seq_lens[:, None] + torch.arange(self.k, device=ctx.seq_lens.device)  # [bs, k]
         self.drafts[:bs].copy_(self.future[idx.clamp_max(len(self.future) - 1)])
 
 

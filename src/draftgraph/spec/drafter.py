@@ -69,6 +69,7 @@ class Drafter:
     name = "drafter"
     needs_hidden_states = False
     keeps_kv = False
+    bound_to = None  # the target executor `bind` was called with (once)
 
     def __init__(self, k: int) -> None:
         if k < 1:

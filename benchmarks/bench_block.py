@@ -1,0 +1,97 @@
+"""Block-drafter rounds on the GPU next to chain rounds with the same number of drafts, in one
+run over one target: the plain decode step, then per arm the speculative round (draft + verify
++ accept) and the draft alone (the drafter's `propose` captured as one graph). An arm is
+
+    block|<head>|in_graph     the block head, its metadata built inside the replay
+    block|<head>|eager        the fallback: block metadata rebuilt eagerly before each replay
+    chain|<head>|<k>          a chain head drafting k tokens (fused chain)
+
+with <head> a head directory or `random:...` (models/heads.py: random_head). Per arm: ms per
+round, tokens per round per request, host-launched kernels and graph launches per round
+(torch.profiler), ms of the draft alone, round / decode step.
+
+    python benchmarks/bench_block.py --target random:llama-3.1-8b --out r.json \
+        --arms 'block|random:block_size=5|in_graph;block|random:block_size=5|eager'
+
+Random heads accept almost nothing, so rounds are priced at accept length ~1. Batch 1,
+512-token context, bf16 by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from _meta import model_shape, run_header
+from bench_chain import run
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.models.loader import load_model
+from draftgraph.spec import make_drafter
+from draftgraph.spec.block import BlockHeadDrafter
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--arms", required=True, help="';'-separated method|head|mode arms")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
+    target = load_model(a.target, device="cuda", dtype=dtype)
+
+    def engine(d=None):  # d None: plain decoding
+        spec = SpecConfig(method="ngram", num_draft_tokens=d.k, adaptive=False) \
+            if d is not None else SpecConfig()
+        return LLMEngine(EngineConfig(
+            model=a.target, device="cuda", dtype=a.dtype,
+            cache=CacheConfig(kv_cache_tokens=a.batch_size * (a.context + 20 * a.steps + 512)),
+            scheduler=SchedulerConfig(max_num_seqs=a.batch_size, max_num_batched_tokens=4096,
+                                      max_model_len=a.context + 20 * a.steps + 256),
+            spec=spec), loaded=target, drafter=d)
+
+    out = {"benchmark": "block_round", **run_header(), "target": a.target,
+           "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
+           "target_shape": model_shape(target.config), "arms": {}}
+    e = engine()
+    out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False)
+    del e
+    for arm in a.arms.split(";"):
+        method, head, mode = arm.split("|")
+        spec = SpecConfig(method=method, draft_head=head,
+                          num_draft_tokens=int(mode) if method == "chain" else 4)
+        d = make_drafter(spec, "cuda", dtype, target.config)
+        patched = method == "block" and mode == "eager"
+        if patched:  # what a backend without in-graph block metadata gets
+            saved = BlockHeadDrafter.in_graph
+            BlockHeadDrafter.in_graph = property(lambda self: False)
+        try:
+            e = engine(d)
+            assert e.spec_graphs.body.fused_draft == (not patched)
+            r = run(e, a.context, a.steps, a.batch_size, True)
+        finally:
+            if patched:
+                BlockHeadDrafter.in_graph = saved
+        r.update(method=method, head=head, mode=mode, num_drafts=d.k,
+                 head_shape=model_shape(d.head.config),
+                 head_config=dict(vars(d.head.head_config)),
+                 round_over_decode_step=r["ms_per_round"] / out["plain_decode"]["ms_per_round"])
+        out["arms"][arm] = r
+        print(json.dumps({"arm": arm, **{k: v for k, v in r.items()
+                                          if not k.startswith("head_")}}), flush=True)
+        del e, d
+        torch.cuda.empty_cache()
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
