@@ -361,3 +361,17 @@ def test_gpu_extras_graphs_equal_the_eager_tail(spec) -> None:
         assert [t for t, _ in x] == [t for t, _ in y]
     assert graph.controls.token_counts.data_ptr() == counts
     assert graph.extras_graphs[graph.decode_graphs]._launched > 0
+
+
+def test_controlled_requests_survive_preemption_with_the_same_output(hf) -> None:
+    """A preempted request gets its row of the control tables rewritten (counts of the
+    outputs it already has) when it starts again, maybe on a row another request used; its
+    tokens equal an unhurried run's. Mixed with plain requests."""
+    prompts = [[(7 * i + j) % 60 + 1 for j in range(12 + 3 * i)] for i in range(6)]
+    params = [PENALIZED if i % 2 == 0 else
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for i in range(6)]
+    ref = tiny_engine(hf).generate(prompts, params)
+    small = tiny_engine(hf, kv_tokens=100, budget=32)
+    outs = small.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert ref[0].token_ids == _reference_greedy(hf, prompts[0], PENALIZED, 24)

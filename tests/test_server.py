@@ -220,6 +220,11 @@ def test_logit_bias_penalties_and_min_tokens_change_the_output(client, server):
     assert client.completions.create(**base, extra_body=stop).usage.completion_tokens == 1
     held = client.completions.create(**base, extra_body=dict(min_tokens=5, **stop))
     assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    # no stop string ends a request before min_tokens either (vLLM)
+    cut = client.completions.create(**base, stop=[","])
+    assert cut.usage.completion_tokens < 4
+    assert client.completions.create(**base, stop=[","], extra_body=dict(min_tokens=4)
+                                     ).usage.completion_tokens >= 4
 
 
 def test_echo_and_batched_prompts(client):

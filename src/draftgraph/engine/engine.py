@@ -107,7 +107,8 @@ class LLMEngine:
         if self.drafter is not None:
             bodies["spec"] = BodyFactory(self.drafter, use_graphs=use_graphs)
         bodies.update({f"{name}+extras": ExtrasFactory(f, 1 + k) for name, f in bodies.items()})
-        self.target.init_graphs(bodies, use_graphs=use_graphs)
+        self.target.init_graphs(bodies, use_graphs=use_graphs, shared_pools={
+            name: name.removesuffix("+extras") for name in bodies if name.endswith("+extras")})
         self.decode_graphs = self.target.graph_sets["decode"]
         self.spec_graphs = self.target.graph_sets.get("spec")
         self.extras_graphs = {gs: self.target.graph_sets[f"{name}+extras"]
@@ -253,10 +254,12 @@ class LLMEngine:
         return outputs
 
     def _admit_controls(self, reqs: list[Request]) -> None:
-        """A request with sampling controls that has a new request row (first scheduled, or
-        again after a preemption) gets that row of the control tables written, once."""
+        """A request with sampling controls that starts its prefill (first scheduled, or
+        again after a preemption, maybe on a row another request used meanwhile) gets its
+        row of the control tables written, once."""
         for req in reqs:
-            if req.params.has_controls and req.controls_row != req.req_pool_idx:
+            if req.params.has_controls and (req.controls_row != req.req_pool_idx
+                                            or req.num_computed_tokens == 0):
                 stops = sorted(req.eos_token_ids | req.stop_token_ids) \
                     if req.params.min_tokens else []
                 self.controls.admit(req.req_pool_idx, req.prompt_token_ids,
@@ -543,7 +546,8 @@ class LLMEngine:
         if req.detokenizer is not None:
             delta = req.detokenizer.add([tok])
             req.text += delta
-            if p.stop and delta:
+            # NOTE: like vLLM, no stop string ends a request before min_tokens
+            if p.stop and delta and len(req.output_token_ids) >= p.min_tokens:
                 window = len(delta) + max(len(s) for s in p.stop)
                 tail_start = max(0, len(req.text) - window)
                 hits = [i for s in p.stop if (i := req.text.find(s, tail_start)) >= 0]

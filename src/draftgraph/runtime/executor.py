@@ -152,16 +152,23 @@ class ModelExecutor:
         scored = tuple(torch.cat(x).tolist() for x in zip(*parts, strict=True))
         return logits, scored
 
-    def init_graphs(self, bodies: dict, use_graphs: bool = True) -> None:
+    def init_graphs(self, bodies: dict, use_graphs: bool = True,
+                    shared_pools: dict[str, str] | None = None) -> None:
         """One graph set per step body, by name: `bodies` maps a name to a factory
         `(executor) -> body` (picklable: TP ranks > 0 build the same bodies from it).
-        Captured on CUDA with use_graphs; otherwise the bodies run eagerly per step."""
+        Captured on CUDA with use_graphs; otherwise the bodies run eagerly per step.
+        shared_pools: name -> an earlier graph set's name whose graph memory pool it captures
+        into (sets replayed one after the other on one stream, e.g. a body and its twin)."""
         from draftgraph.runtime.graph_set import GraphSet
 
+        shared_pools = shared_pools or {}
         if self.tp_driver is not None:
-            self.tp_driver.send_init_graphs(dict(bodies=bodies, use_graphs=use_graphs))
+            self.tp_driver.send_init_graphs(dict(bodies=bodies, use_graphs=use_graphs,
+                                                 shared_pools=shared_pools))
         for name, factory in bodies.items():
             gs = GraphSet(self, factory(self), len(self.graph_sets), use_graphs)
+            if name in shared_pools:
+                gs.pool = self.graph_sets[shared_pools[name]].pool
             gs.capture()
             self.graph_sets[name] = gs
 

@@ -6,8 +6,10 @@ results as `Lanes` (runtime/schema.py) and splits its work into parts:
     body.parts(bs, greedy) -> [(fn, capturable), ...]
 
 Capturable parts become graphs (per bucket and sampling mode, captured largest bucket first
-into ONE memory pool); a part that is not capturable (an eager metadata rebuild for a backend
-without in-graph metadata, logged once by the body) runs between them. So a step may be one
+into ONE memory pool, which a twin set replayed on the same stream may share: `pool` set
+before `capture`, executor.init_graphs' shared_pools); a part that is not capturable (an eager
+metadata rebuild for a backend without in-graph metadata, logged once by the body) runs
+between them. So a step may be one
 graph, or a draft graph and a verify graph, after one staging copy.
 
 A replay writes the pinned staging buffer (numpy views of the body's input lanes), makes ONE
