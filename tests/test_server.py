@@ -15,6 +15,7 @@ openai = pytest.importorskip("openai")
 
 from draftgraph.config import EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
 from draftgraph.engine.engine import LLMEngine  # noqa: E402
+from draftgraph.engine.sampling import SamplingParams  # noqa: E402
 from draftgraph.server.app import build_app  # noqa: E402
 from draftgraph.server.async_engine import AsyncEngine  # noqa: E402
 from draftgraph.server.config import ServerConfig  # noqa: E402
@@ -200,6 +201,33 @@ def test_echo_with_logprobs_scores_the_prompt(client, server):
     lps = [x for c in streamed if c.choices[0].logprobs
            for x in c.choices[0].logprobs.token_logprobs]
     assert lps[0] is None and lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_lm_eval_loglikelihood_requests_score_like_the_engine_in_process(loaded, server):
+    """lm-evaluation-harness's `local-completions` loglikelihood call (its payload and its
+    parse_logprobs, 0.4.13): a batch of token-id prompts, echo, logprobs 1, max_tokens 1.
+    The continuation scores equal the engine's own prompt logprobs in process, and
+    is_greedy agrees with the ranks."""
+    ctx = _tokenize(server, "Question: what color is the sky on a clear day? Answer:")
+    conts = [_tokenize(server, " blue"), _tokenize(server, " a bright green, of course")]
+    prompts = [ctx + c for c in conts]
+    out = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+        "seed": 1234, "echo": True}).json()
+    scores = []
+    for choice in sorted(out["choices"], key=lambda c: c["index"]):  # parse_logprobs
+        lps = choice["logprobs"]["token_logprobs"][len(ctx):-1]
+        tops = choice["logprobs"]["top_logprobs"][len(ctx):-1]
+        greedy = all(t == max(top.values()) for t, top in zip(lps, tops, strict=True))
+        scores.append((sum(lps), greedy))
+    engine = LLMEngine(EngineConfig(model="default", device="cpu",
+                                    scheduler=SchedulerConfig(max_num_seqs=2)), loaded=loaded)
+    finals = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0,
+                                                     prompt_logprobs=0))
+    for (score, greedy), f in zip(scores, finals, strict=True):
+        assert score == pytest.approx(sum(f.prompt_logprobs[len(ctx):]), abs=1e-4)
+        assert greedy == all(t[0] == 1 for t in f.prompt_top_logprobs[len(ctx):])
+    assert scores[0][0] > scores[1][0]  # the plausible answer scores higher
 
 
 def _tokenize(server, text: str) -> list[int]:

@@ -258,7 +258,7 @@ class LLMEngine:
         again after a preemption, maybe on a row another request used meanwhile) gets its
         row of the control tables written, once."""
         for req in reqs:
-            if req.params.has_controls and (req.controls_row != req.req_pool_idx
+            if req.has_controls and (req.controls_row != req.req_pool_idx
                                             or req.num_computed_tokens == 0):
                 stops = sorted(req.eos_token_ids | req.stop_token_ids) \
                     if req.params.min_tokens else []
@@ -354,7 +354,7 @@ class LLMEngine:
             if any(max_draft) or self.drafter.keeps_kv:
                 graphs = self.spec_graphs
         spec = graphs is self.spec_graphs
-        if any(r.params.needs_extras for r in reqs):
+        if any(r.needs_extras for r in reqs):
             graphs = self.extras_graphs[graphs]
         self._stage(graphs, reqs, [r.token_slice(r.num_tokens - 1, r.num_tokens)[0]
                                    for r in reqs], [r.num_tokens for r in reqs],
@@ -388,7 +388,7 @@ class LLMEngine:
     def _control_lanes(reqs: list[Request]) -> dict[str, list]:
         """Per request: the sampling controls' lanes (spec/step.py `step_inputs`); a request
         without controls gets them off (its row of the tables is never read)."""
-        p = [r.params if r.params.has_controls else None for r in reqs]
+        p = [r.params if r.has_controls else None for r in reqs]
         return dict(
             min_tokens=[x.min_tokens if x else 0 for x in p],
             prompt_lens=[len(r.prompt_token_ids) for r in reqs],
@@ -472,7 +472,7 @@ class LLMEngine:
         p = [r.params for r in reqs]
         bs = len(reqs)
         extras = {}
-        if any(x.needs_extras for x in p):
+        if any(r.needs_extras for r in reqs):
             lanes = self._control_lanes(reqs)
             extras = dict(
                 out_top_ids=torch.empty(bs, TOP_N_MAX, dtype=torch.int64, device=dev),
