@@ -375,3 +375,20 @@ def test_controlled_requests_survive_preemption_with_the_same_output(hf) -> None
     outs = small.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert ref[0].token_ids == _reference_greedy(hf, prompts[0], PENALIZED, 24)
+
+
+def test_the_extras_twin_shares_the_drafters_binding(hf) -> None:
+    """The speculative extras twin must not bind the drafter again (a second bind would give
+    it a new KV pool and buffers while the plain body's graphs keep the old ones)."""
+    class Counting(OracleDrafter):
+        binds = 0
+
+        def bind(self, target) -> None:
+            Counting.binds += 1
+
+    drafter = Counting([0] * 64, k=3)
+    engine = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=3),
+                         drafter=drafter)
+    twin = engine.extras_graphs[engine.spec_graphs].body
+    assert Counting.binds == 1 and twin.drafter is not drafter
+    assert twin.drafter.future is drafter.future  # the same buffers
