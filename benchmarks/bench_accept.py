@@ -4,6 +4,12 @@ rate per draft position, tokens/s, and how many greedy outputs equal plain decod
 
     python benchmarks/bench_accept.py --model default --head src/draftgraph/heads/smollm2-chain \
         --sets benchmarks/data/accept_sets_smollm2_ids.json --num-prompts 20 --out r.json
+    python benchmarks/bench_accept.py --model default --arms plain,block,ngram \
+        --block-head DIR --sets benchmarks/data/accept_sets_smollm2_ids.json --out r.json
+
+accept_length counts the verify steps that drafted (accepted drafts per step + 1);
+tokens_per_step counts every speculative step, those where a block head's confidence cut left
+no draft included (DSpark's accepted length).
 
 `--sets` is JSON {set name: [[prompt token ids], ...]} (chat-templated MT-Bench first turns,
 HumanEval, held-out ShareGPT for the default model). Greedy unless --temperature.
@@ -27,7 +33,10 @@ from draftgraph.models.loader import load_model
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
-    ap.add_argument("--head", required=True, help="a chain head directory (or random)")
+    ap.add_argument("--head", default=None, help="the chain arm's head directory (or random)")
+    ap.add_argument("--block-head", default=None, help="the block arm's head directory")
+    ap.add_argument("--block-size", type=int, default=None, help="block arm (default: the "
+                    "head's)")
     ap.add_argument("--sets", required=True)
     ap.add_argument("--only", default=None, help="comma-separated set names")
     ap.add_argument("--num-prompts", type=int, default=20)
@@ -40,6 +49,10 @@ def main() -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if "chain" in a.arms.split(",") and a.head is None:
+        ap.error("the chain arm needs --head")
+    if "block" in a.arms.split(",") and a.block_head is None:
+        ap.error("the block arm needs --block-head")
     loaded = load_model(a.model, device=a.device or "cpu", **({"dtype": __import__(
         "torch").__dict__[a.dtype]} if a.dtype else {}))
     with open(a.sets) as f:
@@ -47,7 +60,8 @@ def main() -> int:
     names = a.only.split(",") if a.only else list(sets)
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
     out = {"benchmark": "accept", **run_header(a.device or "cpu"), "model": a.model,
-           "head": a.head, "k": a.k, "max_tokens": a.max_tokens, "batch": a.batch,
+           "head": a.head, "block_head": a.block_head, "block_size": a.block_size, "k": a.k,
+           "max_tokens": a.max_tokens, "batch": a.batch,
            "temperature": a.temperature, "model_shape": model_shape(loaded.config), "sets": {}}
     for name in names:
         prompts = sets[name][: a.num_prompts]
@@ -56,6 +70,8 @@ def main() -> int:
             spec = {"plain": SpecConfig(),
                     "chain": SpecConfig(method="chain", draft_head=a.head,
                                         num_draft_tokens=a.k, adaptive=False),
+                    "block": SpecConfig(method="block", draft_head=a.block_head,
+                                        block_size=a.block_size, adaptive=False),
                     "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,
                                         adaptive=False)}[arm]
             engine = LLMEngine(EngineConfig(
@@ -80,7 +96,10 @@ def main() -> int:
                 plain_tokens = tokens
             else:
                 steps = s["num_drafts"]
+                # every step after a request's prefill emits 1 + its accepted drafts
+                all_steps = r["tokens"] - len(prompts) - s["num_accepted_tokens"]
                 r.update(accept_length=1 + s["num_accepted_tokens"] / max(steps, 1),
+                         tokens_per_step=1 + s["num_accepted_tokens"] / max(all_steps, 1),
                          verify_steps=steps,
                          acceptance_per_position=[x / max(steps, 1)
                                                   for x in s["accepted_per_pos"]])
