@@ -1,5 +1,6 @@
 """`draftgraph train-drafter`: regenerate responses with the target, then train a chain head
-against the target's own forward (train/chain.py). Everything lands in --out: sequences.json
+(--kind chain, train/chain.py) or a DSpark-style block head (--kind block, train/block.py)
+against the target's own forward. Everything lands in --out: sequences.json
 (the regenerated data and its sha256), checkpoint.pt (resumable: run the same command again),
 head/ (the head directory for --draft-head), history.json and loss.png."""
 
@@ -35,10 +36,30 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="padded tokens per step (sequences x the longest)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate "
                    "(warmup, then cosine to a tenth)")
-    p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test levels")
+    p.add_argument("--kind", choices=["chain", "block"], default="chain",
+                   help="chain: an EAGLE-3-style chain head (training-time test, forward KL); "
+                        "block: a DSpark-style block head (anchors per sequence, 0.1 CE + "
+                        "0.9 TV + confidence BCE)")
+    p.add_argument("--head-layers", type=int, default=1,
+                   help="decoder layers of the head (chain heads: 1)")
+    p.add_argument("--ttt-steps", type=int, default=4, help="--kind chain: training-time-test "
+                   "levels")
     p.add_argument("--draft-vocab", type=int, default=0,
-                   help="a reduced draft vocabulary of the most frequent response tokens "
-                        "(0: the target's vocabulary and LM head)")
+                   help="--kind chain: a reduced draft vocabulary of the most frequent response "
+                        "tokens (0: the target's vocabulary and LM head)")
+    b = p.add_argument_group("block heads (--kind block)")
+    b.add_argument("--block-size", type=int, default=8,
+                   help="the anchor + block_size - 1 mask tokens: block_size - 1 drafts")
+    b.add_argument("--window", type=int, default=512,
+                   help="context positions a block attends to (the last ones)")
+    b.add_argument("--markov-rank", type=int, default=64, help="rank of the Markov head (0: none)")
+    b.add_argument("--confidence", action=argparse.BooleanOptionalAction, default=True,
+                   help="a confidence head that cuts blocks short")
+    b.add_argument("--mask-token-id", type=int, default=None,
+                   help="the token of the block's mask rows (default: a reserved special token "
+                        "of the target's tokenizer that chat text never contains; SmolLM2: 16)")
+    b.add_argument("--anchors", type=int, default=16,
+                   help="blocks sampled per sequence per step")
     p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
                    help="stop with a checkpoint after this long (resume by running again)")
     p.add_argument("--max-num-seqs", type=int, default=None,
@@ -81,9 +102,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
     from draftgraph.engine.engine import LLMEngine
     from draftgraph.models.heads import random_head
-    from draftgraph.train.chain import Sequence, TrainConfig, regenerate, train_head
+    from draftgraph.train.chain import TrainConfig, train_head
+    from draftgraph.train.loop import Sequence, regenerate
 
     model = resolve_model(args)
+    if args.kind == "block" and (args.draft_vocab or args.ttt_steps != 4):
+        print("error: --draft-vocab and --ttt-steps are for --kind chain", file=sys.stderr)
+        return 2
+    if args.kind == "chain" and args.head_layers != 1:
+        print("error: train-drafter trains 1-layer chain heads (--head-layers 1)",
+              file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
     os.makedirs(args.out, exist_ok=True)
@@ -95,6 +124,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192 if cuda
                                   else 1024, max_model_len=args.max_len,
                                   max_waiting=1 << 20)))  # every prompt queued at once
+    head = None
+    if args.kind == "block":  # built now: a head that does not fit fails before regenerating
+        head = _block_head(args, engine, device)
+        if head is None:
+            return 2
     if os.path.isfile(seq_path):
         with open(seq_path) as f:
             saved = json.load(f)
@@ -122,18 +156,59 @@ def cmd_train(args: argparse.Namespace) -> int:
     del engine
     if cuda:
         torch.cuda.empty_cache()
-    spec = f"draft_vocab={args.draft_vocab}" if args.draft_vocab else ""
-    head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
-    if args.draft_vocab:
-        counts = torch.bincount(torch.tensor([t for s in seqs for t in s.ids[s.prompt_len:]]),
-                                minlength=target.config.vocab_size)
-        head.d2t.copy_(counts.topk(args.draft_vocab).indices.sort().values.to(device))
-    cfg = TrainConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
-                      max_len=args.max_len, ttt_steps=args.ttt_steps, seed=args.seed,
-                      time_limit_s=args.time_limit * 60 if args.time_limit else None)
-    state = train_head(head, target, seqs, cfg, args.out, device, dtype, backend)
+    common = dict(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
+                  max_len=args.max_len, seed=args.seed,
+                  time_limit_s=args.time_limit * 60 if args.time_limit else None)
+    if args.kind == "block":
+        from draftgraph.train.block import BlockTrainConfig, train_block_head
+
+        mask_id = head.head_config.mask_token_id
+        seen = sum(s.ids.count(mask_id) for s in seqs)
+        if seen:
+            print(f"train-drafter: warning: the mask token {mask_id} occurs {seen} times in "
+                  "the training sequences (--mask-token-id)", file=sys.stderr)
+        cfg = BlockTrainConfig(**common, anchors=args.anchors)
+        state = train_block_head(head, target, seqs, cfg, args.out, device, dtype, backend)
+    else:
+        spec = f"draft_vocab={args.draft_vocab}" if args.draft_vocab else ""
+        head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
+        if args.draft_vocab:
+            counts = torch.bincount(
+                torch.tensor([t for s in seqs for t in s.ids[s.prompt_len:]]),
+                minlength=target.config.vocab_size)
+            head.d2t.copy_(counts.topk(args.draft_vocab).indices.sort().values.to(device))
+        cfg = TrainConfig(**common, ttt_steps=args.ttt_steps)
+        state = train_head(head, target, seqs, cfg, args.out, device, dtype, backend)
     last = state.history[-1] if state.history else {}
     print(f"train-drafter: step {state.step}/{cfg.steps}, loss {last.get('loss', 0):.3f}, "
           f"accept length estimate {last.get('accept_estimate', 0):.2f}; head in "
           f"{os.path.join(args.out, 'head')}", file=sys.stderr)
     return 0
+
+
+def _block_head(args, engine, device):
+    """The untrained block head the flags describe (None after printing why it cannot be)."""
+    import torch
+
+    from draftgraph.models.heads import random_head
+    from draftgraph.train.block import default_mask_token_id
+
+    cfg = engine.model.config
+    mask_id = args.mask_token_id
+    if mask_id is None:
+        mask_id = default_mask_token_id(engine.tokenizer, engine.model.embed_tokens.weight,
+                                        cfg.vocab_size)
+    elif not 0 <= mask_id < cfg.vocab_size:
+        print(f"error: --mask-token-id {mask_id} is outside the target's vocabulary "
+              f"(ids 0..{cfg.vocab_size - 1})", file=sys.stderr)
+        return None
+    spec = (f"layers={args.head_layers},block_size={args.block_size},window={args.window},"
+            f"markov_rank={args.markov_rank},confidence={int(args.confidence)},"
+            f"mask_token_id={mask_id}")
+    try:
+        head = random_head(cfg, spec, device, torch.float32, seed=args.seed, kind="block")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    print(f"train-drafter: block head {spec}", file=sys.stderr)
+    return head
