@@ -11,15 +11,12 @@ the same work, with their controls off).
 NOTE: the tail always computes TOP_N_MAX alternatives in the extras set (a static shape); each
 request keeps the ones it asked for.
 
-NOTE: the twin of a speculative body shares the drafter's binding: `bind` allocates a
-drafter's executor, KV pool and persistent buffers, and a second bind would leave the plain
-body's captured graphs writing the old ones (acceptance quietly falls). The twin gets a
-shallow copy of the bound drafter (the same buffers) whose bind does nothing.
+NOTE: the twin of a speculative body drafts with the same drafter, bound once (StepBody binds
+a drafter only for a target it is not bound to yet): a second bind would give it a new
+executor, KV pool and buffers while the plain body's captured graphs kept the old ones.
 """
 
 from __future__ import annotations
-
-import copy
 
 from draftgraph.runtime.controls import ControlTables
 from draftgraph.spec.step import step_inputs, step_outputs
@@ -37,20 +34,11 @@ class ExtrasFactory:
 
     def __call__(self, target):
         ensure_controls(target, self.fold_width)
-        inner = self.inner
-        if inner.drafter is not None:  # bound already, by the plain body built before
-            inner = copy.copy(inner)
-            inner.drafter = copy.copy(inner.drafter)
-            inner.drafter.bind = _already_bound
-        body = inner(target)
+        body = self.inner(target)
         body.name = f"{body.name} +extras"
         body.inputs = step_inputs(target.max_bs, body.k, controls=True)
         body.outputs = step_outputs(target.max_bs, body.k, top_n=TOP_N_MAX)
         return body
-
-
-def _already_bound(target) -> None:
-    """A twin's drafter: its buffers are the plain body's (see the NOTE above)."""
 
 
 def ensure_controls(target, fold_width: int) -> ControlTables:

@@ -35,22 +35,29 @@ from draftgraph.kernels.tokens import record_last_tokens
 from draftgraph.runtime.schema import Field, Lanes
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
-from draftgraph.spec.verify import emit
+from draftgraph.spec.verify import emit, step_extras
 
 logger = logging.getLogger(__name__)
 
 
-def step_inputs(max_bs: int, k: int) -> Lanes:
+def step_inputs(max_bs: int, k: int, controls: bool = False) -> Lanes:
+    """controls: also the sampling controls' lanes (spec/extras.py, runtime/controls.py)."""
+    extra = [Field("min_tokens"), Field("prompt_lens"), Field("num_logit_bias"),
+             *(Field(f"{p}_penalty", dtype=torch.float32)
+               for p in ("presence", "frequency", "repetition"))] if controls else []
     return Lanes(max_bs, [
         Field("input_ids"), Field("req_pool_indices"), Field("seq_lens"), Field("max_draft"),
         Field("top_k"), Field("seeds"), Field("reserved_slots", 1 + k),
-        Field("temperature", dtype=torch.float32), Field("top_p", dtype=torch.float32)])
+        Field("temperature", dtype=torch.float32), Field("top_p", dtype=torch.float32), *extra])
 
 
-def step_outputs(max_bs: int, k: int) -> Lanes:
+def step_outputs(max_bs: int, k: int, top_n: int = 0) -> Lanes:
+    """top_n > 0: also the top_n alternatives of every emitted row (spec/extras.py)."""
+    extra = [Field("top_ids", (1 + k) * top_n),
+             Field("top_logprobs", (1 + k) * top_n, torch.float32)] if top_n else []
     return Lanes(max_bs, [
         Field("tokens", 1 + k), Field("accept_lens"), Field("num_drafts"),
-        Field("logprobs", 1 + k, torch.float32)])
+        Field("logprobs", 1 + k, torch.float32), *extra])
 
 
 class StepBody:
@@ -117,11 +124,18 @@ class StepBody:
             out["accept_lens"].fill_(1)
             out["num_drafts"].zero_()
 
-    def read(self, host: dict, bs: int) -> list[tuple[list[int], list[float], int]]:
-        """Per request: (emitted tokens, their logprobs, drafts proposed)."""
+    def read(self, host: dict, bs: int) -> list[tuple[list[int], list[float], int, list]]:
+        """Per request: (emitted tokens, their logprobs, drafts proposed, per emitted token
+        its (top ids, top logprobs), or [] when the body computes no top-N)."""
         tokens, acc = host["tokens"][:bs].tolist(), host["accept_lens"][:bs].tolist()
         lps, nd = host["logprobs"][:bs].tolist(), host["num_drafts"][:bs].tolist()
-        return [(tokens[j][: acc[j]], lps[j][: acc[j]], nd[j]) for j in range(bs)]
+        if "top_ids" not in host:
+            return [(tokens[j][: acc[j]], lps[j][: acc[j]], nd[j], []) for j in range(bs)]
+        n = host["top_ids"].shape[1] // (1 + self.k)
+        ids, tlp = host["top_ids"][:bs], host["top_logprobs"][:bs]
+        return [(tokens[j][: acc[j]], lps[j][: acc[j]], nd[j],
+                 [(ids[j, i * n:(i + 1) * n].tolist(), tlp[j, i * n:(i + 1) * n].tolist())
+                  for i in range(acc[j])]) for j in range(bs)]
 
     # ---- the body ---------------------------------------------------------------------------
     def parts(self, bs: int, greedy: bool) -> list:
@@ -242,7 +256,8 @@ class StepBody:
         tokens, accept_lens, _ = emit(
             logits, drafts, num_drafts, probs, v["temperature"][:bs], v["top_p"][:bs],
             v["top_k"][:bs], v["seeds"][:bs], v["seq_lens"][:bs], greedy,
-            out_tokens=o["tokens"][:bs], out_logprobs=o["logprobs"][:bs])
+            out_tokens=o["tokens"][:bs], out_logprobs=o["logprobs"][:bs],
+            **step_extras(v, o, bs, self.target.controls))
         if T == 1:  # accept_lens (1) and num_drafts (0) were written once, at bind
             return
         o["accept_lens"][:bs].copy_(accept_lens)
