@@ -16,7 +16,8 @@
 # The block head: block size 8 (7 drafts), 1 layer, window 512 (the whole of nearly every
 # 640-token training sequence, and at inference a block's attention stays at 512 + 8 keys),
 # Markov head of rank 64, confidence head on, mask token = the tokenizer's <empty_output> (16),
-# ANCHORS (default 64) blocks per sequence per step.
+# ANCHORS (default 64) blocks per sequence and at most MAX_BLOCKS (default 2048) per step
+# (7 vocabulary rows each: ~25 bytes per row and token, ~18 GB at 2048, measured on the CPU).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 KIND=${KIND:-chain}
@@ -38,7 +39,8 @@ if [ "${1:-}" = train ]; then
   [ -z "${MINUTES:-}" ] && [ -f $RUN/sequences.json ] && MIN=6
   if [ "$KIND" = block ]; then
     FLAGS="--kind block --block-size 8 --head-layers 1 --window 512 --markov-rank 64
-      --confidence --anchors ${ANCHORS:-64} --steps ${STEPS:-3000} --lr ${LR:-5e-4}"
+      --confidence --anchors ${ANCHORS:-64} --max-blocks ${MAX_BLOCKS:-2048}
+      --steps ${STEPS:-3000} --lr ${LR:-5e-4}"
   else
     FLAGS="--steps ${STEPS:-2500}"
   fi

@@ -168,6 +168,9 @@ def test_the_dspark_loss_is_its_definition(hf, data, trained):
     assert valid.tolist() == [[True, True, True], [False, False, False],
                               [False, False, False]]
     assert all(4 <= a <= 8 for a in anchors[0].tolist())  # response positions, a + 1 < len
+    assert len(set(anchors[0].tolist())) == 3
+    few, ok = sample_anchors(seqs, 3, torch.Generator().manual_seed(0), "cpu", max_blocks=4)
+    assert ok.tolist() == [[True], [False], [False]]  # 4 // 3 sequences: one block each
     engine, _, seqs = data
     # the trained head: it gets some drafts right, so the acceptance labels are not all 0
     head = load_head(os.path.join(trained[0], "head"), tiny_loaded(hf).config)

@@ -9,10 +9,10 @@ rows, its keys and values the context K/V of positions max(0, a - W) .. a - 1 (t
 projections of the context feature `head.context(S_p)` of the target's captured streams, RoPE
 at p) followed by the block rows' own, seen non-causally by every row. Anchors are sampled per
 sequence among the response (a in prompt_len .. L - 2: the first block at inference is anchored
-at the target's first response token), `anchors` per sequence per step, and all blocks of a
-batch run as one attention per layer: each sequence's queries (its blocks' rows) against its
-context keys and all its blocks' own keys, under a mask (context key p visible to the block at
-a when a - W <= p < a; block keys only to their own block).
+at the target's first response token), `anchors` per sequence per step (at most `max_blocks`
+per step), and all blocks of a batch run as one attention per layer: each sequence's queries
+(its blocks' rows) against its context keys and all its blocks' own keys, under a mask (context
+key p visible to the block at a when a - W <= p < a; block keys only to their own block).
 
 DSpark loss, per draft j = 1 .. g - 1 (row j predicts t_{a+j}):
   0.1 x CE(head logits, t_{a+j}: the target's greedy token, the regenerated response)
@@ -44,6 +44,7 @@ from draftgraph.train.loop import LoopConfig, OracleBatch, Sequence, TrainState,
 @dataclass
 class BlockTrainConfig(LoopConfig):
     anchors: int = 16  # blocks per sequence per step (fewer when its response is short)
+    max_blocks: int = 1024  # blocks per step at most (a batch of many short sequences)
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     bce_weight: float = 1.0
@@ -55,10 +56,13 @@ def position_weights(block_size: int, device=None) -> torch.Tensor:
     return torch.exp(-(j - 1) / block_size)
 
 
-def sample_anchors(seqs: list[Sequence], anchors: int, gen: torch.Generator,
-                   device) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(seqs: list[Sequence], anchors: int, gen: torch.Generator, device,
+                   max_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchors [B, A] int64, valid [B, A] bool): up to `anchors` distinct positions per
-    sequence in prompt_len .. len - 2, A = the most any sequence got."""
+    sequence in prompt_len .. len - 2 (and at most max(1, max_blocks // B) of them: a step's
+    blocks stay under max_blocks, or one per sequence), A = the most any sequence got."""
+    if max_blocks is not None:
+        anchors = min(anchors, max(1, max_blocks // len(seqs)))
     picks = []
     for s in seqs:
         lo, hi = s.prompt_len, len(s.ids) - 2
@@ -247,7 +251,8 @@ def train_block_head(head: BlockHead, target_model, seqs: list[Sequence],
 
     def loss_fn(batch: OracleBatch, step: int):
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        anchors, valid = sample_anchors(batch.seqs, cfg.anchors, gen, embed_w.device)
+        anchors, valid = sample_anchors(batch.seqs, cfg.anchors, gen, embed_w.device,
+                                       cfg.max_blocks)
         return dspark_loss(head, embed_w, lm_w, batch, anchors, valid, cfg)
 
     return train_loop(head, target_model, seqs, cfg, out_dir, device, dtype, backend, loss_fn,

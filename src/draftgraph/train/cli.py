@@ -60,6 +60,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "of the target's tokenizer that chat text never contains; SmolLM2: 16)")
     b.add_argument("--anchors", type=int, default=16,
                    help="blocks sampled per sequence per step")
+    b.add_argument("--max-blocks", type=int, default=1024,
+                   help="blocks per step at most (memory: block_size - 1 rows of the "
+                        "vocabulary each)")
     p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
                    help="stop with a checkpoint after this long (resume by running again)")
     p.add_argument("--max-num-seqs", type=int, default=None,
@@ -167,7 +170,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if seen:
             print(f"train-drafter: warning: the mask token {mask_id} occurs {seen} times in "
                   "the training sequences (--mask-token-id)", file=sys.stderr)
-        cfg = BlockTrainConfig(**common, anchors=args.anchors)
+        cfg = BlockTrainConfig(**common, anchors=args.anchors, max_blocks=args.max_blocks)
         state = train_block_head(head, target, seqs, cfg, args.out, device, dtype, backend)
     else:
         spec = f"draft_vocab={args.draft_vocab}" if args.draft_vocab else ""
