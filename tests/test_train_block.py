@@ -1,6 +1,7 @@
 """Block-head training (train/block.py): the training forward computes what the block drafter
 computes at inference (the head's own executor over the slot space: injected context KV, a
-DRAFT_BLOCK forward on the torch backend), windows shorter than the context included; a tiny
+DRAFT_BLOCK forward on the torch backend, and on the Triton one in its interpreter), windows
+shorter than the context included; the loss is its definition, recomputed row by row; a tiny
 block head trained for a few dozen steps on a few of the target's own sequences lowers its
 DSpark loss and raises its agreement, its accept length estimate and its real accept length in
 the engine against the same random head untrained; a run resumes exactly where it stopped;
@@ -71,15 +72,16 @@ def _oracle_batch(engine, head, seqs: list[Sequence]) -> OracleBatch:
     return OracleBatch(seqs, streams, logits, offsets)
 
 
-def _inference_block(engine, head: BlockHead, batch: OracleBatch, anchors: list[int]):
+def _inference_block(engine, head: BlockHead, batch: OracleBatch, anchors: list[int],
+                     backend_name: str = "torch"):
     """What the block drafter computes for the blocks anchored at `anchors` (one per sequence
     of `batch`, all in one DRAFT_BLOCK forward): the head's executor over its own slot space,
     the context K/V of positions 0 .. a - 1 injected from the target's streams, then the block
-    [t_a, m, ...] at positions a .. a + g - 1. Returns (hidden [bs, g, H], base logits
-    [bs, g - 1, V] through the target's LM head)."""
+    [t_a, m, ...] at positions a .. a + g - 1, on the attention backend named. Returns
+    (hidden [bs, g, H], base logits [bs, g - 1, V] through the target's LM head)."""
     g, bs = head.block_size, len(anchors)
     slots = SlotSpace(256, 1, bs, 128, torch.device("cpu"))
-    ex = ModelExecutor(head, slots, bs, 128, torch.device("cpu"), torch.float32, "torch")
+    ex = ModelExecutor(head, slots, bs, 128, torch.device("cpu"), torch.float32, backend_name)
     ex.meta.add_block_lists(head.head_config.window, g)
     backend = ex.backend
 
@@ -105,11 +107,13 @@ def _inference_block(engine, head: BlockHead, batch: OracleBatch, anchors: list[
     return hidden.view(bs, g, -1), logits.view(bs, g - 1, -1)
 
 
-@pytest.mark.parametrize("spec", [
-    "layers=2,block_size=5,window=3,markov_rank=8,confidence=1,mask_token_id=127",
-    "block_size=4,window=64",  # a window longer than every context
+@pytest.mark.parametrize("spec,backend", [
+    ("layers=2,block_size=5,window=3,markov_rank=8,confidence=1,mask_token_id=127", "torch"),
+    ("block_size=4,window=64", "torch"),  # a window longer than every context
+    # the Triton kernels and in-graph metadata builders (in Triton's interpreter on a CPU)
+    ("layers=2,block_size=5,window=3,markov_rank=8,confidence=1,mask_token_id=127", "triton"),
 ])
-def test_the_training_forward_equals_the_drafters_forward(hf, data, spec):
+def test_the_training_forward_equals_the_drafters_forward(hf, data, spec, backend):
     engine, _, seqs = data
     head = random_head(tiny_loaded(hf).config, spec, seed=4, kind="block")
     # large weights, so that a wrong key set or position shows in the logits
@@ -125,7 +129,7 @@ def test_the_training_forward_equals_the_drafters_forward(hf, data, spec):
     tokens = batch.padded("tokens")
     for row in anchors:
         with torch.no_grad():
-            want_h, want = _inference_block(engine, head, batch, row)
+            want_h, want = _inference_block(engine, head, batch, row, backend)
             a = torch.tensor(row)[:, None]  # one block per sequence
             got_h = block_forward(head, engine.model.embed_tokens.weight, batch.padded("streams"),
                                   tokens, a, torch.ones_like(a, dtype=torch.bool))
