@@ -35,8 +35,11 @@ if [ "${1:-}" = train ]; then
   if [ ! -f $RUN/sequences.json ] && [ -f /tmp/dg_train/sequences.json ]; then
     cp /tmp/dg_train/sequences.json $RUN/
   fi
-  MIN=${MINUTES:-4}
-  [ -z "${MINUTES:-}" ] && [ -f $RUN/sequences.json ] && MIN=6
+  MIN=${MINUTES:-4} SEQS=
+  if [ -f $RUN/sequences.json ]; then  # nothing to regenerate: a small engine, more training
+    [ -z "${MINUTES:-}" ] && MIN=6
+    SEQS="--max-num-seqs 8"
+  fi
   if [ "$KIND" = block ]; then
     FLAGS="--kind block --block-size 8 --head-layers 1 --window 512 --markov-rank 64
       --confidence --anchors ${ANCHORS:-64} --max-blocks ${MAX_BLOCKS:-2048}
@@ -46,14 +49,14 @@ if [ "${1:-}" = train ]; then
   fi
   timeout 540 python3 -m draftgraph.cli train-drafter $M --out $RUN \
     --data .traindata/sharegpt_train_ids.json.gz --num-prompts 100000 --max-new-tokens 256 \
-    --max-len 640 --batch-tokens 16384 --time-limit $MIN $FLAGS \
+    --max-len 640 --batch-tokens 16384 --time-limit $MIN $FLAGS $SEQS \
     --dtype bfloat16 2>&1 | tr '\r' '\n' | grep -v -i warn | grep -v "it/s]$" | tail -6
   rm -rf "$OUT/head"; cp -r $RUN/head "$OUT/head"; cp $RUN/history.json $RUN/loss.png "$OUT/"
   python3 -c "import json; d=json.load(open('$RUN/sequences.json')); print('sequences', \
 len(d['sequences']), 'tokens', sum(len(s['ids']) for s in d['sequences']), 'sha256', d['sha256'])" \
     | tee "$OUT/data.txt"
   python3 -c "import json; h=json.load(open('$RUN/history.json'))['history']; r=h[-1]; \
-print('steps', r['step'], {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() \
+print('steps', r['step'], {k: (float(f'{v:.4g}') if isinstance(v, float) else v) for k, v in r.items() \
 if k not in ('step', 'agree')}, 'agree', [round(a, 3) for a in r['agree']])" | tee -a "$OUT/data.txt"
   ls -la "$OUT" "$OUT/head"
   exit 0

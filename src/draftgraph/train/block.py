@@ -157,7 +157,7 @@ def confidence_logit(head: BlockHead, hidden: torch.Tensor, prev: torch.Tensor) 
     over detached inputs."""
     x = hidden[..., 1:, :].detach()
     if head.markov_in is not None:
-        x = torch.cat([x, head.markov_in(prev).detach()], dim=-1)
+        x = torch.cat([x, head.markov_in(prev).detach().to(x.dtype)], dim=-1)
     return head.confidence(x).float().squeeze(-1)
 
 

@@ -8,7 +8,8 @@ target runs the step's sequences through the same forward the engine serves with
 (the captured streams) and the soft labels (the target's next-token logits).
 
 `train_loop` is the optimizer loop around a trainer's loss: AdamW (fp32 master weights),
-linear warmup then cosine to a tenth of the peak rate, bf16 autocast on a GPU, gradient
+linear warmup then cosine to a tenth of the peak rate, bf16 autocast on a GPU (on the CPU
+with a half-precision target, its dtype), gradient
 clipping, a resumable `checkpoint.pt` every `checkpoint_every` steps and when `time_limit_s`
 runs out, then the head directory `head/` (bf16, save_head), `history.json` and `loss.png`.
 """
@@ -197,8 +198,10 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
         sched.load_state_dict(saved["sched"])
         state = TrainState(saved["step"], saved["history"])
         logger.info("resumed from %s at step %d", ckpt, state.step)
+    # bf16 on a GPU; on the CPU a half-precision target's dtype (its streams feed the head)
+    half = dtype in (torch.bfloat16, torch.float16)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else \
-        torch.autocast("cpu", enabled=False)
+        torch.autocast("cpu", dtype=dtype if half else torch.bfloat16, enabled=half)
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=state.step, desc=desc, disable=not progress)
     while state.step < cfg.steps:
