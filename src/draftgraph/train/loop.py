@@ -247,7 +247,8 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
 def plot_history(history: list[dict], path: str, loss_label: str = "loss",
                  agree_label: str = "top-1 agree, level {}", agree_first: int = 0) -> None:
     """Loss (and its parts, where a trainer records "ce" / "tv" / "bce") and acceptance per
-    step: agree_label.format(agree_first + j) names draft position j's agreement curve."""
+    step (after a confidence cut too, where it records "accept_cut"):
+    agree_label.format(agree_first + j) names draft position j's agreement curve."""
     if not history:
         return
     import matplotlib
@@ -262,10 +263,15 @@ def plot_history(history: list[dict], path: str, loss_label: str = "loss",
         if part in history[0]:
             a.plot(steps, [h[part] for h in history], alpha=0.6, label=part)
     a.set_xlabel("step")
-    a.set_ylabel(loss_label)
     if len(a.get_lines()) > 1:
+        a.set_ylabel("loss")
         a.legend(fontsize=7)
+    else:
+        a.set_ylabel(loss_label)
     b.plot(steps, [h["accept_estimate"] for h in history], label="accept length (estimate)")
+    if "accept_cut" in history[0]:
+        b.plot(steps, [h["accept_cut"] for h in history],
+               label="accept length after the confidence cut")
     for j in range(len(history[0]["agree"])):
         b.plot(steps, [h["agree"][j] for h in history], alpha=0.6,
                label=agree_label.format(agree_first + j))
