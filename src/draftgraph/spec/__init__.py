@@ -24,7 +24,8 @@ __all__ = [
 
 # heads that ship inside the package (draftgraph/heads/<dir>), by method and the model name
 # they were trained for; each directory records its training command and data hash
-SHIPPED_HEADS = {"chain": {"default": "smollm2-135m-chain"}, "block": {}}
+SHIPPED_HEADS = {"chain": {"default": "smollm2-135m-chain"},
+                 "block": {"default": "smollm2-135m-block"}}
 
 
 def shipped_head(method: str, model: str | None) -> str:
