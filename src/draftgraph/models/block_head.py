@@ -23,7 +23,6 @@ The target's embedding and LM head are shared. Optional, as in DSpark:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,64 +31,36 @@ from torch import nn
 from draftgraph.attention.backend import AttentionBackend, ForwardBatch
 from draftgraph.distributed.parallel import TPInfo
 from draftgraph.kernels import gemv
-from draftgraph.models.chain_head import store_kv_only
+from draftgraph.models.chain_head import HeadShape, store_kv_only
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import LlamaDecoderLayer, RMSNorm, rope_cos_sin_cache
 
 
 @dataclass
-class BlockHeadConfig:
+class BlockHeadConfig(HeadShape):
     """The shape of a block head and the target it was built for."""
 
-    hidden_layer_ids: list[int]  # target layers whose output streams make the context
-    target_hidden_size: int
-    target_vocab_size: int
     kind: str = "block"
-    num_layers: int = 1
     block_size: int = 8  # the anchor + block_size - 1 mask tokens: block_size - 1 drafts
     window: int = 512  # context positions a block attends to (the last ones)
     mask_token_id: int = 0  # the target token id whose embedding marks a masked position
     markov_rank: int = 0  # 0: no Markov head
     confidence: bool = False  # a confidence head cuts blocks short
     confidence_threshold: float = 0.5
-    num_attention_heads: int = 0  # 0: the target's
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-    intermediate_size: int = 0
 
     def validate_for(self, target: ModelConfig) -> None:
-        """ValueError naming the mismatch when this head cannot draft for `target`."""
-        if (self.target_hidden_size, self.target_vocab_size) != (target.hidden_size,
-                                                                 target.vocab_size):
-            raise ValueError(
-                f"--draft-head was built for a target of hidden size {self.target_hidden_size} "
-                f"and {self.target_vocab_size} tokens; this target has "
-                f"{target.hidden_size} and {target.vocab_size}")
-        bad = [i for i in self.hidden_layer_ids if not 0 <= i < target.num_hidden_layers]
-        if bad:
-            raise ValueError(f"--draft-head reads target layers {bad}; the target has "
-                             f"{target.num_hidden_layers} layers")
+        super().validate_for(target)
         if not 2 <= self.block_size <= 17:
             raise ValueError(f"block head: block_size must be in 2..17 (1..16 drafts), got "
                              f"{self.block_size} (--block-size)")
         if self.window < 1:
-            raise ValueError(f"block head: window must be >= 1, got {self.window}")
+            raise ValueError(f"block head: window must be >= 1, got {self.window} (--window)")
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise ValueError(f"block head: mask_token_id {self.mask_token_id} is not a token "
-                             f"of the target's {target.vocab_size}")
+                             f"of the target's {target.vocab_size} (--mask-token-id)")
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise ValueError("block head: confidence_threshold must be in [0, 1], got "
                              f"{self.confidence_threshold} (--confidence-threshold)")
-
-    def model_config(self, target: ModelConfig) -> ModelConfig:
-        """The head's decoder shape: the target's, with the head's overrides."""
-        return dataclasses.replace(
-            target, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads or target.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads or target.num_key_value_heads,
-            head_dim=self.head_dim or target.head_dim,
-            intermediate_size=self.intermediate_size or target.intermediate_size,
-            sliding_window=None, layer_types=[], name="block-head")
 
 
 class BlockHead(nn.Module):

@@ -38,19 +38,19 @@ from draftgraph.models.llama import (
 
 
 @dataclass
-class HeadConfig:
-    """The shape of a chain head and the target it was built for."""
+class HeadShape:
+    """What every drafter head records (its config.json): the target it was built for, which
+    of its layers it reads, and its own decoder's shape (0: the target's)."""
 
-    hidden_layer_ids: list[int]  # target layers whose output streams make the feature
+    hidden_layer_ids: list[int]  # target layers whose output streams the head reads
     target_hidden_size: int
     target_vocab_size: int
-    kind: str = "chain"
+    kind: str = "chain"  # "chain" (this module) or "block" (models/block_head.py)
     num_layers: int = 1
     num_attention_heads: int = 0  # 0: the target's
     num_key_value_heads: int = 0
     head_dim: int = 0
     intermediate_size: int = 0
-    draft_vocab_size: int = 0  # 0: the target's vocabulary and LM head
 
     def validate_for(self, target: ModelConfig) -> None:
         """ValueError naming the mismatch when this head cannot draft for `target`."""
@@ -65,9 +65,6 @@ class HeadConfig:
         if bad:
             raise ValueError(f"--draft-head reads target layers {bad}; the target has "
                              f"{target.num_hidden_layers} layers")
-        if not 0 <= self.draft_vocab_size <= target.vocab_size:
-            raise ValueError(f"--draft-head draft vocabulary {self.draft_vocab_size} exceeds "
-                             f"the target's {target.vocab_size} tokens")
 
     def model_config(self, target: ModelConfig) -> ModelConfig:
         """The head's decoder shape: the target's, with the head's overrides."""
@@ -77,7 +74,20 @@ class HeadConfig:
             num_key_value_heads=self.num_key_value_heads or target.num_key_value_heads,
             head_dim=self.head_dim or target.head_dim,
             intermediate_size=self.intermediate_size or target.intermediate_size,
-            sliding_window=None, layer_types=[], name="chain-head")
+            sliding_window=None, layer_types=[], name=f"{self.kind}-head")
+
+
+@dataclass
+class HeadConfig(HeadShape):
+    """The shape of a chain head and the target it was built for."""
+
+    draft_vocab_size: int = 0  # 0: the target's vocabulary and LM head
+
+    def validate_for(self, target: ModelConfig) -> None:
+        super().validate_for(target)
+        if not 0 <= self.draft_vocab_size <= target.vocab_size:
+            raise ValueError(f"--draft-head draft vocabulary {self.draft_vocab_size} exceeds "
+                             f"the target's {target.vocab_size} tokens")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
