@@ -301,33 +301,14 @@ def test_the_confidence_cut_stops_at_the_first_doubted_draft(hf):
 # ---- sampling ----------------------------------------------------------------------------
 
 def test_at_temperature_1_the_output_follows_the_target():
-    """The first token a speculative step emits, drafted from the block head's own q: against
-    plain sampling the same distribution; against a wrong (uniform) q: biased."""
-    from test_spec_draft_model import _chi2_pvalue, _pair_counts, _peaked
+    from test_spec_draft_model import assert_head_follows_the_target
 
-    vocab, n, batch = 8, 512, 128
-    target = _peaked(3, vocab)
-    kw = dict(max_num_seqs=batch, budget=1024)
-    plain = _pair_counts(tiny_engine(target, **kw), n, vocab, batch)
-    pvalues = {}
-    for arm in ("true_q", "wrong_q"):
+    def make(target, **kw):
         drafter = BlockHeadDrafter(random_head(tiny_loaded(target).config, "block_size=3",
                                                seed=3, kind="block"))
-        engine = tiny_engine(target, spec=SPEC, drafter=drafter, **kw)
-        real = drafter.finish
+        return tiny_engine(target, spec=SPEC, drafter=drafter, **kw), drafter
 
-        def finish(ctx, real=real, arm=arm):
-            p = real(ctx)
-            assert p.draft_probs is not None  # the head samples from its own distribution
-            if arm == "wrong_q":
-                p.draft_probs = torch.full_like(p.draft_probs, 1.0 / vocab)
-            return p
-
-        drafter.finish = finish
-        spec = _pair_counts(engine, n, vocab, batch)
-        assert engine.stats["num_draft_tokens"] == n
-        pvalues[arm] = _chi2_pvalue(plain, spec)
-    assert pvalues["true_q"] > 1e-3 and pvalues["wrong_q"] < 1e-3, pvalues
+    assert_head_follows_the_target(make)
 
 
 # ---- head directories and flags -----------------------------------------------------------

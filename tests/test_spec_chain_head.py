@@ -221,31 +221,9 @@ def test_the_fused_draft_and_the_per_step_fallback_give_the_same_drafts(hf, plai
 
 
 def test_at_temperature_1_the_output_follows_the_target():
-    """The first token a speculative step emits, drafted from the random head's own q: against
-    plain sampling the same distribution; the same drafts against a wrong (uniform) q: biased."""
-    from test_spec_draft_model import _chi2_pvalue, _pair_counts, _peaked
+    from test_spec_draft_model import assert_head_follows_the_target
 
-    vocab, n, batch = 8, 512, 128
-    target = _peaked(3, vocab)
-    kw = dict(max_num_seqs=batch, budget=1024)
-    plain = _pair_counts(tiny_engine(target, **kw), n, vocab, batch)
-    pvalues = {}
-    for arm in ("true_q", "wrong_q"):
-        engine, drafter = _head_engine(target, **kw)
-        real = drafter.finish
-
-        def finish(ctx, real=real, arm=arm):
-            p = real(ctx)
-            assert p.draft_probs is not None  # the head samples from its own distribution
-            if arm == "wrong_q":
-                p.draft_probs = torch.full_like(p.draft_probs, 1.0 / vocab)
-            return p
-
-        drafter.finish = finish
-        spec = _pair_counts(engine, n, vocab, batch)
-        assert engine.stats["num_draft_tokens"] == n
-        pvalues[arm] = _chi2_pvalue(plain, spec)
-    assert pvalues["true_q"] > 1e-3 and pvalues["wrong_q"] < 1e-3, pvalues
+    assert_head_follows_the_target(_head_engine)
 
 
 def test_a_head_directory_round_trips_in_shards(hf, tmp_path):

@@ -111,6 +111,34 @@ def _pair_counts(engine, n: int, vocab: int, batch: int = 128) -> torch.Tensor:
     return counts
 
 
+def assert_head_follows_the_target(make) -> None:
+    """For a drafter head that samples its drafts: the first token a speculative step emits,
+    drafted from the head's own q, has plain sampling's distribution (p-value > 1e-3); the same
+    drafts verified against a wrong (uniform) q are biased (p-value < 1e-3).
+    `make(target, **engine_kw)` gives (engine, drafter) over the target."""
+    vocab, n, batch = 8, 512, 128
+    target = _peaked(3, vocab)
+    kw = dict(max_num_seqs=batch, budget=1024)
+    plain = _pair_counts(tiny_engine(target, **kw), n, vocab, batch)
+    pvalues = {}
+    for arm in ("true_q", "wrong_q"):
+        engine, drafter = make(target, **kw)
+        real = drafter.finish
+
+        def finish(ctx, real=real, arm=arm):
+            p = real(ctx)
+            assert p.draft_probs is not None  # the head samples from its own distribution
+            if arm == "wrong_q":
+                p.draft_probs = torch.full_like(p.draft_probs, 1.0 / vocab)
+            return p
+
+        drafter.finish = finish
+        spec = _pair_counts(engine, n, vocab, batch)
+        assert engine.stats["num_draft_tokens"] == n  # one draft per request
+        pvalues[arm] = _chi2_pvalue(plain, spec)
+    assert pvalues["true_q"] > 1e-3 and pvalues["wrong_q"] < 1e-3, pvalues
+
+
 def test_at_temperature_1_the_output_follows_the_target():
     """The second token is the first a speculative step emits: drafted by a different model
     from its own distribution q, then accepted (min(1, p/q)) or resampled from the residual.
