@@ -100,7 +100,8 @@ class StepBody:
         # set and its twins) shares its buffers and state, so each request's draft state is
         # the same whichever body runs its step (a second bind would leave graphs captured
         # over the first buffers)
-        if drafter is not None and drafter.bound_to is not target:
+        first_body = drafter is not None and drafter.bound_to is not target
+        if first_body:
             drafter.bind(target)
             drafter.bound_to = target
         # a staged drafter's steps run in one piece when its backend builds their metadata in
@@ -109,7 +110,7 @@ class StepBody:
         if isinstance(drafter, StagedDrafter):
             can = drafter.in_graph
             self.fused_draft = can if fused_draft is None else (fused_draft and can)
-            if not self.fused_draft and use_graphs:
+            if not self.fused_draft and use_graphs and first_body:  # once, not per twin
                 logger.warning(
                     "attention backend %r: the %s drafter's %d step(s) replay one graph each, "
                     "metadata rebuilt eagerly before each (%s)",
