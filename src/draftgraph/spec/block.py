@@ -123,10 +123,10 @@ class BlockHeadDrafter(StagedDrafter):
         logits = head.logits(rows.reshape(bs * k, -1),
                              self.target_model.lm_head_weight).view(bs, k, -1)
         markov = head.markov_in is not None
+        probs, prev = [], ctx.last_tokens
         if ctx.greedy and not markov:  # every draft at once
             self.drafts[:bs].copy_(logits.argmax(dim=-1))
-        probs, prev = [], ctx.last_tokens
-        if not (ctx.greedy and not markov):
+        else:
             for j in range(k):  # left to right: the Markov head reads the draft before
                 lj = logits[:, j] + head.markov(prev) if markov else logits[:, j]
                 tok = lj.argmax(dim=-1)  # [bs] int64
