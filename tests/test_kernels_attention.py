@@ -156,6 +156,59 @@ def test_decode_attention_matches_reference(dtype, window, num_splits):
     torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def decode_rows_of(seq_lens, extend_lens, window, dtype, num_splits, block_n, pad=0):
+    """A verify-like batch through the decode kernel's token rows, and each of its rows
+    computed alone as the decode row at its position (same KV, same request table)."""
+    bs = len(seq_lens)
+    q, k_cache, v_cache, bufs, lists = setup(seq_lens, extend_lens, window, dtype, seed=6)
+    t = q.shape[0]
+    q = torch.cat([q, torch.randn(pad, HQ, D, device=DEVICE).to(dtype)])  # padding rows
+    out = torch.full_like(q, float("nan"))
+    scratch = decode_scratch(t + pad, num_splits)
+    for _ in range(2):  # a replay reuses the scratch: the counters come back to zero
+        attn.decode_attention(q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices,
+                              lists.kv_start, bufs.positions, lists.window, SCALE, out,
+                              **scratch, num_splits=num_splits,
+                              config=attn.DecodeConfig(block_n),
+                              token_rows=(bufs.token_req, bufs.qo_indptr, bs))
+        assert (scratch["kv_counters"] == 0).all()
+    # the decode rows: request r at position p is a decode batch row with seq_len p + 1
+    pos = bufs.positions[:t].tolist()
+    req = bufs.token_req[:t].tolist()
+    meta = MetadataBuffers(t, t, 4096, window, DEVICE)
+    req_to_token = torch.zeros(bs, 200, dtype=torch.int64, device=DEVICE)  # from the lists
+    for r in range(bs):
+        lo, hi = lists.kv_indptr[r].item(), lists.kv_indptr[r + 1].item()
+        first = lists.kv_start[r].item()
+        req_to_token[r, first : first + hi - lo] = lists.kv_indices[lo:hi]
+    build_metadata(torch.tensor(req, device=DEVICE), torch.tensor(pos, device=DEVICE) + 1,
+                   torch.ones(t, dtype=torch.int64, device=DEVICE),
+                   torch.stack([req_to_token[r, p] for r, p in zip(req, pos, strict=True)]),
+                   req_to_token, meta)
+    dl = meta.lists["sliding" if window else "full"]
+    alone = torch.full_like(q[:t], float("nan"))
+    attn.decode_attention(q[:t], k_cache, v_cache, dl.kv_indptr, dl.kv_indices, dl.kv_start,
+                          meta.positions, dl.window, SCALE, alone, **decode_scratch(t, num_splits),
+                          num_splits=num_splits, config=attn.DecodeConfig(block_n))
+    return q, out, alone, reference(q[:t], k_cache, v_cache, bufs, lists, bs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_verify_rows_through_the_decode_kernel_are_its_decode_rows(dtype, window, num_splits):
+    # verify chunks of 5, 1 and 3 tokens and two padding rows past the live tokens; the last
+    # chunk's rows (positions 63..65) own 64..66 keys, so their decode rows split at 16 or 32
+    # keys (4 splits): a row that took its request's whole list would split differently
+    out_q, out, alone, expect = decode_rows_of([9, 150, 66], [5, 1, 3], window, dtype,
+                                               num_splits, 16, pad=2)
+    t = expect.shape[0]
+    torch.testing.assert_close(out[:t].float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # bitwise the decode rows (on a GPU this is the claim: the same splits, tiles and order)
+    assert torch.equal(out[:t], alone)
+    assert out[t:].isnan().all(), "padding rows are left unwritten"
+
+
 def test_decode_attention_mixed_rows_and_empty_list():
     # hand-made lists: row 0 sees three keys (shorter than one split's chunk), row 1 sees
     # nothing (count 0: zeros), row 2 sees 100 keys spread over all four splits

@@ -5,7 +5,8 @@ grids from static sizes); draft_step_update (a draft chain's next-step metadata 
 inside the graph from the advanced raw inputs); fused_kv_store.
 
 `forward` stores the new K/V, then runs the phase's kernel (`kernels`): split-KV decode
-attention for DECODE and DRAFT_CHAIN, the variable-length extend kernel for EXTEND and VERIFY,
+attention for DECODE, DRAFT_CHAIN and VERIFY (one row per query token, each computed as the
+decode row at its position), the variable-length extend kernel for EXTEND,
 and the same kernel non-causally over the block's lists for DRAFT_BLOCK (its metadata: the
 positions and one count/scan/compact of the block's lists, in the graph). Nothing is read
 back to the host, so a whole forward can be captured in a CUDA graph.
@@ -37,7 +38,9 @@ class TritonBackend(AttentionBackend):
     draft_step_update = True
     fused_kv_store = True
     kernels = {Phase.DECODE: "decode", Phase.DRAFT_CHAIN: "decode", Phase.EXTEND: "extend",
-               Phase.VERIFY: "extend", Phase.DRAFT_BLOCK: "extend"}
+               Phase.VERIFY: "decode", Phase.DRAFT_BLOCK: "extend"}
+    # query rows a verify request brings at most (the last token and up to 16 drafts)
+    MAX_VERIFY_ROWS = 17
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class TritonBackend(AttentionBackend):
         max_bs: int = 256,
         num_q_heads: int | None = None,
         max_kv_splits: int = 32,
+        max_num_tokens: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(kv_pool, req_to_token, sliding_window, scale)
@@ -56,6 +60,7 @@ class TritonBackend(AttentionBackend):
         self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
         self.max_bs = max_bs
         self.max_kv_splits = max_kv_splits
+        self.max_num_tokens = max_num_tokens
         self.device = torch.device(device) if device is not None else k0.device
         self.num_q_heads = num_q_heads
         self.mid_o: torch.Tensor | None = None
@@ -68,15 +73,17 @@ class TritonBackend(AttentionBackend):
         # split-KV partials of decode attention (normalised acc and log2-sum-exp per split),
         # flat: each batch size views [bs, Hq, its splits, D] from the front
         self.num_q_heads = num_q_heads
+        rpr, cap = self.MAX_VERIFY_ROWS, self.max_num_tokens
         rows = attn_kernels.decode_scratch_rows(self.max_bs, num_q_heads, self.num_kv_heads,
-                                                self.head_dim, self.max_kv_splits)
+                                                self.head_dim, self.max_kv_splits, rpr, cap)
+        max_rows = min(self.max_bs * rpr, cap or self.max_bs * rpr)
         self.mid_o = torch.empty(rows * num_q_heads * self.head_dim, dtype=torch.float32,
                                  device=self.device)  # [bs * S * Hq * D]
         self.mid_lse = torch.empty(rows * num_q_heads, dtype=torch.float32,
                                    device=self.device)  # [bs * S * Hq]
         # split programs that have finished, per (row, KV head); zero between launches
-        self.kv_counters = torch.zeros(self.max_bs * self.num_kv_heads, dtype=torch.int32,
-                                       device=self.device)  # [max_bs * Hkv] int32
+        self.kv_counters = torch.zeros(max_rows * self.num_kv_heads, dtype=torch.int32,
+                                       device=self.device)  # [max rows * Hkv] int32
 
     def build_metadata(self, fb: ForwardBatch) -> None:
         meta_kernels.build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
@@ -110,7 +117,9 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         if self.kernel_for(fb.phase) == "decode":
-            bs = fb.bs
+            # the plan is the request batch's: a verify row takes the splits and tiles a
+            # decode row of the same batch size takes, so it is computed as that row
+            bs, rows = fb.bs, q.shape[0]
             if self.mid_o is None:
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("TritonBackend: pass num_q_heads= (or run one eager "
@@ -119,19 +128,25 @@ class TritonBackend(AttentionBackend):
             hq = q.shape[1]
             num_splits, cfg = attn_kernels.decode_plan(bs, hq, self.num_kv_heads,
                                                        self.head_dim, self.max_kv_splits)
-            if bs > self.max_bs or bs * num_splits * hq > self.mid_lse.numel():
+            if (bs > self.max_bs or rows * num_splits * hq > self.mid_lse.numel()
+                    or rows * self.num_kv_heads > self.kv_counters.numel()):
                 raise ValueError(
-                    f"decode batch of {bs} rows x {hq} query heads does not fit the "
-                    f"backend's scratch ({self.max_bs} x {self.num_q_heads}); build "
-                    f"TritonBackend with max_bs= and num_q_heads= large enough"
+                    f"decode batch of {rows} rows ({bs} requests) x {hq} query heads does not "
+                    f"fit the backend's scratch ({self.max_bs} requests x {self.num_q_heads}); "
+                    f"build TritonBackend with max_bs=, num_q_heads= and max_num_tokens= "
+                    f"large enough"
                 )
-            n = bs * hq * num_splits
+            n = rows * hq * num_splits
+            token_rows = ((fb.meta.token_req, fb.meta.qo_indptr, bs)
+                          if fb.phase is Phase.VERIFY else None)
             attn_kernels.decode_attention(
                 q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start,
                 fb.positions, lists.window, self.scale, out,
-                mid_o=self.mid_o[: n * self.head_dim].view(bs, hq, num_splits, self.head_dim),
-                mid_lse=self.mid_lse[:n].view(bs, hq, num_splits),
+                mid_o=self.mid_o[: n * self.head_dim].view(rows, hq, num_splits,
+                                                           self.head_dim),
+                mid_lse=self.mid_lse[:n].view(rows, hq, num_splits),
                 kv_counters=self.kv_counters, num_splits=num_splits, config=cfg,
+                token_rows=token_rows,
             )
         else:
             attn_kernels.extend_attention(

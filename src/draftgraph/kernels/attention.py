@@ -8,15 +8,19 @@ Both kernels are GQA-aware: a program owns one KV head and all the query heads o
 so each K/V tile is read once per KV head. Grids come from static sizes only (batch size,
 number of query tokens), loops from runtime lengths, so both are CUDA-graph capturable.
 
-- `decode_attention`: one query per request, split-KV (flash-decoding), one launch. Grid
-  (bs, num_kv_heads, num_splits): each program writes its partial (acc / sum, log2-sum-exp)
+- `decode_attention`: one query per row, split-KV (flash-decoding), one launch. A row is a
+  request (decode, a draft chain step) or a query token of a multi-token request (verify:
+  its part of the request's list, the keys a decode row at its position would own, so a
+  verify row is computed exactly as that decode row). Grid
+  (rows, num_kv_heads, num_splits): each program writes its partial (acc / sum, log2-sum-exp)
   into caller-owned scratch, then bumps a per-(row, KV head) counter; the last of the
   num_splits programs to arrive combines all partials and writes the output, then resets the
   counter to 0 for the next launch (graph replay). This saves a second (reduce) launch and
   its gap in the graph: 1.4-1.8 us + 0.5-0.7 us per layer on an H200 at batch 1, against
   3-7 us for the split kernel. No program waits on another, so any order or concurrency of
   the programs is correct. num_splits == 1 writes the output directly (no scratch, no counter).
-- `extend_attention`: variable query lengths (qo_indptr): prefill, chunked prefill, verify.
+- `extend_attention`: variable query lengths (qo_indptr): prefill, chunked prefill, a draft
+  block.
   A tile holds TOKENS_PER_TILE query tokens x GROUP heads as its rows. Grid
   (cdiv(T, TOKENS_PER_TILE) + bs, num_kv_heads) bounds the number of tiles; each program finds
   its (request, tile) from qo_indptr and exits when it has none. The KV loop is clipped to the
@@ -114,19 +118,37 @@ def _combine_splits(
 @triton.jit
 def _decode_split_kernel(
     q, k_cache, v_cache, o, kv_indptr, kv_indices, kv_start, positions, mid_o, mid_lse,
-    kv_counters, sm_scale_log2, window,
+    kv_counters, token_req, qo_indptr, num_reqs, sm_scale_log2, window,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MIN_TILES: tl.constexpr,
+    MIN_TILES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):
+    # TOKEN_ROWS: a program row is a query token of a multi-token request (verify), which
+    # attends over the part of its request's list that a decode row at its position would
+    # own (the same list, splits and tiles: the decode row's arithmetic)
     r = tl.program_id(0).to(tl.int64)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
-    row0 = tl.load(kv_indptr + r)
-    kv_len = tl.load(kv_indptr + r + 1) - row0
+    if TOKEN_ROWS:
+        if r >= tl.load(qo_indptr + num_reqs):
+            return  # padding past the live tokens
+        req = tl.load(token_req + r)
+    else:
+        req = r
+    row0 = tl.load(kv_indptr + req)
+    kv_len = tl.load(kv_indptr + req + 1) - row0
+    kv_first = tl.load(kv_start + req)
+    if TOKEN_ROWS:
+        pos = tl.load(positions + r)
+        first = kv_first
+        if SLIDING:
+            first = tl.maximum(kv_first, pos - window + 1)
+        row0 += first - kv_first
+        kv_len = tl.minimum(kv_len - (first - kv_first), pos + 1 - first)
+        kv_first = first
     # each split takes a BLOCK_N-aligned chunk of at least MIN_TILES tiles; short rows leave
     # the later splits empty (they only report an empty partial)
     split_len = (kv_len + NUM_SPLITS * BLOCK_N - 1) // (NUM_SPLITS * BLOCK_N) * BLOCK_N
@@ -143,7 +165,6 @@ def _decode_split_kernel(
                      mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     q_tile = q_tile.to(k_cache.dtype.element_ty)  # [BLOCK_H, BLOCK_D]
     qpos = tl.zeros([BLOCK_H], dtype=tl.int64) + tl.load(positions + r)
-    kv_first = tl.load(kv_start + r)
 
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + -1.0e30
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -319,9 +340,14 @@ def decode_plan(bs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
 
 
 def decode_scratch_rows(max_bs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                        max_splits: int) -> int:
-    """The most (row, split) partials any decode batch of <= max_bs rows needs."""
-    return max(bs * decode_plan(bs, num_q_heads, num_kv_heads, head_dim, max_splits)[0]
+                        max_splits: int, rows_per_request: int = 1,
+                        max_rows: int | None = None) -> int:
+    """The most (row, split) partials any decode batch of <= max_bs requests needs, each of up
+    to `rows_per_request` query rows (verify) and at most `max_rows` rows in all."""
+    def rows(bs: int) -> int:
+        return min(bs * rows_per_request, max_rows or bs * rows_per_request)
+
+    return max(rows(bs) * decode_plan(bs, num_q_heads, num_kv_heads, head_dim, max_splits)[0]
                for bs in range(1, max_bs + 1))
 
 
@@ -342,9 +368,16 @@ def decode_attention(
     kv_counters: torch.Tensor | None = None,
     num_splits: int = 1,
     config: DecodeConfig | None = None,
+    token_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """One query per request. q, out [bs, Hq, D]; positions [bs] (the query positions).
     `config` sets the tile (keys per step), the fewest tiles a split takes, warps and stages.
+
+    token_rows = (token_req, qo_indptr, num_reqs): the rows are the query tokens of
+    multi-token requests (q, out [T, Hq, D], positions [T]; the lists are per request, as for
+    `extend_attention`), each computed exactly as a decode row at its position would be: over
+    its request's keys up to its position (within its window), in the same splits and tiles.
+    Rows at or past qo_indptr[num_reqs] are padding and left unwritten.
 
     With num_splits > 1 (a power of two), mid_o [>= bs, Hq, >= num_splits, D] fp32,
     mid_lse [>= bs, Hq, >= num_splits] fp32 and kv_counters [>= bs * Hkv] int32 are
@@ -371,7 +404,7 @@ def decode_attention(
         mo_strides, ml_strides = (0, 0, 0), (0, 0)
     _decode_split_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, kv_indptr, kv_indices, kv_start, positions, mid_o, mid_lse,
-        kv_counters, scale * _LOG2E, window or 0,
+        kv_counters, *(token_rows or (positions, positions, 0)), scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         *mo_strides, *ml_strides,
@@ -379,6 +412,7 @@ def decode_attention(
         BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_N=cfg.block_n,
         BLOCK_D=next_pow2(head_dim), SLIDING=window is not None,
         DOT_PRECISION=_precision(q.dtype), MIN_TILES=cfg.min_tiles,
+        TOKEN_ROWS=token_rows is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -29,8 +29,10 @@ SCORE_ROWS = 256  # prompt rows scored per LM-head pass (forward_scoring)
 
 
 def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_cfg,
-                 max_bs: int, device: torch.device, num_q_heads: int | None = None):
-    """`num_q_heads`: the query heads this rank attends over (default: all of the model's)."""
+                 max_bs: int, device: torch.device, num_q_heads: int | None = None,
+                 max_num_tokens: int | None = None):
+    """`num_q_heads`: the query heads this rank attends over (default: all of the model's);
+    `max_num_tokens`: the most tokens of one forward (bounds the verify rows' scratch)."""
     scale = model_cfg.head_dim ** -0.5
     if name == "torch":
         return TorchBackend(kv_pool, req_to_token, model_cfg.sliding_window, scale)
@@ -40,7 +42,7 @@ def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_c
         return TritonBackend(kv_pool, req_to_token, model_cfg.sliding_window, scale,
                              max_bs=max_bs,
                              num_q_heads=num_q_heads or model_cfg.num_attention_heads,
-                             device=device)
+                             max_num_tokens=max_num_tokens, device=device)
     raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
 
 
@@ -68,7 +70,8 @@ class ModelExecutor:
         self.meta = MetadataBuffers(max_bs, max_num_tokens, kv_capacity, cfg.sliding_window,
                                     device)
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
-                                    max_bs, device, num_q_heads=model.num_local_heads)
+                                    max_bs, device, num_q_heads=model.num_local_heads,
+                                    max_num_tokens=max_num_tokens)
         self.tp_driver = None  # rank 0 of a TP group: sends each step to ranks > 0
         self.capture: HiddenCapture | None = None  # hidden states a drafter reads
         self.controls: ControlTables | None = None  # sampling controls' per-request tables
