@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--exact-rows", default="off", choices=["auto", "on", "off"],
+                    help="every multi-row step's rows computed as lone decode rows")
     ap.add_argument("--speculative", default="ngram",
                     choices=["ngram", "chain", "draft", "block"])
     ap.add_argument("--draft-head", default=[None], nargs="+",
@@ -80,7 +82,7 @@ def main() -> int:
 
     def engine(spec: SpecConfig) -> LLMEngine:
         return LLMEngine(EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype,
+            model=args.model, device=args.device, dtype=args.dtype, exact_rows=args.exact_rows,
             cache=CacheConfig(kv_cache_tokens=args.batch * (1024 + args.max_tokens)),
             scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=1024),
             spec=spec))

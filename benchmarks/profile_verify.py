@@ -6,7 +6,7 @@ repeat a motif), batch 1, 512-token context, random weights.
     python benchmarks/profile_verify.py --target random:llama-3.1-8b --out r.json
 
 Per arm: wall ms per step, the GPU kernel time per step and the kernels that take it, largest
-first, with each kernel's count per step.
+first, with each kernel's count per step; and the host ops by self CPU time per step.
 """
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ def profile_arm(engine: LLMEngine, ctx: int, steps: int, bs: int, top: int) -> d
         engine.step()
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) / steps * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    host = sorted(({"op": e.key[:100], "per_step": e.count / steps,
+                    "self_cpu_us_per_step": e.self_cpu_time_total / steps}
+                   for e in prof.key_averages()), key=lambda r: -r["self_cpu_us_per_step"])
     rows: dict[str, list] = {}
     for e in prof.events():
         if e.device_type.name != "CUDA" or e.name.startswith(("Memcpy", "Memset")):
@@ -59,7 +62,8 @@ def profile_arm(engine: LLMEngine, ctx: int, steps: int, bs: int, top: int) -> d
         engine.abort(rid)
     engine.step()
     return {"ms_per_step": ms, "gpu_us_per_step": sum(r["us_per_step"] for r in table),
-            "kernels_per_step": sum(r["per_step"] for r in table), "top": table[:top]}
+            "kernels_per_step": sum(r["per_step"] for r in table), "top": table[:top],
+            "host_top": host[:top]}
 
 
 def main() -> int:
@@ -92,6 +96,9 @@ def main() -> int:
               f"{r['gpu_us_per_step']:.0f} us in {r['kernels_per_step']:.0f} kernels")
         for row in r["top"]:
             print(f"  {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['kernel']}")
+        print("  host, self CPU time per step:")
+        for row in r["host_top"]:
+            print(f"  {row['self_cpu_us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['op']}")
         del e
         torch.cuda.empty_cache()
     with open(a.out, "w") as f:

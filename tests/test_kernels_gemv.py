@@ -23,8 +23,9 @@ DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 # N = 50 and K = 80 are not powers of two: column tail (N % 16) and K tail (K % 32) both masked
 N, K = 50, 80
-SMALL = {  # block_m per row count, block_n 16, block_k 32: several K steps, a K and an N tail
-    m: G.GemvConfig(G.m_bucket(m), 16, 32) for m in (1, 2, 3, 8)
+SMALL = {  # single-row tiles (block_n 16, block_k 32: several K steps, a K and an N tail),
+    # every row in its own accumulator: the path the dispatch takes at every M
+    m: G.GemvConfig(1, 16, 32) for m in (1, 2, 3, 8)
 }
 
 
@@ -199,10 +200,54 @@ def test_default_config_fits_the_kernel(n, k, m):
 
 
 def test_tuned_table_overrides_the_heuristic(monkeypatch):
-    tuned = G.GemvConfig(4, 2, 64, 1, 1, False)
-    monkeypatch.setitem(G.TUNED, ("silu", 576, 1536, 4), tuned)
-    assert G._config(G._SILU, 3, 576, 1536, torch.bfloat16) == tuned  # M = 3 -> bucket 4
-    assert G._config(G._PLAIN, 3, 576, 1536, torch.bfloat16) != tuned  # other mode: heuristic
+    tuned = G.GemvConfig(1, 2, 64, 1, 1, False)
+    monkeypatch.setitem(G.TUNED, ("silu", 576, 1536, 1), tuned)
+    assert G._config(G._SILU, 576, 1536, torch.bfloat16) == tuned  # every M: the M = 1 entry
+    assert G._config(G._PLAIN, 576, 1536, torch.bfloat16) != tuned  # other mode: heuristic
+
+
+@pytest.mark.parametrize("mode", ["plain", "norm", "silu"])
+@pytest.mark.parametrize("m", [2, 5, 9])
+def test_every_row_is_computed_as_it_would_be_alone(mode, m):
+    # fp16, a K tail, single-row tiles: 4 registers per row, so 4 rows per program under the
+    # default budget (5 rows in two row blocks, 9 in three). Each row of the batch equals that
+    # row alone, bit for bit (on a GPU the claim that makes a verify row a decode row; on CPU
+    # the interpreter's arithmetic)
+    dtype, cfg = torch.float16, G.GemvConfig(1, 16, 32)
+    assert G.rows_per_program(cfg, m) == min(m, 4)
+    assert G.rows_per_program(cfg, m, budget=128) == min(m, 8)
+    x = randn(m, 2 * K if mode == "silu" else K, dtype=dtype)
+    w, norm_w = weight(dtype=dtype), randn(K, seed=4) * 0.2 + 1
+    residual = randn(m, K if mode == "norm" else N, dtype=dtype, seed=3)
+
+    def run(rows):
+        if mode == "plain":
+            return G.gemv_triton(x[rows], w, None, residual[rows], config=cfg)
+        if mode == "silu":
+            return G.silu_mul_gemv_triton(x[rows], w, residual[rows], config=cfg)
+        y, res = G.rmsnorm_gemv_triton(x[rows], norm_w, 1e-6, w, None, residual[rows],
+                                       config=cfg)
+        return torch.cat([y, res], dim=-1)
+
+    together = run(slice(None))
+    for i in range(m):
+        assert torch.equal(together[i], run(slice(i, i + 1))[0]), f"row {i}"
+    ref = {"plain": lambda: G.gemv_ref(x, w, residual=residual),
+           "silu": lambda: G.silu_mul_gemv_ref(x, w, residual),
+           "norm": lambda: torch.cat(G.rmsnorm_gemv_ref(x, norm_w, 1e-6, w, None, residual),
+                                     dim=-1)}[mode]()
+    close(together, ref, dtype)
+
+
+def test_exact_rows_are_marked_per_model_and_on_for_small_models():
+    small = torch.nn.Linear(64, 32)
+    big = torch.nn.Linear(32768, 16384, device="meta")  # 2 GiB of fp32 weights
+    assert G.wants_exact_rows(small) and not G.wants_exact_rows(big)
+    G.mark_exact_rows(small)
+    assert getattr(small.weight, G.EXACT_ROWS_ATTR) == G.EXACT_ROWS_MAX_M
+    assert not G.pays(2, small.weight)  # a CPU weight never takes the kernels
+    G.mark_exact_rows(small, 0)
+    assert getattr(small.weight, G.EXACT_ROWS_ATTR) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -237,3 +282,44 @@ def test_rmsnorm_qkv_rope_equals_norm_linear_rope_and_kv_store(dtype, with_bias,
     plain, _ = G.rmsnorm_gemv_ref(x, norm_w, 1e-6, w, bias, residual)
     assert not torch.allclose(y[:, : hq * hd].float(), plain[:, : hq * hd].float(), atol=1e-2)
     close(y[:, -hkv * hd:], plain[:, -hkv * hd:], dtype)  # v passes through
+
+
+def test_rmsnorm_qkv_rope_of_several_tokens_is_each_token_alone():
+    # 5 verify tokens at their own positions and slots; each token's q, k, v and residual
+    # equal the same kernel run on that token alone, bit for bit, and the twin's values
+    hq, hkv, hd, k, t, dtype = 3, 1, 16, 40, 5, torch.float16
+    n = (hq + 2 * hkv) * hd
+    x, residual = randn(t, k, dtype=dtype), randn(t, k, dtype=dtype, seed=3)
+    norm_w, w = randn(k, dtype=dtype, seed=4) + 1.0, weight(n, k, dtype=dtype)
+    theta = 1.0 / (10000 ** (torch.arange(0, hd, 2).double() / hd))
+    ang = torch.outer(torch.arange(64).double(), theta)
+    cos_sin = torch.cat((ang.cos(), ang.sin()), -1).float().to(DEVICE)
+    positions = torch.arange(30, 30 + t, device=DEVICE)
+    loc = torch.tensor([7, 2, 9, 4, 11], device=DEVICE)
+    cfg = G.GemvConfig(1, 32, 32)
+
+    def run(rows, caches):
+        return G.rmsnorm_qkv_rope_triton(x[rows], norm_w, 1e-6, w, None, residual[rows],
+                                         positions[rows], cos_sin, *caches, loc[rows], hq, hkv,
+                                         config=cfg)
+
+    together = [torch.zeros(16, hkv, hd, dtype=dtype, device=DEVICE) for _ in range(2)]
+    y, res = run(slice(None), together)
+    alone = [torch.zeros(16, hkv, hd, dtype=dtype, device=DEVICE) for _ in range(2)]
+    for i in range(t):
+        yi, ri = run(slice(i, i + 1), alone)
+        assert torch.equal(y[i], yi[0]) and torch.equal(res[i], ri[0]), f"token {i}"
+    assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
+    ref = [torch.zeros(16, hkv, hd, dtype=dtype, device=DEVICE) for _ in range(2)]
+    y_ref, _ = G.rmsnorm_qkv_rope_ref(x, norm_w, 1e-6, w, None, residual, positions, cos_sin,
+                                      *ref, loc, hq, hkv)
+    close(y, y_ref, dtype)
+    close(together[0], ref[0], dtype)
+
+
+def test_exact_rows_setting_is_checked():
+    from draftgraph.config import EngineConfig
+
+    assert EngineConfig(device="cpu").exact_rows == "off"
+    with pytest.raises(ValueError, match="--exact-rows must be auto, on or off"):
+        EngineConfig(device="cpu", exact_rows="maybe")

@@ -96,6 +96,10 @@ class EngineConfig:
     # launch decode step N + 1 before reading step N's tokens (graphs, no speculation)
     async_scheduling: bool = True
     attention_backend: str | None = None  # None: triton on GPU, torch on CPU
+    # "on": every row of a multi-row step (verify rows, small batches) computed exactly as a
+    # decode row, so bf16 speculation equals plain decoding at batch 1, at a cost per step;
+    # "auto": on for models of at most 1 GiB of weights
+    exact_rows: str = "off"
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -113,6 +117,8 @@ class EngineConfig:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         _need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, "
               f"got {self.dtype!r}")
+        _need(self.exact_rows in ("auto", "on", "off"),
+              f"--exact-rows must be auto, on or off, got {self.exact_rows!r}")
         _need(self.attention_backend in (None, "torch", "triton"),
               f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
         tp = self.tensor_parallel_size

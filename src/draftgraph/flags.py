@@ -113,6 +113,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly instead of replaying CUDA graphs (GPU only)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next")
+    e.add_argument("--exact-rows", choices=["auto", "on", "off"], default="off",
+                   help="compute every row of a multi-row step (verify rows, batches of up to "
+                        "16 rows) exactly as a lone decode row, so bf16 speculation equals "
+                        "plain decoding at batch 1; costs time per step (auto: on for models "
+                        "of at most 1 GiB of weights)")
     e.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="attention kernels (default: triton on GPU, torch on CPU)")
     e.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
@@ -184,6 +189,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         use_graphs=not args.no_graphs,
         async_scheduling=not args.no_async_scheduling,
         attention_backend=args.attention_backend,
+        exact_rows=args.exact_rows,
         seed=args.engine_seed,
         tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens),

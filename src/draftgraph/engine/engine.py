@@ -80,7 +80,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, device=self.device, dtype=config.torch_dtype,
             backend=backend, extra_tokens_per_req=k,
             extra_kv_bytes_per_token=(self.drafter.kv_bytes_per_token(config.torch_dtype)
-                                      if self.drafter is not None else 0))
+                                      if self.drafter is not None else 0),
+            exact_rows=config.exact_rows)
         self.spec_k = k
         self.scheduler = Scheduler(sched_cfg, self.slots.allocator, self.slots.req_pool)
         self.requests: dict[str, Request] = {}

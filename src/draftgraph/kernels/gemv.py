@@ -104,20 +104,48 @@ def default_config(mode: str, m: int, n: int, k: int, dtype: torch.dtype) -> Gem
     return GemvConfig(bm, bn, bk, warps, 1, False)
 
 
-def _config(mode: int, m: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
+def _config(mode: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
+    """The single-row config of a shape: every M the dispatch fuses runs it, `ROWS` rows per
+    program, so a row's arithmetic is the same at every M."""
     name = _MODE_NAMES[mode]
-    return TUNED.get((name, n, k, m_bucket(m))) or default_config(name, m, n, k, dtype)
+    return TUNED.get((name, n, k, 1)) or default_config(name, 1, n, k, dtype)
 
 
 def pays(m: int, weight: torch.Tensor) -> bool:
-    """Whether the fused kernel beats norm/activation + cuBLAS for this shape (measured: for
-    every weight at M <= GEMV_MAX_M)."""
-    return use_gemv(m, weight.device)
+    """Whether rows [m, K] times `weight` take the fused kernels: on CUDA, m <= GEMV_MAX_M
+    (measured to beat norm/activation + cuBLAS for every weight), or m <= the weight's
+    exact-rows bound (`mark_exact_rows`)."""
+    return weight.is_cuda and 0 < m <= max(GEMV_MAX_M, getattr(weight, EXACT_ROWS_ATTR, 0))
 
 
 def use_gemv(m: int, device: torch.device | str) -> bool:
-    """Whether rows [m, K] should take the fused small-M kernels: on CUDA, m <= GEMV_MAX_M."""
+    """Whether rows [m, K] take the fused small-M kernels on this device for any weight: on
+    CUDA, m <= GEMV_MAX_M."""
     return torch.device(device).type == "cuda" and 0 < m <= GEMV_MAX_M
+
+
+# Exact rows (`--exact-rows on`): multi-row steps of up to EXACT_ROWS_MAX_M rows (verify rows,
+# small decode batches) go through the fused kernels too, each row computed exactly as a lone
+# row, so a verify row is bitwise the decode row at its position. It costs time: the per-row
+# FMA accumulators are issue-bound beyond a row or two (smollm2-135m on the H200: n-gram k = 4
+# step 1.574 vs 1.392 ms at batch 1, decode at batch 8 1.646 vs 0.982 ms), hence off by
+# default; "auto" turns it on for models of at most EXACT_ROWS_MAX_BYTES of weights.
+EXACT_ROWS_ATTR = "_draftgraph_exact_rows"
+EXACT_ROWS_MAX_M = 16
+EXACT_ROWS_MAX_BYTES = 1 << 30
+
+
+def mark_exact_rows(module: torch.nn.Module, max_m: int = EXACT_ROWS_MAX_M) -> None:
+    """Every weight of `module` takes the fused kernels for up to max_m rows (0: back to
+    GEMV_MAX_M): a verify row is then bitwise the decode row at its position (with the
+    decode-kernel attention of verify rows)."""
+    for p in module.parameters():
+        setattr(p, EXACT_ROWS_ATTR, max_m)
+
+
+def wants_exact_rows(module: torch.nn.Module) -> bool:
+    """"auto": exact rows for a model whose weights are at most EXACT_ROWS_MAX_BYTES."""
+    return sum(p.numel() * p.element_size() for p in module.parameters()) <= EXACT_ROWS_MAX_BYTES
 
 
 # ---- kernel ------------------------------------------------------------------------------
@@ -161,6 +189,24 @@ def _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k, rstd, 
 
 
 @triton.jit
+def _row_act(x, res_in, res_out, norm_w, rm, rk, mask_k, rstd, K, stride_xm, stride_rim,
+             act_dtype: tl.constexpr, MODE: tl.constexpr, HAS_RES_IN: tl.constexpr):
+    # the activation tile [1, BLOCK_K] of row rm ([1] int32) that feeds the matmul
+    x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
+    mask_x = (rm >= 0)[:, None] & mask_k[None, :]
+    if MODE == 2:
+        g = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * u).to(act_dtype)
+    elif MODE == 1:
+        a = _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k, rstd,
+                         stride_rim, act_dtype, HAS_RES_IN)
+    else:
+        a = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0)
+    return a
+
+
+@triton.jit
 def _gemv_kernel(
     x, res_in, norm_w, w, bias, res_add, y, res_out,
     M, N, K, eps,
@@ -168,89 +214,125 @@ def _gemv_kernel(
     MODE: tl.constexpr, HAS_RES_IN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES_ADD: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     # MODE 0: a = x. MODE 1: h = x (+ res_in), a = rmsnorm(h) * norm_w, program 0 of each row
     # block writes h to res_out. MODE 2: x = [gate | up] of width 2K, a = silu(gate) * up.
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # BLOCK_M == 1: the program owns ROWS rows, each accumulated lane-wise in its own
+    # [BLOCK_N, BLOCK_K] tile and reduced once after the loop: exactly the arithmetic of a
+    # lone row, so a row's result does not depend on M or on the other rows.
+    # Row blocks are the fastest grid axis: the programs that share a weight tile run
+    # together, and all but the first read it from L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rm < M
     # NOTE: tail columns re-read row N - 1 (stores are masked), so weight loads need no N mask
     rn_w = tl.minimum(rn, N - 1).to(tl.int64)
-    x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w + rn_w[:, None] * stride_wn
     act_dtype = w.dtype.element_ty
-
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if MODE == 1:
-        rstd = _rms_prologue(x_rows, res_in, res_out, rm, mask_m, pid_n, K, eps, stride_rim,
-                             stride_rom, HAS_RES_IN, BLOCK_M, NORM_BLOCK)
-
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    elif BLOCK_M == 1:  # one row: accumulate lane-wise, reduce once after the loop
-        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mask_k = rk < K
-        mask_x = mask_m[:, None] & mask_k[None, :]
-        # activation tile [BLOCK_M, BLOCK_K], rounded to the model dtype
-        if MODE == 2:
-            g = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g)) * u).to(act_dtype)
-        else:
+    mask_n = rn < N
+    if BLOCK_M == 1:
+        rms = ()
+        rstds = ()
+        accs = ()
+        for i in tl.static_range(ROWS):
+            # rows past M read row M - 1 again (their stores are masked)
+            rm = tl.minimum(pid_m * ROWS + i, M - 1) + tl.zeros([1], dtype=tl.int32)
+            rstd = tl.zeros([1], dtype=tl.float32)
             if MODE == 1:
-                a = _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k, rstd,
-                                 stride_rim, act_dtype, HAS_RES_IN)
+                live = (pid_m * ROWS + i + tl.zeros([1], dtype=tl.int32)) < M
+                rstd = _rms_prologue(x + rm.to(tl.int64)[:, None] * stride_xm, res_in, res_out,
+                                     rm, live, pid_n, K, eps, stride_rim, stride_rom,
+                                     HAS_RES_IN, 1, NORM_BLOCK)
+            rms = rms + (rm,)
+            rstds = rstds + (rstd,)
+            accs = accs + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mask_k = rk < K
+            # weight tile [BLOCK_N, BLOCK_K]: streamed once, used by every row
+            if EVEN_K:
+                wt = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
+            else:
+                wt = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
+                             eviction_policy="evict_first")
+            new = ()
+            for i in tl.static_range(ROWS):
+                a = _row_act(x, res_in, res_out, norm_w, rms[i], rk, mask_k, rstds[i], K,
+                             stride_xm, stride_rim, act_dtype, MODE, HAS_RES_IN)
+                new = new + (accs[i] + a.to(tl.float32) * wt.to(tl.float32),)  # [1,BK]*[BN,BK]
+            accs = new
+        for i in tl.static_range(ROWS):
+            acc = tl.sum(accs[i], axis=1)  # [BLOCK_N]
+            row = pid_m * ROWS + i
+            mask_y = mask_n & ((row + tl.zeros([BLOCK_N], dtype=tl.int32)) < M)
+            if HAS_BIAS:
+                acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)
+            if HAS_RES_ADD:
+                acc += tl.load(res_add + row.to(tl.int64) * stride_ram + rn, mask=mask_y,
+                               other=0.0).to(tl.float32)
+            tl.store(y + row.to(tl.int64) * stride_ym + rn, acc.to(y.dtype.element_ty),
+                     mask=mask_y)
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = rm < M
+        x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if MODE == 1:
+            rstd = _rms_prologue(x_rows, res_in, res_out, rm, mask_m, pid_n, K, eps,
+                                 stride_rim, stride_rom, HAS_RES_IN, BLOCK_M, NORM_BLOCK)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mask_k = rk < K
+            mask_x = mask_m[:, None] & mask_k[None, :]
+            # activation tile [BLOCK_M, BLOCK_K], rounded to the model dtype
+            if MODE == 2:
+                g = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+                u = tl.load(x_rows + K + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g)) * u).to(act_dtype)
+            elif MODE == 1:
+                a = _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k,
+                                 rstd, stride_rim, act_dtype, HAS_RES_IN)
             else:
                 a = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0)
-        # weight tile [BLOCK_N, BLOCK_K]: streamed once, never reused by this program
-        if EVEN_K:
-            wt = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
-        else:
-            wt = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
-                         eviction_policy="evict_first")
-        if USE_DOT:
-            acc += tl.dot(a.to(act_dtype), tl.trans(wt))
-        elif BLOCK_M == 1:
-            acc3 += a.to(tl.float32) * wt.to(tl.float32)  # [1, BK] * [BN, BK]
-        else:
-            prod = a.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
-    if not USE_DOT:
-        if BLOCK_M == 1:
-            acc = tl.sum(acc3, axis=1)[None, :]
-
-    mask_n = rn < N
-    mask_y = mask_m[:, None] & mask_n[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES_ADD:
-        acc += tl.load(res_add + rm.to(tl.int64)[:, None] * stride_ram + rn[None, :],
-                       mask=mask_y, other=0.0).to(tl.float32)
-    tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-             acc.to(y.dtype.element_ty), mask=mask_y)
+            if EVEN_K:
+                wt = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
+            else:
+                wt = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
+                             eviction_policy="evict_first")
+            if USE_DOT:
+                acc += tl.dot(a.to(act_dtype), tl.trans(wt))
+            else:
+                prod = a.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+                acc += tl.sum(prod, axis=2)
+        mask_y = mask_m[:, None] & mask_n[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES_ADD:
+            acc += tl.load(res_add + rm.to(tl.int64)[:, None] * stride_ram + rn[None, :],
+                           mask=mask_y, other=0.0).to(tl.float32)
+        tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                 acc.to(y.dtype.element_ty), mask=mask_y)
 
 
 @triton.jit
 def _qkv_rope_kernel(
     x, res_in, norm_w, w, bias, y, res_out, k_cache, v_cache, positions, out_cache_loc,
-    cos_sin, N, K, eps,
-    stride_rim, stride_wn, stride_rom, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cs,
+    cos_sin, M, N, K, eps,
+    stride_xm, stride_rim, stride_wn, stride_ym, stride_rom, stride_kcs, stride_kch,
+    stride_vcs, stride_vch, stride_cs,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_RES_IN: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # One token: qkv = rmsnorm(x (+ res_in)) @ W^T (+ bias), then neox RoPE on the q and k
-    # heads, k and v stored into their KV slot. A program owns BLOCK_P column pairs
-    # (d, d + HEAD_DIM / 2) of the same head, so the rotation stays inside the program.
+    # qkv = rmsnorm(x (+ res_in)) @ W^T (+ bias), then neox RoPE on the q and k heads, k and v
+    # stored into each token's KV slot. A program owns BLOCK_P column pairs (d, d + HEAD_DIM /
+    # 2) of the same head, so the rotation stays inside the program, for ROWS tokens, each
+    # accumulated and reduced exactly as a lone token (as in _gemv_kernel).
     HALF = HEAD_DIM // 2
-    pid = tl.program_id(0)
+    pid_m = tl.program_id(0)
+    pid = tl.program_id(1)
     p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     num_pairs = N // 2
     mask_p = p < num_pairs
@@ -259,18 +341,24 @@ def _qkv_rope_kernel(
     d = pc % HALF
     c1 = (head * HEAD_DIM + d).to(tl.int64)
     c2 = c1 + HALF
-    rm = tl.zeros([1], dtype=tl.int32)
-    mask_m = rm < 1
     act_dtype = w.dtype.element_ty
-    rstd = _rms_prologue(x, res_in, res_out, rm, mask_m, pid, K, eps, stride_rim, stride_rom,
-                         HAS_RES_IN, 1, NORM_BLOCK)
-    acc1 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    rms = ()
+    rstds = ()
+    accs1 = ()
+    accs2 = ()
+    for i in tl.static_range(ROWS):
+        rm = tl.minimum(pid_m * ROWS + i, M - 1) + tl.zeros([1], dtype=tl.int32)
+        live = (pid_m * ROWS + i + tl.zeros([1], dtype=tl.int32)) < M
+        rstd = _rms_prologue(x + rm.to(tl.int64)[:, None] * stride_xm, res_in, res_out, rm,
+                             live, pid, K, eps, stride_rim, stride_rom, HAS_RES_IN, 1,
+                             NORM_BLOCK)
+        rms = rms + (rm,)
+        rstds = rstds + (rstd,)
+        accs1 = accs1 + (tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32),)
+        accs2 = accs2 + (tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32),)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         mask_k = rk < K
-        a = _normed_tile(x, res_in, res_out, norm_w, rm, rk, mask_m[:, None] & mask_k[None, :],
-                         mask_k, rstd, stride_rim, act_dtype, HAS_RES_IN).to(tl.float32)
         if EVEN_K:
             w1 = tl.load(w + c1[:, None] * stride_wn + rk[None, :], eviction_policy="evict_first")
             w2 = tl.load(w + c2[:, None] * stride_wn + rk[None, :], eviction_policy="evict_first")
@@ -279,35 +367,65 @@ def _qkv_rope_kernel(
                          other=0.0, eviction_policy="evict_first")
             w2 = tl.load(w + c2[:, None] * stride_wn + rk[None, :], mask=mask_k[None, :],
                          other=0.0, eviction_policy="evict_first")
-        acc1 += a * w1.to(tl.float32)
-        acc2 += a * w2.to(tl.float32)
-    y1 = tl.sum(acc1, axis=1)
-    y2 = tl.sum(acc2, axis=1)
-    if HAS_BIAS:
-        y1 += tl.load(bias + c1).to(tl.float32)
-        y2 += tl.load(bias + c2).to(tl.float32)
-    # rounded like the unfused projection's output before RoPE reads it
-    y1 = y1.to(y.dtype.element_ty).to(tl.float32)
-    y2 = y2.to(y.dtype.element_ty).to(tl.float32)
-    pos = tl.load(positions).to(tl.int64)
-    cos = tl.load(cos_sin + pos * stride_cs + d)
-    sin = tl.load(cos_sin + pos * stride_cs + HALF + d)
+        new1 = ()
+        new2 = ()
+        for i in tl.static_range(ROWS):
+            a = _row_act(x, res_in, res_out, norm_w, rms[i], rk, mask_k, rstds[i], K,
+                         stride_xm, stride_rim, act_dtype, 1, HAS_RES_IN).to(tl.float32)
+            new1 = new1 + (accs1[i] + a * w1.to(tl.float32),)
+            new2 = new2 + (accs2[i] + a * w2.to(tl.float32),)
+        accs1 = new1
+        accs2 = new2
     rot = head < NUM_Q_HEADS + NUM_KV_HEADS  # v heads pass through
-    r1 = tl.where(rot, y1 * cos - y2 * sin, y1).to(y.dtype.element_ty)
-    r2 = tl.where(rot, y2 * cos + y1 * sin, y2).to(y.dtype.element_ty)
-    tl.store(y + c1, r1, mask=mask_p)
-    tl.store(y + c2, r2, mask=mask_p)
-    slot = tl.load(out_cache_loc).to(tl.int64)
     kh = head - NUM_Q_HEADS
-    is_k = mask_p & (kh >= 0) & (kh < NUM_KV_HEADS)
-    kc = k_cache + slot * stride_kcs + kh * stride_kch + d
-    tl.store(kc, r1.to(k_cache.dtype.element_ty), mask=is_k)
-    tl.store(kc + HALF, r2.to(k_cache.dtype.element_ty), mask=is_k)
     vh = head - NUM_Q_HEADS - NUM_KV_HEADS
-    is_v = mask_p & (vh >= 0)
-    vc = v_cache + slot * stride_vcs + vh * stride_vch + d
-    tl.store(vc, r1.to(v_cache.dtype.element_ty), mask=is_v)
-    tl.store(vc + HALF, r2.to(v_cache.dtype.element_ty), mask=is_v)
+    for i in tl.static_range(ROWS):
+        row = pid_m * ROWS + i
+        live = mask_p & ((row + tl.zeros([BLOCK_P], dtype=tl.int32)) < M)
+        rowc = tl.minimum(row, M - 1).to(tl.int64)
+        y1 = tl.sum(accs1[i], axis=1)
+        y2 = tl.sum(accs2[i], axis=1)
+        if HAS_BIAS:
+            y1 += tl.load(bias + c1).to(tl.float32)
+            y2 += tl.load(bias + c2).to(tl.float32)
+        # rounded like the unfused projection's output before RoPE reads it
+        y1 = y1.to(y.dtype.element_ty).to(tl.float32)
+        y2 = y2.to(y.dtype.element_ty).to(tl.float32)
+        pos = tl.load(positions + rowc).to(tl.int64)
+        cos = tl.load(cos_sin + pos * stride_cs + d)
+        sin = tl.load(cos_sin + pos * stride_cs + HALF + d)
+        r1 = tl.where(rot, y1 * cos - y2 * sin, y1).to(y.dtype.element_ty)
+        r2 = tl.where(rot, y2 * cos + y1 * sin, y2).to(y.dtype.element_ty)
+        tl.store(y + rowc * stride_ym + c1, r1, mask=live)
+        tl.store(y + rowc * stride_ym + c2, r2, mask=live)
+        slot = tl.load(out_cache_loc + rowc).to(tl.int64)
+        is_k = live & (kh >= 0) & (kh < NUM_KV_HEADS)
+        kc = k_cache + slot * stride_kcs + kh * stride_kch + d
+        tl.store(kc, r1.to(k_cache.dtype.element_ty), mask=is_k)
+        tl.store(kc + HALF, r2.to(k_cache.dtype.element_ty), mask=is_k)
+        is_v = live & (vh >= 0)
+        vc = v_cache + slot * stride_vcs + vh * stride_vch + d
+        tl.store(vc, r1.to(v_cache.dtype.element_ty), mask=is_v)
+        tl.store(vc + HALF, r2.to(v_cache.dtype.element_ty), mask=is_v)
+
+
+# fp32 accumulator registers per thread that the rows of one program may take: more rows per
+# program read each weight tile once for more rows, fewer leave more programs in flight.
+# Measured on the H200 (benchmarks/results/exact_rows_smollm2_h200.json, smollm2-135m): 16
+# is the fastest of 16 / 32 / 64 / 128 at every batch size (n-gram k = 4 step at batch 1:
+# 1.574 ms against 1.709 at 128; decode at batch 16: 2.78 against 3.67).
+ROWS_REG_BUDGET = 16
+
+
+def rows_per_program(cfg: GemvConfig, m: int, budget: int | None = None) -> int:
+    """Rows one program of a single-row config (block_m 1) carries, each in its own
+    accumulator tile: as many as fit `budget` (default ROWS_REG_BUDGET) fp32 registers per
+    thread, at most 8 and at most m (1 for a multi-row config). It never changes a row's
+    arithmetic, only how rows share programs."""
+    if cfg.block_m != 1:
+        return 1
+    per_row = max(1, cfg.block_n * cfg.block_k // (32 * cfg.num_warps))
+    return max(1, min(8, m, (budget or ROWS_REG_BUDGET) // per_row))
 
 
 def norm_block(k: int, block_m: int, block_k: int) -> int:
@@ -334,9 +452,10 @@ def _launch(mode: int, x2, weight, k: int, *, norm_w=None, eps=0.0, res_in=None,
         res_out = torch.empty(m, k, dtype=x2.dtype, device=x2.device)  # [M, K] new residual
     if m == 0:
         return y, res_out
-    cfg = config or _config(mode, m, n, k, weight.dtype)
+    cfg = config or _config(mode, n, k, weight.dtype)
     dummy = y
-    grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m))
+    rows = rows_per_program(cfg, m)
+    grid = (cdiv(m, rows if cfg.block_m == 1 else cfg.block_m), cdiv(n, cfg.block_n))
     _gemv_kernel[grid](
         x2, res_in if res_in is not None else dummy, norm_w if norm_w is not None else dummy,
         weight, bias if bias is not None else dummy, res_add if res_add is not None else dummy,
@@ -348,7 +467,7 @@ def _launch(mode: int, x2, weight, k: int, *, norm_w=None, eps=0.0, res_in=None,
         MODE=mode, HAS_RES_IN=res_in is not None, HAS_BIAS=bias is not None,
         HAS_RES_ADD=res_add is not None, EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        NORM_BLOCK=norm_block(k, cfg.block_m, cfg.block_k),
+        NORM_BLOCK=norm_block(k, cfg.block_m, cfg.block_k), ROWS=rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y, res_out
@@ -388,12 +507,12 @@ def silu_mul_gemv_triton(gate_up, weight, residual=None, *, out=None,
 def rmsnorm_qkv_rope_triton(x, norm_weight, eps, weight, bias, residual, positions,
                             cos_sin_cache, k_cache, v_cache, out_cache_loc, num_q_heads,
                             num_kv_heads, *, config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel launch of `rmsnorm_qkv_rope`: one token (x [1, K]), full-width rotary."""
+    """Kernel launch of `rmsnorm_qkv_rope`: tokens x [T, K], full-width rotary; each token is
+    computed as it would be alone."""
     n, k = weight.shape
     head_dim = k_cache.shape[-1]
     x2 = _rows(x, k)
-    if x2.shape[0] != 1:
-        raise ValueError(f"rmsnorm_qkv_rope takes one token, got {x2.shape[0]}")
+    m = x2.shape[0]
     if n != (num_q_heads + 2 * num_kv_heads) * head_dim or cos_sin_cache.shape[-1] != head_dim:
         raise ValueError("rmsnorm_qkv_rope needs weight rows (Hq + 2 Hkv) * head_dim and a "
                          "full-width rotary cos/sin cache")
@@ -401,24 +520,27 @@ def rmsnorm_qkv_rope_triton(x, norm_weight, eps, weight, bias, residual, positio
         raise ValueError(f"rmsnorm_qkv_rope: activations are {x2.dtype} but the weight is "
                          f"{weight.dtype}; cast one so both match (the model dtype)")
     res = _rows(residual, k) if residual is not None else None
-    y = torch.empty(1, n, dtype=x2.dtype, device=x2.device)
-    res_out = torch.empty(1, k, dtype=x2.dtype, device=x2.device) if res is not None else None
-    cfg = config or TUNED.get(("qkv_rope", n, k, 1)) or _config(_NORM, 1, n, k, weight.dtype)
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    res_out = torch.empty(m, k, dtype=x2.dtype, device=x2.device) if res is not None else None
+    if m == 0:
+        return y.view(*x.shape[:-1], n), res_out.view(x.shape) if res_out is not None else x
+    cfg = config or TUNED.get(("qkv_rope", n, k, 1)) or _config(_NORM, n, k, weight.dtype)
     block_p = max(1, cfg.block_n // 2)  # block_n weight rows per program, as in the gemv
+    # two accumulator tiles per row
+    rows = rows_per_program(cfg._replace(block_n=2 * block_p), m)
     dummy = y
-    _qkv_rope_kernel[(cdiv(n // 2, block_p),)](
+    _qkv_rope_kernel[(cdiv(m, rows), cdiv(n // 2, block_p))](
         x2, res if res is not None else dummy, norm_weight, weight,
         bias if bias is not None else dummy, y, res_out if res_out is not None else dummy,
-        k_cache, v_cache, positions, out_cache_loc, cos_sin_cache, n, k, eps,
-        res.stride(0) if res is not None else 0, weight.stride(0),
+        k_cache, v_cache, positions, out_cache_loc, cos_sin_cache, m, n, k, eps,
+        x2.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), y.stride(0),
         res_out.stride(0) if res_out is not None else 0,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HAS_RES_IN=res is not None, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         BLOCK_P=block_p, BLOCK_K=cfg.block_k, NORM_BLOCK=norm_block(k, 1, cfg.block_k),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        ROWS=rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     new_residual = res_out.view(x.shape) if res_out is not None else x
     return y.view(*x.shape[:-1], n), new_residual
@@ -473,9 +595,9 @@ def rmsnorm_qkv_rope_ref(x, norm_weight, eps, weight, bias, residual, positions,
 # ---- dispatch: fused kernel for small M, else the unfused chain ----------------------------
 
 
-def _fused(x: torch.Tensor, k: int) -> bool:
+def _fused(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
     """Kernel only on CUDA (like `ops`): on CPU, even in the interpreter, the chain runs."""
-    return x.is_cuda and triton_usable(x) and use_gemv(x.numel() // max(k, 1), x.device)
+    return x.is_cuda and triton_usable(x) and pays(x.numel() // max(k, 1), weight)
 
 
 def _linear(x, weight, bias, out_dtype) -> torch.Tensor:
@@ -499,7 +621,7 @@ def _out(x: torch.Tensor, n: int, out_dtype) -> torch.Tensor | None:
 def gemv(x, weight, bias=None, residual=None, *, out_dtype=None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]), in out_dtype
     (default x.dtype; fp32: the accumulator unrounded, e.g. a row-parallel partial sum)."""
-    if _fused(x, weight.shape[1]):
+    if _fused(x, weight, weight.shape[1]):
         return gemv_triton(x, weight, bias, residual, out=_out(x, weight.shape[0], out_dtype))
     y = _linear(x, weight, bias, out_dtype)
     return y + residual if residual is not None else y
@@ -509,7 +631,7 @@ def rmsnorm_gemv(x, norm_weight, eps, weight, bias=None,
                  residual=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, N], new_residual [M, K]): h = x (+ residual); y = (rmsnorm(h) * norm_weight) @ W^T
     (+ bias). new_residual is h (x itself when residual is None)."""
-    if _fused(x, weight.shape[1]):
+    if _fused(x, weight, weight.shape[1]):
         return rmsnorm_gemv_triton(x, norm_weight, eps, weight, bias, residual)
     from draftgraph.kernels import ops
 
@@ -520,7 +642,7 @@ def rmsnorm_gemv(x, norm_weight, eps, weight, bias=None,
 def silu_mul_gemv(gate_up, weight, residual=None, *, out_dtype=None) -> torch.Tensor:
     """y [M, N] = (silu(gate) * up) @ W^T (+ residual [M, N]); gate_up [M, 2I], W [N, I]; in
     out_dtype as `gemv`."""
-    if _fused(gate_up, 2 * weight.shape[1]):
+    if _fused(gate_up, weight, 2 * weight.shape[1]):
         return silu_mul_gemv_triton(gate_up, weight, residual,
                                     out=_out(gate_up, weight.shape[0], out_dtype))
     from draftgraph.kernels import ops

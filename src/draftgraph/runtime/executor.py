@@ -17,6 +17,7 @@ from draftgraph.attention.kv_pool import KVPool
 from draftgraph.attention.metadata import MetadataBuffers
 from draftgraph.config import CacheConfig, SchedulerConfig
 from draftgraph.distributed.parallel import min_over_ranks
+from draftgraph.kernels import gemv
 from draftgraph.models.llama import HiddenCapture, LlamaForCausalLM
 from draftgraph.runtime.controls import ControlTables
 from draftgraph.runtime.schema import StepBatch
@@ -55,7 +56,10 @@ def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
 class ModelExecutor:
     def __init__(self, model: LlamaForCausalLM, slots: SlotSpace, max_bs: int,
                  max_num_tokens: int, device: torch.device, dtype: torch.dtype,
-                 backend: str) -> None:
+                 backend: str, exact_rows: str = "off") -> None:
+        """exact_rows: whether multi-row steps (verify rows, small batches) compute every row
+        exactly as a decode row (kernels/gemv.py): "on", "off", or "auto" (on for models of
+        at most gemv.EXACT_ROWS_MAX_BYTES of weights)."""
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -69,6 +73,11 @@ class ModelExecutor:
         kv_capacity = slots.num_slots + max_num_tokens * 2
         self.meta = MetadataBuffers(max_bs, max_num_tokens, kv_capacity, cfg.sliding_window,
                                     device)
+        if exact_rows not in ("auto", "on", "off"):
+            raise ValueError(f"--exact-rows must be auto, on or off, got {exact_rows!r}")
+        exact = exact_rows == "on" or (exact_rows == "auto" and gemv.wants_exact_rows(model))
+        if torch.device(device).type == "cuda":
+            gemv.mark_exact_rows(model, gemv.EXACT_ROWS_MAX_M if exact else 0)
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads,
                                     max_num_tokens=max_num_tokens)
@@ -182,14 +191,15 @@ class ModelExecutor:
 def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
                  sched_cfg: SchedulerConfig, max_model_len: int, device: torch.device,
                  dtype: torch.dtype, backend: str, extra_tokens_per_req: int = 0,
-                 extra_kv_bytes_per_token: int = 0) -> tuple[SlotSpace, ModelExecutor]:
+                 extra_kv_bytes_per_token: int = 0,
+                 exact_rows: str = "off") -> tuple[SlotSpace, ModelExecutor]:
     """The engine's slot space and the target's executor.
 
     extra_tokens_per_req: draft tokens a step may feed per request (a verify step feeds
     1 + k); extra_kv_bytes_per_token: the drafters' KV per slot, so the pool fits them too."""
     kwargs = dict(cache_cfg=cache_cfg, sched_cfg=sched_cfg, max_model_len=max_model_len,
                   dtype=dtype, backend=backend, extra_tokens_per_req=extra_tokens_per_req,
-                  extra_kv_bytes_per_token=extra_kv_bytes_per_token)
+                  extra_kv_bytes_per_token=extra_kv_bytes_per_token, exact_rows=exact_rows)
     driver = tp_driver(model.tp, kwargs)  # TP rank 0: ranks > 0 call this with the same
     max_num_tokens = max(sched_cfg.max_num_batched_tokens,
                          sched_cfg.max_num_seqs * (1 + extra_tokens_per_req))
@@ -200,7 +210,7 @@ def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
     slots = SlotSpace(num_slots, cache_cfg.page_size, sched_cfg.max_num_seqs,
                       max_model_len + cache_cfg.page_size + extra_tokens_per_req, device)
     target = ModelExecutor(model, slots, sched_cfg.max_num_seqs, max_num_tokens, device, dtype,
-                           backend)
+                           backend, exact_rows)
     target.tp_driver = driver
     logger.info("KV cache: %d slots (%.1f MiB), page size %d, backend %s",
                 slots.allocator.usable_slots, target.kv_pool.bytes() / 2**20,

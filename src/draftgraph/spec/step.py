@@ -246,11 +246,13 @@ class StepBody:
                                                            final_norm=False))
             drafts, num_drafts, probs = self.draft_tokens[:bs], self.num_drafts[:bs], None
         else:
-            hidden = self.model(fb.input_ids, fb, self.backend, capture=self.target.capture)
+            # the final norm goes into the LM head kernel, as for decode rows
+            x, residual = self.model(fb.input_ids, fb, self.backend, final_norm=False,
+                                     capture=self.target.capture)
             qo_start = self.extend_lens[:bs].cumsum(0) - self.extend_lens[:bs]
             idx = (qo_start[:, None] + torch.arange(T, device=self.device)).clamp_max(
-                bs * T - 1)
-            logits = self.model.compute_logits(hidden[idx.flatten()])  # [bs * T, V] fp32
+                bs * T - 1).flatten()
+            logits = self.model.compute_logits(x[idx], residual[idx])  # [bs * T, V] fp32
             drafts, num_drafts = self.draft_tokens[:bs], self.num_drafts[:bs]
             probs = self._draft_probs
         o = self.out
