@@ -14,33 +14,14 @@ import argparse
 import json
 import sys
 
-import time
-
 import torch
 from _meta import model_shape, run_header
+from profile_verify import motif_ms_per_step
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
-from draftgraph.engine.sampling import SamplingParams
 from draftgraph.kernels import gemv
 from draftgraph.models.loader import load_model
-
-
-def ms_per_step(engine: LLMEngine, ctx: int, steps: int, bs: int) -> float:
-    """Warmed ms per engine step over prompts that repeat a motif (n-gram drafts every step)."""
-    g = torch.Generator().manual_seed(0)
-    motif = torch.randint(0, engine.model_config.vocab_size, (16,), generator=g)
-    sp = SamplingParams(max_tokens=8 * steps + 64, temperature=0, ignore_eos=True)
-    for _ in range(bs):
-        engine.add_request(motif.repeat(ctx // 16 + 1)[:ctx].tolist(), sp)
-    for _ in range(10):
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def main() -> int:
@@ -66,16 +47,17 @@ def main() -> int:
             spec=spec), loaded=target)
 
     ngram = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    default_budget = gemv.ROWS_REG_BUDGET
     for arm in a.arms.split(";"):
         exact, _, budget = arm.partition(":")
-        gemv.ROWS_REG_BUDGET = int(budget) if budget else 128
+        gemv.ROWS_REG_BUDGET = int(budget) if budget else default_budget
         r = {}
         for bs in map(int, a.decode_batch_sizes.split(",")):
-            r[f"decode_bs{bs}_ms"] = ms_per_step(engine(bs, SpecConfig(), exact), a.context,
-                                                 a.steps, bs)
+            r[f"decode_bs{bs}_ms"] = motif_ms_per_step(engine(bs, SpecConfig(), exact),
+                                                       a.context, a.steps, bs)
         for bs in map(int, a.spec_batch_sizes.split(",")):
-            r[f"ngram_k4_bs{bs}_ms"] = ms_per_step(engine(bs, ngram, exact), a.context,
-                                                   a.steps, bs)
+            r[f"ngram_k4_bs{bs}_ms"] = motif_ms_per_step(engine(bs, ngram, exact),
+                                                         a.context, a.steps, bs)
         out["arms"][arm] = r
         print(json.dumps({"arm": arm, **{k: round(v, 3) for k, v in r.items()}}), flush=True)
         torch.cuda.empty_cache()

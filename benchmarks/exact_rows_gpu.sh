@@ -22,6 +22,7 @@ if [ "${1:-}" = tests ]; then
   cp .modelq1/part00 $D/
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exact_rows.py \
     tests/test_kernels_gemv.py tests/test_kernels_attention.py tests/test_kernels_backend.py \
+    tests/test_kernels_ngram.py tests/test_spec_ngram.py \
     tests/test_gpu_graphs.py tests/test_gpu_block.py tests/test_gpu_chain_head.py \
     > "$OUT/gpu_tests_exact_rows.log" 2>&1
   grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_exact_rows.log" | tail -12

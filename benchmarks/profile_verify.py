@@ -25,12 +25,11 @@ from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.loader import load_model
 
 
-def profile_arm(engine: LLMEngine, ctx: int, steps: int, bs: int, top: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    vocab = engine.model_config.vocab_size
+def motif_ms_per_step(engine: LLMEngine, ctx: int, steps: int, bs: int) -> float:
+    """bs requests of `ctx` prompt tokens that repeat a 16-token motif (n-gram drafts on every
+    step), 10 warm-up steps, then ms per engine step over `steps`; the requests stay."""
     g = torch.Generator().manual_seed(0)
-    motif = torch.randint(0, vocab, (16,), generator=g)
+    motif = torch.randint(0, engine.model_config.vocab_size, (16,), generator=g)
     sp = SamplingParams(max_tokens=8 * steps + 64, temperature=0, ignore_eos=True)
     for _ in range(bs):
         engine.add_request(motif.repeat(ctx // 16 + 1)[:ctx].tolist(), sp)
@@ -41,7 +40,13 @@ def profile_arm(engine: LLMEngine, ctx: int, steps: int, bs: int, top: int) -> d
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def profile_arm(engine: LLMEngine, ctx: int, steps: int, bs: int, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    ms = motif_ms_per_step(engine, ctx, steps, bs)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()

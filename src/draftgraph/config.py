@@ -96,9 +96,10 @@ class EngineConfig:
     # launch decode step N + 1 before reading step N's tokens (graphs, no speculation)
     async_scheduling: bool = True
     attention_backend: str | None = None  # None: triton on GPU, torch on CPU
-    # "on": every row of a multi-row step (verify rows, small batches) computed exactly as a
-    # decode row, so bf16 speculation equals plain decoding at batch 1, at a cost per step;
-    # "auto": on for models of at most 1 GiB of weights
+    # "on": every verify row computed exactly as the decode row at its position (GPU: every
+    # multi-row step of up to 16 rows through the fused single-row kernels; CPU: verify
+    # attention row by row), so bf16 speculation equals plain decoding at batch 1, at a cost
+    # per step; "auto": on for models of at most 1 GiB of weights
     exact_rows: str = "off"
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over

@@ -114,10 +114,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next")
     e.add_argument("--exact-rows", choices=["auto", "on", "off"], default="off",
-                   help="compute every row of a multi-row step (verify rows, batches of up to "
-                        "16 rows) exactly as a lone decode row, so bf16 speculation equals "
-                        "plain decoding at batch 1; costs time per step (auto: on for models "
-                        "of at most 1 GiB of weights)")
+                   help="compute every verify row exactly as the decode row at its position "
+                        "(GPU: steps of up to 16 rows through the fused single-row kernels; "
+                        "CPU: verify attention row by row), so bf16 speculation equals plain "
+                        "decoding at batch 1; costs time per step (auto: on for models of at "
+                        "most 1 GiB of weights)")
     e.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="attention kernels (default: triton on GPU, torch on CPU)")
     e.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,

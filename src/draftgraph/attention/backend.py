@@ -80,6 +80,9 @@ class AttentionBackend:
     draft_step_update = False
     fused_kv_store = False  # `attend` reads K/V a fused projection kernel already stored
     kernels: dict[Phase, str] = {}
+    # verify rows computed exactly as the decode row at each position (the Triton backend's
+    # verify rows always are; TorchBackend then attends row by row)
+    exact_rows = False
     _logged_rebuild = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, sliding_window: int | None,
@@ -126,7 +129,9 @@ class AttentionBackend:
 
 
 class TorchBackend(AttentionBackend):
-    """Reference backend: torch metadata builders and per-request SDPA. Eager only."""
+    """Reference backend: torch metadata builders and per-request SDPA. Eager only. With
+    `exact_rows`, a verify chunk attends one row at a time over the keys the decode row at
+    that position owns (the decode row's own SDPA call), not under one causal mask."""
 
     name = "torch"
     kernels = {Phase.EXTEND: "sdpa", Phase.DECODE: "sdpa", Phase.VERIFY: "sdpa",
@@ -139,6 +144,7 @@ class TorchBackend(AttentionBackend):
         # for every layer of this forward (this backend is eager-only)
         bs = fb.bs
         self._offsets = {"qo": fb.meta.qo_indptr[: bs + 1].tolist()}
+        self._positions = fb.positions.tolist() if self.exact_rows else None
         for kind in fb.meta.kinds(fb.phase is Phase.DRAFT_BLOCK):
             lists = fb.meta.lists[kind]
             self._offsets[kind] = (lists.kv_indptr[: bs + 1].tolist(),
@@ -154,23 +160,40 @@ class TorchBackend(AttentionBackend):
         kv_indptr, kv_start = self._offsets[BLOCK if lists.noncausal else
                                             SLIDING if sliding else FULL]
         out = torch.empty_like(q)
-        positions = fb.positions
+        by_row = self.exact_rows and fb.phase is Phase.VERIFY
         for r in range(fb.bs):
             q0, q1 = qo[r], qo[r + 1]
             if q1 == q0:
                 continue
             idx = lists.kv_indices[kv_indptr[r] : kv_indptr[r + 1]]
-            kr = k_cache[idx].transpose(0, 1)  # [Hkv, S, D]
-            vr = v_cache[idx].transpose(0, 1)
-            qr = q[q0:q1].transpose(0, 1)  # [Hq, L, D]
-            mask = None  # a draft block sees its whole list
-            if not lists.noncausal and (q1 - q0 > 1 or lists.window is not None):
-                qpos = positions[q0:q1, None]
-                kpos = kv_start[r] + torch.arange(idx.shape[0], device=q.device)[None, :]
-                mask = kpos <= qpos
-                if lists.window is not None:
-                    mask &= qpos - kpos < lists.window
-            o = F.scaled_dot_product_attention(qr, kr.to(q.dtype), vr.to(q.dtype),
-                                               attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[q0:q1] = o.transpose(0, 1)
+            if not by_row:
+                out[q0:q1] = self._sdpa(q[q0:q1], k_cache, v_cache, idx, kv_start[r], q0,
+                                        lists, fb)
+                continue
+            for t in range(q0, q1):  # each row over the keys its decode row would own
+                pos = self._positions[t]
+                first = kv_start[r] if lists.window is None else max(
+                    kv_start[r], pos - lists.window + 1)
+                rows = idx[first - kv_start[r] : pos + 1 - kv_start[r]]
+                out[t : t + 1] = self._sdpa(q[t : t + 1], k_cache, v_cache, rows, first, t,
+                                            lists, fb)
         return out
+
+    def _sdpa(self, q, k_cache, v_cache, idx, kv_start: int, q0: int, lists,
+              fb: ForwardBatch) -> torch.Tensor:
+        """Attention of the query rows q [L, Hq, D] (tokens q0.. of the batch) over the keys at
+        slots idx, the first at position kv_start."""
+        kr = k_cache[idx].transpose(0, 1)  # [Hkv, S, D]
+        vr = v_cache[idx].transpose(0, 1)
+        qr = q.transpose(0, 1)  # [Hq, L, D]
+        n = q.shape[0]
+        mask = None  # a draft block sees its whole list
+        if not lists.noncausal and (n > 1 or lists.window is not None):
+            qpos = fb.positions[q0 : q0 + n, None]
+            kpos = kv_start + torch.arange(idx.shape[0], device=q.device)[None, :]
+            mask = kpos <= qpos
+            if lists.window is not None:
+                mask &= qpos - kpos < lists.window
+        o = F.scaled_dot_product_attention(qr, kr.to(q.dtype), vr.to(q.dtype), attn_mask=mask,
+                                           scale=self.scale, enable_gqa=True)
+        return o.transpose(0, 1)

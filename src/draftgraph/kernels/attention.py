@@ -370,7 +370,7 @@ def decode_attention(
     config: DecodeConfig | None = None,
     token_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """One query per request. q, out [bs, Hq, D]; positions [bs] (the query positions).
+    """One query per row: a request (q, out [bs, Hq, D]; positions [bs], the query positions).
     `config` sets the tile (keys per step), the fewest tiles a split takes, warps and stages.
 
     token_rows = (token_req, qo_indptr, num_reqs): the rows are the query tokens of

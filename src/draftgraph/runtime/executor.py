@@ -56,10 +56,12 @@ def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
 class ModelExecutor:
     def __init__(self, model: LlamaForCausalLM, slots: SlotSpace, max_bs: int,
                  max_num_tokens: int, device: torch.device, dtype: torch.dtype,
-                 backend: str, exact_rows: str = "off") -> None:
+                 backend: str, exact_rows: str | None = None) -> None:
         """exact_rows: whether multi-row steps (verify rows, small batches) compute every row
-        exactly as a decode row (kernels/gemv.py): "on", "off", or "auto" (on for models of
-        at most gemv.EXACT_ROWS_MAX_BYTES of weights)."""
+        exactly as a decode row (kernels/gemv.py): "on", "off", "auto" (on for models of at
+        most gemv.EXACT_ROWS_MAX_BYTES of weights), or None: leave the model's weights as they
+        are marked (a drafter's executor, whose model may share the target's weights: a draft
+        model `self`, the target's LM head)."""
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -73,14 +75,15 @@ class ModelExecutor:
         kv_capacity = slots.num_slots + max_num_tokens * 2
         self.meta = MetadataBuffers(max_bs, max_num_tokens, kv_capacity, cfg.sliding_window,
                                     device)
-        if exact_rows not in ("auto", "on", "off"):
+        if exact_rows not in (None, "auto", "on", "off"):
             raise ValueError(f"--exact-rows must be auto, on or off, got {exact_rows!r}")
         exact = exact_rows == "on" or (exact_rows == "auto" and gemv.wants_exact_rows(model))
-        if torch.device(device).type == "cuda":
+        if exact_rows is not None and torch.device(device).type == "cuda":
             gemv.mark_exact_rows(model, gemv.EXACT_ROWS_MAX_M if exact else 0)
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads,
                                     max_num_tokens=max_num_tokens)
+        self.backend.exact_rows = exact  # TorchBackend: verify attention row by row
         self.tp_driver = None  # rank 0 of a TP group: sends each step to ranks > 0
         self.capture: HiddenCapture | None = None  # hidden states a drafter reads
         self.controls: ControlTables | None = None  # sampling controls' per-request tables

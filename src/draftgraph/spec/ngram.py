@@ -7,8 +7,9 @@ ends before the suffix does (it may overlap it) and at least one token follows i
 tokens[s + n : s + n + k], fewer where they run into the end. The longest n with a match wins;
 no match gives no drafts.
 
-`NgramProposer.propose` runs on the device with static shapes and no host sync (it can live in
-a CUDA graph); `propose_ref` is the plain-python twin, used by tests and the CPU engine path.
+On CUDA the drafter runs `kernels/ngram.py` (one launch; each request walks its own tokens,
+not the table's width). `NgramProposer.propose` is its torch twin (static shapes, no host sync,
+the CPU engine path); `propose_ref` is the plain-python one, used by tests.
 `NgramDrafter` puts the proposer behind the drafter seam (spec/drafter.py).
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftgraph.kernels._triton import triton_usable
+from draftgraph.kernels.ngram import ngram_propose_triton
 from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
 
 __all__ = ["NgramDrafter", "NgramProposer", "propose_ref"]
@@ -100,9 +103,13 @@ class NgramDrafter(Drafter):
         self.proposer = NgramProposer(min_n, max_n, k)
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        drafts, num_drafts = self.proposer.propose(ctx.token_table[ctx.req_pool_indices],
-                                                   ctx.seq_lens)  # [bs, k], [bs]
-        return Proposal(drafts, torch.minimum(num_drafts, ctx.max_draft))
+        table, p = ctx.token_table, self.proposer
+        if table.is_cuda and triton_usable(table):  # one launch over the requests' own tokens
+            drafts, num_drafts = ngram_propose_triton(table, ctx.req_pool_indices, ctx.seq_lens,
+                                                      p.min_n, p.max_n, p.k)
+        else:
+            drafts, num_drafts = p.propose(table[ctx.req_pool_indices], ctx.seq_lens)
+        return Proposal(drafts, torch.minimum(num_drafts, ctx.max_draft))  # [bs, k], [bs]
 
     def propose_ref(self, ctx: DraftContext) -> Proposal:
         bs = ctx.seq_lens.shape[0]
