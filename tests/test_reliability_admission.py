@@ -150,3 +150,26 @@ def test_lone_surrogates_are_refused_as_bad_text(with_tokenizer, prompt):
     with pytest.raises(EngineError, match="surrogate"):
         with_tokenizer.add_request(prompt, SamplingParams(max_tokens=2))
     assert not with_tokenizer.has_unfinished()
+
+
+# ---- the queue ------------------------------------------------------------------------------
+def test_requests_about_to_run_do_not_count_against_max_waiting(tiny):
+    from draftgraph.engine.engine import QueueFullError
+
+    config = EngineConfig(model="random:tiny", device="cpu",
+                          cache=CacheConfig(kv_cache_tokens=2048),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_waiting=2,
+                                                    max_model_len=512))
+    engine = LLMEngine(config, loaded=tiny)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    for i in range(6):  # idle: 4 start at the next step, 2 wait
+        engine.add_request([5, 6, 7], sp, request_id=f"r{i}")
+    with pytest.raises(QueueFullError, match="--max-waiting"):
+        engine.add_request([5, 6, 7], sp, request_id="r6")
+    engine.step()
+    assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 2
+    with pytest.raises(QueueFullError):  # running full, 2 waiting: still full
+        engine.add_request([5, 6, 7], sp, request_id="r6")
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request([5, 6, 7], sp, request_id="r6")  # drained: admitted again

@@ -207,13 +207,16 @@ def test_a_request_larger_than_the_kv_pool_gets_400_and_does_not_block_the_queue
 
 
 def test_more_choices_than_the_queue_holds_get_400_not_503(tiny):
-    st = _serve(tiny, max_waiting=2)
+    st = _serve(tiny, max_waiting=2)  # 8 decode rows + 2 waiting
     try:
-        r = _post(st, "/v1/completions", {**INNOCENT, "n": 3})
+        r = _post(st, "/v1/completions", {**INNOCENT, "n": 11})
         _assert_error(r, 400, "n", "--max-waiting")
-        r = _post(st, "/v1/completions", {**INNOCENT, "prompt": [[5, 6]] * 3})
-        _assert_error(r, 400, "prompt", "--max-waiting")
-        assert _post(st, "/v1/completions", {**INNOCENT, "n": 2}).status_code == 200
+        r = _post(st, "/v1/completions", {**INNOCENT, "prompt": [[5, 6]] * 11})
+        _assert_error(r, 400, "prompt", "--max-num-seqs")
+        # on an idle server the choices about to run do not count against --max-waiting
+        r = _post(st, "/v1/completions", {**INNOCENT, "n": 10})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 10
     finally:
         st.stop()
 

@@ -130,7 +130,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context length: prompt + generated tokens (default: the model's "
                         "context, capped at 8192)")
     e.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting,
-                   help="queued requests before new ones are refused")
+                   help="requests waiting for a decode row before new ones are refused "
+                        "(those that start at the next step do not count)")
     e.add_argument("--page-size", type=int, default=CacheConfig.page_size,
                    help="KV cache page size in tokens")
     e.add_argument("--kv-cache-tokens", type=int, default=None,

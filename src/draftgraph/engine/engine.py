@@ -180,9 +180,14 @@ class LLMEngine:
         ids = self.encode_prompt(prompt, use_chat_template)
         params = admission.bound_params(self, params)
         admission.check_fits_kv(self, len(ids), params)
-        if len(self.scheduler.waiting) + len(self._inbox) >= self.config.scheduler.max_waiting:
-            raise QueueFullError(f"{self.config.scheduler.max_waiting} requests are waiting "
-                                 "(--max-waiting); retry later")
+        sched = self.config.scheduler
+        with self._lock:
+            adds = sum(1 for kind, _ in self._inbox if kind == "add")
+        # the requests that start at the next step (free decode rows) are not waiting
+        free = max(0, sched.max_num_seqs - len(self.scheduler.running))
+        if len(self.scheduler.waiting) + adds + 1 - free > sched.max_waiting:
+            raise QueueFullError(f"{sched.max_waiting} requests are waiting (--max-waiting); "
+                                 "retry later")
         request_id = request_id or uuid.uuid4().hex
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         detok = None

@@ -169,12 +169,13 @@ class OpenAIServer:
         return model
 
     def check_queue_fits(self, num_choices: int, param: str) -> None:
-        """A request with more choices than the queue holds could never be admitted: 400, not
-        a 503 the client would retry forever."""
-        max_waiting = self.engine.config.scheduler.max_waiting
-        if num_choices > max_waiting:
+        """A request with more choices than an idle server runs and queues could never be
+        admitted: 400, not a 503 the client would retry forever."""
+        sched = self.engine.config.scheduler
+        if num_choices > sched.max_num_seqs + sched.max_waiting:
             raise APIError(400, f"this request asks for {num_choices} completions (prompts x "
-                           f"n); the server queues at most {max_waiting} (--max-waiting)",
+                           f"n); the server runs {sched.max_num_seqs} at once (--max-num-seqs) "
+                           f"and queues at most {sched.max_waiting} more (--max-waiting)",
                            param=param)
 
     def encode(self, prompt, use_chat_template: bool) -> list[int]:
