@@ -162,11 +162,16 @@ def test_silu_mul_gemv_equals_silu_and_mul_then_linear(dtype, m, with_residual):
     close(y, expected, dtype)
 
 
-def test_use_gemv_only_for_small_batches_on_cuda():
-    assert G.use_gemv(1, "cuda") and G.use_gemv(G.GEMV_MAX_M, "cuda")
-    assert not G.use_gemv(G.GEMV_MAX_M + 1, "cuda")
-    assert not G.use_gemv(0, "cuda")
-    assert not G.use_gemv(1, "cpu")
+def test_fused_kernels_take_single_rows_on_cuda_and_more_for_exact_weights():
+    from types import SimpleNamespace
+
+    cuda_weight = SimpleNamespace(is_cuda=True)  # pays() reads is_cuda and the mark alone
+    assert G.pays(1, cuda_weight) and G.pays(G.GEMV_MAX_M, cuda_weight)
+    assert not G.pays(G.GEMV_MAX_M + 1, cuda_weight)
+    assert not G.pays(0, cuda_weight)
+    assert not G.pays(1, SimpleNamespace(is_cuda=False))
+    marked = SimpleNamespace(is_cuda=True, **{G.EXACT_ROWS_ATTR: G.EXACT_ROWS_MAX_M})
+    assert G.pays(G.EXACT_ROWS_MAX_M, marked) and not G.pays(G.EXACT_ROWS_MAX_M + 1, marked)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dispatch")

@@ -19,9 +19,10 @@ program owns BLOCK_N output columns and streams its [BLOCK_N, K] weight slice on
 [BLOCK_N, BLOCK_K] tiles; math in fp32, one rounding at the end. With the single-row configs the
 dispatch uses (block_m 1) a program carries up to 8 rows (`rows_per_program`), each in its own
 lane-wise accumulator tile reduced once after the loop, exactly as a lone row: a row's result
-does not depend on M. (block_m > 1, FMA or tensor cores, is reachable by explicit config.) The qkv kernel shares the norm prologue and owns column pairs (d, d + head_dim / 2)
-of one head, so the rotation stays inside a program; it saves the separate RoPE + KV-store
-launch (on an H200, 3.8 us per SmolLM2 layer against 3.0 + 1.6).
+does not depend on M. (block_m > 1, FMA or tensor cores, is reachable by explicit config.)
+The qkv kernel shares the norm prologue and owns column pairs (d, d + head_dim / 2) of one head,
+so the rotation stays inside a program; it saves the separate RoPE + KV-store launch (on an
+H200, 3.8 us per SmolLM2 layer against 3.0 + 1.6).
 The activation a row feeds the matmul is rounded to the model dtype first (normed, silu * up), so
 the fused result equals the unfused chain up to summation order.
 
@@ -121,12 +122,6 @@ def pays(m: int, weight: torch.Tensor) -> bool:
     return weight.is_cuda and 0 < m <= max(GEMV_MAX_M, getattr(weight, EXACT_ROWS_ATTR, 0))
 
 
-def use_gemv(m: int, device: torch.device | str) -> bool:
-    """Whether rows [m, K] take the fused small-M kernels on this device for any weight: on
-    CUDA, m <= GEMV_MAX_M."""
-    return torch.device(device).type == "cuda" and 0 < m <= GEMV_MAX_M
-
-
 # Exact rows (`--exact-rows on`): multi-row steps of up to EXACT_ROWS_MAX_M rows (verify rows,
 # small decode batches) go through the fused kernels too, each row computed exactly as a lone
 # row, so a verify row is bitwise the decode row at its position. It costs time: the per-row
@@ -192,11 +187,13 @@ def _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k, rstd, 
 
 
 @triton.jit
-def _row_act(x, res_in, res_out, norm_w, rm, rk, mask_k, rstd, K, stride_xm, stride_rim,
-             act_dtype: tl.constexpr, MODE: tl.constexpr, HAS_RES_IN: tl.constexpr):
-    # the activation tile [1, BLOCK_K] of row rm ([1] int32) that feeds the matmul
+def _act_tile(x, res_in, res_out, norm_w, rm, mask_m, rk, mask_k, rstd, K, stride_xm,
+              stride_rim, act_dtype: tl.constexpr, MODE: tl.constexpr,
+              HAS_RES_IN: tl.constexpr):
+    # the activation tile [rows, BLOCK_K] of rows rm (mask_m: the live ones) that feeds the
+    # matmul, rounded to the model dtype
     x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
-    mask_x = (rm >= 0)[:, None] & mask_k[None, :]
+    mask_x = mask_m[:, None] & mask_k[None, :]
     if MODE == 2:
         g = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
         u = tl.load(x_rows + K + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
@@ -261,8 +258,8 @@ def _gemv_kernel(
                              eviction_policy="evict_first")
             new = ()
             for i in tl.static_range(ROWS):
-                a = _row_act(x, res_in, res_out, norm_w, rms[i], rk, mask_k, rstds[i], K,
-                             stride_xm, stride_rim, act_dtype, MODE, HAS_RES_IN)
+                a = _act_tile(x, res_in, res_out, norm_w, rms[i], rms[i] >= 0, rk, mask_k,
+                              rstds[i], K, stride_xm, stride_rim, act_dtype, MODE, HAS_RES_IN)
                 new = new + (accs[i] + a.to(tl.float32) * wt.to(tl.float32),)  # [1,BK]*[BN,BK]
             accs = new
         for i in tl.static_range(ROWS):
@@ -288,17 +285,8 @@ def _gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             mask_k = rk < K
-            mask_x = mask_m[:, None] & mask_k[None, :]
-            # activation tile [BLOCK_M, BLOCK_K], rounded to the model dtype
-            if MODE == 2:
-                g = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
-                u = tl.load(x_rows + K + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
-                a = (g / (1.0 + tl.exp(-g)) * u).to(act_dtype)
-            elif MODE == 1:
-                a = _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k,
-                                 rstd, stride_rim, act_dtype, HAS_RES_IN)
-            else:
-                a = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0)
+            a = _act_tile(x, res_in, res_out, norm_w, rm, mask_m, rk, mask_k, rstd, K,
+                          stride_xm, stride_rim, act_dtype, MODE, HAS_RES_IN)
             if EVEN_K:
                 wt = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
             else:
@@ -373,8 +361,9 @@ def _qkv_rope_kernel(
         new1 = ()
         new2 = ()
         for i in tl.static_range(ROWS):
-            a = _row_act(x, res_in, res_out, norm_w, rms[i], rk, mask_k, rstds[i], K,
-                         stride_xm, stride_rim, act_dtype, 1, HAS_RES_IN).to(tl.float32)
+            a = _act_tile(x, res_in, res_out, norm_w, rms[i], rms[i] >= 0, rk, mask_k,
+                          rstds[i], K, stride_xm, stride_rim, act_dtype, 1,
+                          HAS_RES_IN).to(tl.float32)
             new1 = new1 + (accs1[i] + a * w1.to(tl.float32),)
             new2 = new2 + (accs2[i] + a * w2.to(tl.float32),)
         accs1 = new1
