@@ -215,3 +215,47 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_logprobs():
     for (ta, la), (tb, lb) in zip(outs[False], outs[True], strict=True):
         assert ta == tb
         assert (la - lb).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "chain"])
+def test_async_speculative_steps_give_the_synchronous_tokens_and_logprobs(drafter):
+    """Speculative step N + 1 launched before step N is read (its inputs shifted on the
+    device by step N's accept lengths): the same tokens and logprobs as synchronous steps,
+    greedy and seeded sampling (fixed draft lengths), with drafts really accepted."""
+    spec = (SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False) if drafter == "ngram"
+            else SpecConfig(method="chain", draft_head="random", num_draft_tokens=3,
+                            adaptive=False))
+    outs, launched_ahead, accepted = {}, {}, {}
+    for async_on in (False, True):
+        engine = _engine(use_graphs=True, spec=spec)
+        engine.async_scheduling = async_on
+        graphs, seen = engine.spec_graphs, []
+        replay = graphs.replay
+
+        def counted(bs, greedy, fields, replay=replay, seen=seen):
+            seen.append(sum(t < 0 for t in fields["input_ids"]))
+            return replay(bs, greedy, fields)
+
+        graphs.replay = counted
+        vocab = engine.model_config.vocab_size
+        g = torch.Generator().manual_seed(5)
+        prompts = []
+        for n in (7, 90, 33, 12, 51, 4):  # repeats: the n-gram drafter finds matches
+            motif = torch.randint(0, vocab, (n,), generator=g).tolist()
+            prompts.append(motif * 3)
+        params = [SamplingParams(max_tokens=m, temperature=t, top_p=0.9, seed=m,
+                                 ignore_eos=True, logprobs=True)
+                  for m, t in zip((60, 19, 42, 7, 37, 56), (0, 0.8, 0, 0.8, 0, 1.0),
+                                  strict=True)]
+        res = engine.generate(prompts, params)
+        outs[async_on] = [(o.token_ids, torch.tensor(o.logprobs)) for o in res]
+        launched_ahead[async_on] = sum(seen)
+        accepted[async_on] = engine.stats["num_accepted_tokens"]
+        assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+        assert engine._inflight is None
+    assert launched_ahead[False] == 0 and launched_ahead[True] > 20
+    if drafter == "ngram":
+        assert accepted[True] == accepted[False] > 20
+    for (ta, la), (tb, lb) in zip(outs[False], outs[True], strict=True):
+        assert ta == tb
+        assert (la - lb).abs().max().item() < 1e-4

@@ -115,14 +115,15 @@ class LLMEngine:
         self.extras_graphs = {gs: self.target.graph_sets[f"{name}+extras"]
                               for name, gs in self.target.graph_sets.items()
                               if not name.endswith("+extras")}
-        # async scheduling: requests of a launched decode replay whose tokens are not read yet.
-        # NOTE: with graphs only (eagerly nothing overlaps), off with speculation, and under TP
-        # until it has run on GPUs (the ranks > 0 would resolve the token references from
-        # their own, identical, output buffers)
+        # async scheduling: requests of a launched replay whose tokens are not read yet.
+        # NOTE: with graphs only (eagerly nothing overlaps), and off under TP until it has run
+        # on GPUs (the ranks > 0 would resolve the token references from their own, identical,
+        # output buffers)
         self.async_scheduling = (config.async_scheduling and use_graphs
-                                 and self.drafter is None and config.tensor_parallel_size == 1)
+                                 and config.tensor_parallel_size == 1)
         self._inflight: list[Request] | None = None
         self._inflight_graphs = None  # the graph set of that replay
+        self._inflight_draft: list[int] | None = None  # its max_draft per request
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
@@ -243,12 +244,21 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
         if self._inflight is not None:
-            return outputs + self._step_ahead()
+            outputs += self._step_ahead()
+        else:
+            self._step_now(outputs)
+        if self._inflight is not None and all(r.finished for r in self._inflight):
+            # every row of the step in flight ended before it was read (a speculative step
+            # may emit a request's last tokens early): nothing left to read from it
+            self._inflight = None
+        return outputs
+
+    def _step_now(self, outputs: list[RequestOutput]) -> None:
         # drafts are made on the device, inside the step: each decoding request gets 1 + k
         # KV slots (the drafts' slots are given back after acceptance)
         scheduled = self.scheduler.schedule(self.spec_k)
         if not scheduled:
-            return outputs
+            return
         self._admit_controls([sr.req for sr in scheduled])
         for sr, result in zip(scheduled, self._run_isolated(scheduled), strict=True):
             if isinstance(result, Exception):  # this request's rows made the step raise
@@ -257,7 +267,6 @@ class LLMEngine:
                 outputs.append(self._output(sr.req, []))
             else:
                 outputs.append(self._append(sr.req, *result, num_fed=sr.num_new_tokens))
-        return outputs
 
     def _admit_controls(self, reqs: list[Request]) -> None:
         """A request with sampling controls that starts its prefill (first scheduled, or
@@ -359,22 +368,29 @@ class LLMEngine:
             # a drafter with its own KV sees every token: every decode step is speculative
             if any(max_draft) or self.drafter.keeps_kv:
                 graphs = self.spec_graphs
-        spec = graphs is self.spec_graphs
         if any(r.needs_extras for r in reqs):
             graphs = self.extras_graphs[graphs]
         self._stage(graphs, reqs, [r.token_slice(r.num_tokens - 1, r.num_tokens)[0]
                                    for r in reqs], [r.num_tokens for r in reqs],
                     [sr.slots for sr in scheduled], max_draft)
-        ahead = not spec and self._launch_ahead(reqs, graphs)
-        results = graphs.result(back=1 if ahead else 0)
-        if spec:
+        ahead = self._launch_ahead(reqs, graphs)
+        results = self._read(reqs, graphs, max_draft, back=1 if ahead else 0)
+        return [(tokens, logprobs, top) for tokens, logprobs, _, top in results]
+
+    def _read(self, reqs: list[Request], graphs, max_draft: list[int], back: int) -> list:
+        """Wait for a replay's results (back=1: the one before the latest); a speculative
+        step's acceptance goes to the policy (requests finished meanwhile are skipped)."""
+        results = graphs.result(back=back)
+        if graphs.body.k:
             for req, d, (tokens, _, num_drafts, _) in zip(reqs, max_draft, results,
                                                           strict=True):
+                if req.finished:
+                    continue
                 if num_drafts:
                     self.policy.record(req, num_drafts, len(tokens) - 1)
                 elif d:
                     self.policy.no_proposal(req)
-        return [(tokens, logprobs, top) for tokens, logprobs, _, top in results]
+        return results
 
     def _stage(self, graphs, reqs: list[Request], input_ids: list[int], seq_lens: list[int],
                reserved_slots: list[list[int]], max_draft: list[int] | None = None) -> int:
@@ -385,6 +401,8 @@ class LLMEngine:
             input_ids=input_ids, req_pool_indices=[r.req_pool_idx for r in reqs],
             seq_lens=seq_lens, max_draft=max_draft, top_k=[x.top_k for x in p],
             seeds=[r.seed for r in reqs], reserved_slots=reserved_slots,
+            seq_limit=[min(len(r.prompt_token_ids) + x.max_tokens, self.max_model_len)
+                       for r, x in zip(reqs, p, strict=True)],
             temperature=[x.temperature for x in p], top_p=[x.top_p for x in p])
         if graphs in self.extras_graphs.values():
             fields.update(self._control_lanes(reqs))
@@ -403,16 +421,19 @@ class LLMEngine:
             frequency_penalty=[x.frequency_penalty if x else 0.0 for x in p],
             repetition_penalty=[x.repetition_penalty if x else 1.0 for x in p])
 
-    # ---- async scheduling: launch decode step N + 1 before reading step N ----------------
-    # The next step's last tokens are the ones step N samples, still on the device: they are
-    # staged as references to step N's output rows (graph_runner.replay). Rows are
-    # independent, so a request that finishes at step N only wastes its row of step N + 1
-    # (its token is dropped, its KV slot freed with the rest of its pages).
+    # ---- async scheduling: launch step N + 1 before reading step N --------------------------
+    # What step N emits stays on the device: the next step's last tokens are staged as
+    # references to step N's output rows, and a speculative step's seq_lens, KV slots and
+    # max_draft as if step N emitted one token, shifted on the device by the accept lengths
+    # it did emit (kernels/tokens.py). Rows are independent, so a request that finishes at
+    # step N only wastes its row of step N + 1 (its tokens are dropped, its KV slots freed
+    # with the rest of its pages).
 
     def _launch_ahead(self, reqs: list[Request], graphs) -> bool:
-        """Launch the decode step after the one just launched for `reqs` (its tokens unread)
-        when every running request is in it and nothing waits; True when launched. `graphs`:
-        the decode graph set of that step (plain or extras), the next one's too."""
+        """Launch the step after the one just launched for `reqs` (its tokens unread) when
+        every running request is in it and nothing waits; True when launched. `graphs`: the
+        graph set of that step (decode or speculative, plain or extras), the next one's too:
+        a step that should switch between decode and speculative takes the normal path."""
         for r in reqs:
             r.ahead = 0
         if not self.async_scheduling or self.scheduler.waiting:
@@ -420,14 +441,23 @@ class LLMEngine:
         alive = [(j, r) for j, r in enumerate(reqs) if not r.finished]
         if len(alive) != len(self.scheduler.running):
             return False  # another request (prefilling, preempted) needs the normal path
-        # rows that surely end with step N's token need no next step
+        # rows that surely end with step N's tokens need no next step
         rows = [(j, r) for j, r in alive
                 if len(r.output_token_ids) + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.max_model_len]
         if not rows:
             return False
-        try:  # step N + 1 writes the KV of step N's token, at num_tokens
-            slots = [self.slots.allocator.extend(r.pages, r.num_tokens, 1) for _, r in rows]
+        k = graphs.body.k
+        max_draft = None
+        if self.spec_graphs is not None:
+            # NOTE: when this returns False below, the normal path asks the policy again (a
+            # request at draft length 0 counts one idle step twice)
+            max_draft = [self.policy.max_draft(r) for _, r in rows]
+            if bool(k) != (any(max_draft) or self.drafter.keeps_kv):
+                return False
+        try:  # step N + 1 writes from step N's last token on: positions num_tokens .. + 2k
+            slots = [self.slots.allocator.extend(r.pages, r.num_tokens, 1 + 2 * k)
+                     for _, r in rows]
         except OutOfKVSlots:
             # the normal path preempts; slots already taken go back when step N's tokens are
             # appended (truncation to the computed tokens, `ahead` being 0)
@@ -435,20 +465,21 @@ class LLMEngine:
         ahead = [r for _, r in rows]
         # NOTE: the row references -(j + 1) read the previous replay of the same graph set
         self._stage(graphs, ahead, [-(j + 1) for j, _ in rows],
-                    [r.num_tokens + 1 for r in ahead], slots)
+                    [r.num_tokens + 1 for r in ahead], slots, max_draft)
         for r in ahead:
-            r.ahead = 1
+            r.ahead = 1 + k  # the positions step N + 1 may write past step N's last token
         self._inflight = ahead
         self._inflight_graphs = graphs
+        self._inflight_draft = max_draft or [0] * len(ahead)
         return True
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Launch the next decode step if it can go, then read the one in flight."""
+        """Launch the next step if it can go, then read the one in flight."""
         reqs, self._inflight = self._inflight, None
-        graphs = self._inflight_graphs
+        graphs, max_draft = self._inflight_graphs, self._inflight_draft
         try:
             ahead = self._launch_ahead(reqs, graphs)
-            results = graphs.result(back=1 if ahead else 0)
+            results = self._read(reqs, graphs, max_draft, back=1 if ahead else 0)
         except Exception as e:  # a failing step must not kill the engine
             logger.exception("step failed for requests %s", [r.request_id for r in reqs])
             self._inflight = None

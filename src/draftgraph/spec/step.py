@@ -6,10 +6,14 @@
 
 A `GraphSet` (runtime/graph_set.py) captures it per batch bucket, or runs it eagerly (CPU).
 
-Raw inputs (`StepBody.inputs`), per request: the last token (or -(j + 1): row j of the previous
-replay's tokens, async scheduling), req_pool_indices, seq_lens (tokens including the last,
-un-cached one), max_draft (0..k), top_k, seeds, reserved_slots [1 + k] (the KV slots reserved
-for the last token and the drafts), temperature, top_p.
+Raw inputs (`StepBody.inputs`), per request: the last token (or -(j + 1): the last token row
+j of the previous replay emitted, async scheduling), req_pool_indices, seq_lens (tokens
+including the last, un-cached one), max_draft (0..k), top_k, seeds, reserved_slots [1 + 2k]
+(the KV slots of positions seq_lens - 1 onwards: the last token and the drafts take the first
+1 + k; a speculative step launched before the previous one was read is staged as if that one
+emitted one token, and shifts on the device by what it did emit: kernels/tokens.py), seq_limit
+(min(prompt + max_tokens, max_model_len): the device's cap on max_draft after such a shift),
+temperature, top_p.
 Results (`StepBody.outputs`): tokens [1 + k] (-1 past accept_lens), accept_lens, num_drafts,
 logprobs [1 + k].
 
@@ -31,7 +35,7 @@ import logging
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
-from draftgraph.kernels.tokens import record_last_tokens
+from draftgraph.kernels.tokens import AheadInputs, record_last_tokens
 from draftgraph.runtime.schema import Field, Lanes
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
@@ -47,7 +51,7 @@ def step_inputs(max_bs: int, k: int, controls: bool = False) -> Lanes:
                for p in ("presence", "frequency", "repetition"))] if controls else []
     return Lanes(max_bs, [
         Field("input_ids"), Field("req_pool_indices"), Field("seq_lens"), Field("max_draft"),
-        Field("top_k"), Field("seeds"), Field("reserved_slots", 1 + k),
+        Field("top_k"), Field("seeds"), Field("reserved_slots", 1 + 2 * k), Field("seq_limit"),
         Field("temperature", dtype=torch.float32), Field("top_p", dtype=torch.float32), *extra])
 
 
@@ -95,6 +99,8 @@ class StepBody:
         # the proposal, kept in persistent buffers: with the eager-metadata fallback it crosses
         # from one captured part to the next
         self.draft_tokens = torch.zeros(max_bs, self.k, dtype=torch.int64, device=dev)
+        # [max_bs, 1 + k] int64: this step's KV slots, resolved from the staged 1 + 2k
+        self.slots = torch.zeros(max_bs, T, dtype=torch.int64, device=dev)
         self.num_drafts = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         # NOTE: a drafter is bound once per target: every body that drafts with it (a graph
         # set and its twins) shares its buffers and state, so each request's draft state is
@@ -182,8 +188,8 @@ class StepBody:
         return DraftContext(v["req_pool_indices"][:bs], v["seq_lens"][:bs],
                             v["input_ids"][:bs], v["max_draft"][:bs],
                             self.target.slots.token_table, v["temperature"][:bs],
-                            v["seeds"][:bs], v["reserved_slots"][:bs], v["top_p"][:bs],
-                            v["top_k"][:bs], greedy)
+                            v["seeds"][:bs], self.slots[:bs] if self.k else
+                            v["reserved_slots"][:bs], v["top_p"][:bs], v["top_k"][:bs], greedy)
 
     def _fb(self, bs: int) -> ForwardBatch:
         v, meta = self.raw, self.target.meta
@@ -197,11 +203,14 @@ class StepBody:
                             self.packed_loc[:n], meta)
 
     def _record(self, bs: int, greedy: bool) -> DraftContext:
-        """Last tokens staged as -(j + 1) are row j of the previous replay's output (async
-        scheduling): resolved in place, then recorded in the token table."""
-        ctx = self._ctx(bs, greedy)
-        record_last_tokens(ctx.last_tokens, self.out["tokens"][:, 0], ctx.token_table,
-                           ctx.req_pool_indices, ctx.seq_lens)
+        """Last tokens staged as -(j + 1) are the last token row j of the previous replay
+        emitted (async scheduling): resolved in place (a speculative step's seq_lens, KV
+        slots and max_draft with them), then recorded in the token table."""
+        ctx, v = self._ctx(bs, greedy), self.raw
+        ahead = AheadInputs(v["reserved_slots"][:bs], self.slots[:bs], ctx.max_draft,
+                            v["seq_limit"][:bs]) if self.k else None
+        record_last_tokens(ctx.last_tokens, self.out["tokens"], self.out["accept_lens"],
+                           ctx.token_table, ctx.req_pool_indices, ctx.seq_lens, ahead)
         return ctx
 
     def _prepare(self, bs: int, greedy: bool = True) -> None:
@@ -213,7 +222,7 @@ class StepBody:
 
     def _pack(self, ctx: DraftContext, prop) -> None:
         """The proposal kept; the packed 1 + d tokens of each request and their slots."""
-        v, T = self.raw, 1 + self.k
+        T = 1 + self.k
         bs = ctx.seq_lens.shape[0]
         table = ctx.token_table
         self.draft_tokens[:bs].copy_(prop.draft_tokens)
@@ -232,7 +241,7 @@ class StepBody:
         jc = j.clamp(0, T - 1)
         cand = torch.where(j == 0, last[r], prop.draft_tokens[r, (jc - 1).clamp_min(0)])
         self.packed_ids[: bs * T].copy_(torch.where(live, cand, 0))
-        self.packed_loc[: bs * T].copy_(torch.where(live, v["reserved_slots"][:bs][r, jc], 0))
+        self.packed_loc[: bs * T].copy_(torch.where(live, ctx.reserved_slots[r, jc], 0))
         # the drafts' token ids at their positions (rows past a request's length are rewritten
         # before they are ever read); dead slots go to the dummy row 0
         table[torch.where(live, rows[r], 0), torch.where(live, seq[r] - 1 + jc, 0)] = \

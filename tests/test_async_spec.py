@@ -1,0 +1,213 @@
+"""Async speculative steps on CPU: speculative step N + 1 is launched before step N is read.
+
+Step N + 1 is staged as if step N emitted one token per request; the device shifts each row by
+what step N did emit (its last token, seq_lens, KV slots, max_draft: kernels/tokens.py). On
+CPU the graph sets run their bodies eagerly with the same contract as captured graphs.
+Outputs must equal the synchronous engine's token for token (greedy, and seeded sampling with
+fixed draft lengths), whatever finishes, aborts or arrives mid-run; every KV slot comes back;
+and the steps really were launched ahead with accept lengths above one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
+
+from draftgraph.config import SpecConfig
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.models.heads import random_head
+from draftgraph.spec.chain_head import ChainHeadDrafter
+from draftgraph.spec.drafter import Drafter, Proposal
+
+K = 3
+FIXED = SpecConfig(method="ngram", num_draft_tokens=K, adaptive=False)  # method: see drafter=
+ADAPTIVE = SpecConfig(method="ngram", num_draft_tokens=K, ngram_min=1, ngram_max=3)
+
+
+class RowOracle(Drafter):
+    """Drafts each request's known future (set per request row by the test), wrong at every
+    fifth position, so accept lengths vary over 1 .. 1 + k."""
+
+    name = "row-oracle"
+
+    def __init__(self, k: int, length: int = 256, rows: int = 16) -> None:
+        super().__init__(k)
+        self.future = torch.zeros(rows + 1, length, dtype=torch.int64)  # [rows, positions]
+
+    def set(self, row: int, tokens: list[int]) -> None:
+        t = torch.tensor(tokens)
+        pos = torch.arange(len(t))
+        self.future[row].zero_()
+        self.future[row, : len(t)] = torch.where(pos % 5 == 3, (t + 1) % 128, t)
+
+    def propose(self, ctx) -> Proposal:
+        idx = ctx.seq_lens[:, None] + torch.arange(self.k)[None, :]  # [bs, k] draft positions
+        drafts = self.future[ctx.req_pool_indices[:, None], idx.clamp_max(self.future.shape[1]
+                                                                          - 1)]
+        return Proposal(drafts, ctx.max_draft.clone())
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(seed=0)
+
+
+def _prompts(n=5):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 128, (m,), generator=g).tolist() for m in (5, 30, 12, 9, 21)[:n]]
+
+
+def _count_refs(graphs) -> None:
+    """graphs.refs: rows staged as references to the previous replay (launched ahead)."""
+    graphs.refs = 0
+    replay = graphs.replay
+
+    def counting_replay(bs, greedy, fields):
+        graphs.refs += sum(t < 0 for t in fields["input_ids"])
+        return replay(bs, greedy, fields)
+
+    graphs.replay = counting_replay
+
+
+def _engine(hf, async_on: bool, spec=FIXED, drafter=None, kv_tokens: int = 2048):
+    engine = tiny_engine(hf, max_num_seqs=8, budget=64, kv_tokens=kv_tokens, spec=spec,
+                         drafter=drafter)
+    engine.async_scheduling = async_on  # on CPU off by default: eagerly nothing overlaps
+    for graphs in (engine.decode_graphs, engine.spec_graphs):
+        _count_refs(graphs)
+    return engine
+
+
+def _run(engine, prompts, params, futures=None, abort_at=None, late=None):
+    """Drive step() by hand; before each step the oracle (if any) learns each running
+    request's future; abort request abort_at[1] after step abort_at[0]; add `late` after
+    step 3. Returns {request id: (tokens, logprobs, reason)}."""
+    ids = [engine.add_request(p, sp, request_id=f"r{i}")
+           for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    done, step = {}, 0
+    while engine.has_unfinished():
+        if futures is not None:
+            for rid, req in engine.requests.items():
+                if req.req_pool_idx:
+                    engine.drafter.set(req.req_pool_idx, futures[rid])
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.logprobs, out.finish_reason)
+        step += 1
+        if abort_at and step == abort_at[0]:
+            engine.abort(ids[abort_at[1]])
+        if late and step == 3:
+            engine.add_request(late[0], late[1], request_id="late")
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+    assert engine._inflight is None
+    return done
+
+
+def _futures(hf, prompts, late=None):
+    """Each request's plain greedy sequence (prompt + 60 tokens), by request id."""
+    sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    named = {f"r{i}": p for i, p in enumerate(prompts)} | ({"late": late} if late else {})
+    outs = tiny_engine(hf).generate(list(named.values()), sp)
+    return {rid: p + o.token_ids for (rid, p), o in zip(named.items(), outs, strict=True)}
+
+
+def test_async_speculative_steps_equal_sync_ones_greedy(hf):
+    prompts = _prompts()
+    futures = _futures(hf, prompts)
+    stop = futures["r0"][len(prompts[0]) + 9]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=True)
+              for n in (30, 17, 9, 25, 1)]
+    params[0] = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=True,
+                               stop_token_ids=[stop])
+    plain = _run(tiny_engine(hf, max_num_seqs=8, budget=64), prompts, params)
+    sync = _engine(hf, False, drafter=RowOracle(K))
+    ref = _run(sync, prompts, params, futures)
+    engine = _engine(hf, True, drafter=RowOracle(K))
+    got = _run(engine, prompts, params, futures)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()} == \
+        {k: v[0] for k, v in plain.items()}
+    assert {k: v[2] for k, v in got.items()} == {k: v[2] for k, v in ref.items()}
+    assert ref["r0"][2] == "stop"
+    for k in ref:
+        torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(ref[k][1]))
+    assert sync.spec_graphs.refs == 0
+    assert engine.spec_graphs.refs > 10  # speculative steps really were launched ahead
+    # and the rows they shifted had emitted more than one token (accepted drafts)
+    s = engine.stats
+    assert s["num_accepted_tokens"] > s["num_drafts"] > 10
+    assert s["num_accepted_tokens"] == sync.stats["num_accepted_tokens"]
+
+
+def test_async_speculative_steps_equal_sync_ones_seeded_sampling(hf):
+    """Fixed draft lengths: the device caps an ahead step's drafts by the room left exactly
+    as the host caps a synchronous one, so seeded rejection sampling draws the same tokens."""
+    prompts = _prompts(4)
+    futures = _futures(hf, prompts)
+    params = [SamplingParams(max_tokens=n, temperature=0.02, seed=3 + n, ignore_eos=True,
+                             logprobs=True) for n in (20, 13, 26, 7)]
+    ref = _run(_engine(hf, False, drafter=RowOracle(K)), prompts, params, futures)
+    engine = _engine(hf, True, drafter=RowOracle(K))
+    got = _run(engine, prompts, params, futures)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
+    for k in ref:
+        torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(ref[k][1]))
+    assert engine.spec_graphs.refs > 5
+    assert engine.stats["num_accepted_tokens"] > 5  # rows shifted by accepted drafts
+
+
+def test_async_speculative_steps_survive_an_abort_and_a_late_arrival(hf):
+    prompts = _prompts(4)
+    late_prompt = _prompts(5)[4]
+    futures = _futures(hf, prompts, late=late_prompt)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 4
+    late = (late_prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    ref = _run(_engine(hf, False, drafter=RowOracle(K)), prompts, params, futures,
+               abort_at=(4, 2), late=late)
+    engine = _engine(hf, True, drafter=RowOracle(K))
+    got = _run(engine, prompts, params, futures, abort_at=(4, 2), late=late)
+    assert got["r2"][2] == ref["r2"][2] == "abort"
+    for k in ("r0", "r1", "r3", "late"):
+        assert got[k] == ref[k], k
+    assert engine.spec_graphs.refs > 0
+
+
+def test_async_speculative_steps_fall_back_when_kv_runs_short(hf):
+    # an ahead step needs 1 + 2k slots per request: with a small pool the launch is skipped
+    # (the normal path preempts), and the outputs still equal plain decoding
+    prompts = _prompts(4)
+    futures = _futures(hf, prompts)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 4
+    plain = _run(tiny_engine(hf, max_num_seqs=8, budget=64), prompts, params)
+    got = _run(_engine(hf, True, drafter=RowOracle(K), kv_tokens=110), prompts, params, futures)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in plain.items()}
+
+
+def test_async_ngram_steps_switch_between_decode_and_speculative_graphs(hf):
+    """An adaptive n-gram drafter on a random model backs off to draft length 0 (decode
+    graphs) and probes again (speculative graphs); each switch takes one synchronous step,
+    and both graph sets are launched ahead in between."""
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (6, 14, 9)]
+    prompts = [b + b[: len(b) // 2] + b for b in base]
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)] * 3
+    plain = _run(tiny_engine(hf, max_num_seqs=8, budget=64), prompts, params)
+    engine = _engine(hf, True, spec=ADAPTIVE)
+    got = _run(engine, prompts, params)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in plain.items()}
+    assert engine.spec_graphs.refs > 0 and engine.decode_graphs.refs > 0
+    assert engine.stats["num_drafts"] > 0
+
+
+def test_async_steps_with_a_chain_head_keep_its_kv_in_step(hf):
+    """A drafter with its own KV (every step speculative): async equals sync and plain."""
+    prompts = _prompts(3)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (25, 12, 18)]
+    plain = _run(tiny_engine(hf, max_num_seqs=8, budget=64), prompts, params)
+    outs = {}
+    for async_on in (False, True):
+        head = random_head(tiny_loaded(hf).config, "", seed=3)
+        engine = _engine(hf, async_on, drafter=ChainHeadDrafter(head, K))
+        outs[async_on] = _run(engine, prompts, params)
+    assert outs[True] == outs[False]
+    assert {k: v[0] for k, v in outs[True].items()} == {k: v[0] for k, v in plain.items()}
+    assert engine.spec_graphs.refs > 10 and engine.decode_graphs.refs == 0
