@@ -53,6 +53,10 @@ def _drafts_and_outputs(engine, drafter, prompts) -> tuple[list, list]:
     tokens."""
     rids, drafts, done = [], [], {}
     pending, gs = list(prompts), engine.spec_graphs
+    # NOTE: replay by replay against the eager engine (which never launches ahead): each
+    # replay's drafts are read after the step that ran it (async steps: tests/test_async_spec.py,
+    # test_gpu_graphs.py)
+    engine.async_scheduling = False
     while pending or engine.has_unfinished():
         if pending:
             sp = SamplingParams(max_tokens=20 + 7 * len(pending), temperature=0,
