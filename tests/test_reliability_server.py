@@ -1,7 +1,8 @@
 """One request never fails another (issue 17), through HTTP: hostile parameters and bodies get
 an OpenAI-style 4xx naming what to change while concurrent innocent requests finish with the
 tokens they get alone; capacity is checked at admission; the server stays responsive; shutdown
-drains. Random tiny weights (token-id prompts) and a tiny byte-level tokenizer for chat."""
+drains. Random tiny weights (token-id prompts) and a tiny byte-level tokenizer for chat.
+Also the token ids a response returns when asked (`return_token_ids`, issue 15)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ pytest.importorskip("uvicorn")
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from draftgraph.engine import admission  # noqa: E402
 from draftgraph.engine.engine import LLMEngine  # noqa: E402
+from draftgraph.engine.sampling import SamplingParams, choice_params  # noqa: E402
 from draftgraph.server.app import build_app  # noqa: E402
 from draftgraph.server.async_engine import AsyncEngine  # noqa: E402
 from draftgraph.server.config import ServerConfig  # noqa: E402
@@ -123,6 +125,8 @@ def test_overflowing_top_k_gets_400_and_a_concurrent_request_keeps_its_tokens(se
     ('"ignore_eos": "yes"', "ignore_eos", "boolean"),
     ('"echo": 1', "echo", "boolean"),
     ('"logprobs": true', "logprobs", "integer"),
+    ('"return_token_ids": "yes"', "return_token_ids", "boolean"),
+    ('"return_token_ids": 1', "return_token_ids", "boolean"),
     ('"stop": ["x", 3]', "stop", None),
 ])
 def test_lax_or_non_finite_fields_get_400_naming_the_field(server, raw, param, word):
@@ -371,6 +375,76 @@ def test_usage_counts_the_prompt_once_per_prompt_not_per_choice(server, chat_ser
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"]["prompt_tokens"] == one
+
+
+# ---- token ids (return_token_ids, issue 15) ----------------------------------------------------
+def _stream_events(st: ServerThread, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", st.base_url + path, json={**body, "stream": True},
+                      timeout=60) as s:
+        assert s.status_code == 200, s.read()
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_returned_token_ids_are_the_engines_and_the_streamed_ids_add_up_to_them(server, tiny):
+    """A random-weight model streams no text; with return_token_ids each choice carries the
+    ids the engine generated (in process, same seeds), each stream chunk the ids it adds,
+    and the prompt's ids come once per choice (on its first chunk)."""
+    body = {**INNOCENT, "n": 2, "return_token_ids": True}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu",
+                                    cache=CacheConfig(kv_cache_tokens=4096),
+                                    scheduler=SchedulerConfig(max_num_seqs=8,
+                                                              max_model_len=512)),
+                       loaded=tiny)
+    finals = engine.generate([PROMPT] * 2, choice_params(SamplingParams(
+        max_tokens=12, temperature=0.9, seed=3, ignore_eos=True), 2), use_chat_template=False)
+    assert [c["token_ids"] for c in choices] == [f.token_ids for f in finals]
+    assert all(len(c["token_ids"]) == 12 and c["prompt_token_ids"] == PROMPT for c in choices)
+    assert choices[0]["token_ids"] != choices[1]["token_ids"]  # seed + i
+
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    prompts: dict[int, list] = {0: [], 1: []}
+    for event in _stream_events(server, "/v1/completions", body):
+        (c,) = event["choices"]
+        assert c["text"] == "" and c["token_ids"]  # no text, yet every chunk has its ids
+        if "prompt_token_ids" in c:
+            assert not streamed[c["index"]]  # on the choice's first chunk
+            prompts[c["index"]].append(c["prompt_token_ids"])
+        streamed[c["index"]] += c["token_ids"]
+    assert [streamed[0], streamed[1]] == [c["token_ids"] for c in choices]
+    assert prompts == {0: [PROMPT], 1: [PROMPT]}
+    plain = _post(server, "/v1/completions", INNOCENT).json()  # off by default
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_chat_token_ids_match_the_text_and_the_prompt_ids_come_once(chat_server):
+    """Chat (a byte-level tokenizer: random bytes leave text held back): the ids decode to
+    the message, the prompt's ids are the templated prompt's, once on the response (vLLM's
+    placement), in a stream once on its first chunk; the chunks' ids add up to the choice's."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+            "temperature": 0.9, "seed": 1, "ignore_eos": True, "n": 2, "return_token_ids": True}
+    r = _post(chat_server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    prompt = _post(chat_server, "/tokenize", {"messages": body["messages"]}).json()["tokens"]
+    assert out["prompt_token_ids"] == prompt
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    for c in choices:
+        assert len(c["token_ids"]) == 10 and "prompt_token_ids" not in c
+        decoded = _post(chat_server, "/detokenize", {"tokens": c["token_ids"]}).json()
+        assert decoded["prompt"] == c["message"]["content"]
+    events = _stream_events(chat_server, "/v1/chat/completions", body)
+    assert [i for i, e in enumerate(events) if "prompt_token_ids" in e] == [0]
+    assert events[0]["prompt_token_ids"] == prompt
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for event in events:
+        (c,) = event["choices"]
+        streamed[c["index"]] += c["token_ids"]
+    assert [streamed[0], streamed[1]] == [c["token_ids"] for c in choices]
 
 
 # ---- 7. HEAD /health --------------------------------------------------------------------------

@@ -313,7 +313,7 @@ class OpenAIServer:
         if body.stream:
             def chunk(i: int, out: RequestOutput):
                 return serving.completion_chunk(request_id, model, created, out, states[i], tok,
-                                                body.logprobs, body.echo)
+                                                body.logprobs, body.echo, body.return_token_ids)
 
             events = self._sse_events(streams, request_id, model, created, chunk,
                                       "text_completion", body.include_usage, prompt_tokens)
@@ -326,7 +326,7 @@ class OpenAIServer:
         self.check_failed(request_id, finals)
         return serving.completion_body(request_id, model, created, finals, states, tok,
                                        body.logprobs, body.echo, prompt_tokens,
-                                       body.prompt_logprobs)
+                                       body.prompt_logprobs, body.return_token_ids)
 
     async def _sse_events(self, streams, request_id: str, model: str, created: int, chunk,
                           usage_object: str, include_usage: bool,
@@ -369,10 +369,15 @@ class OpenAIServer:
 
         if body.stream:
             states = [serving.ChoiceState(i) for i in range(body.n)]
+            unsent_prompt_ids = ids if body.return_token_ids else None  # on the first chunk
 
             def chunk(i: int, out: RequestOutput):
-                return serving.chat_chunk(request_id, model, created, out, states[i], tok,
-                                          num_logprobs)
+                nonlocal unsent_prompt_ids
+                c = serving.chat_chunk(request_id, model, created, out, states[i], tok,
+                                       num_logprobs, body.return_token_ids, unsent_prompt_ids)
+                if c is not None:
+                    unsent_prompt_ids = None
+                return c
 
             events = self._sse_events(streams, request_id, model, created, chunk,
                                       "chat.completion.chunk", body.include_usage,
@@ -385,7 +390,8 @@ class OpenAIServer:
             return Response(status_code=499)
         self.check_failed(request_id, finals)
         return serving.chat_body(request_id, model, created, finals, tok, num_logprobs,
-                                 prompt_tokens, body.prompt_logprobs)
+                                 prompt_tokens, body.prompt_logprobs,
+                                 ids if body.return_token_ids else None)
 
     def _stream_error(self, request_id: str, out: RequestOutput) -> str:
         if out.error == SHUTDOWN_MESSAGE:

@@ -10,7 +10,9 @@ Logprobs: `logprobs` (completions) / `top_logprobs` (chat) up to 20 alternatives
 the device; `echo` + `logprobs` scores the prompt too (null only for its first token), as does
 vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequency_penalty`
 ([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
-`min_tokens` (vLLM's), applied on the device (runtime/controls.py).
+`min_tokens` (vLLM's), applied on the device (runtime/controls.py). Token ids: vLLM's
+`return_token_ids` adds the generated ids to each choice (a stream's chunks: the ids each one
+adds) and the prompt's ids once (serving.py says where).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[StrictStr, Any] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     prompt_logprobs: NumLogprobs | None = None  # vLLM's extra
+    return_token_ids: StrictBool = False  # vLLM's extra: output (and prompt) token ids
 
     @field_validator("logit_bias")
     @classmethod

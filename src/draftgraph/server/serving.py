@@ -1,5 +1,14 @@
 """OpenAI response bodies built from engine outputs: completions, chat, their stream chunks,
-logprobs and usage. Plain functions over dicts; no web framework here."""
+logprobs and usage. Plain functions over dicts; no web framework here.
+
+Token ids (`return_token_ids`, placed where vLLM puts them): every choice carries `token_ids`,
+its generated ids (in a stream: the ids that chunk adds; a chunk is sent for every output that
+adds ids, with or without text, so the chunks' ids concatenate to the whole output). The
+prompt's ids come once: `prompt_token_ids` on each completions choice (prompts differ per
+choice), in a stream on its first chunk; for chat on the response, in a stream on its first
+chunk (the choices share the prompt). Streams read `new_token_ids` alone: an engine output
+carries the whole `token_ids` only when it is the request's last.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ class ChoiceState:
     prompt_text: str = ""  # echoed before the first chunk when echo is on
     prompt_token_ids: list[int] = field(default_factory=list)
     started: bool = False
+    prompt_ids_sent: bool = False  # return_token_ids: the first chunk carried prompt_token_ids
     text_offset: int = 0
     finish_reason: str | None = None
 
@@ -117,7 +127,8 @@ def _echoed_logprobs(out: RequestOutput, st: ChoiceState) -> tuple[list, list]:
 def completion_body(response_id: str, model: str, created: int, finals: list[RequestOutput],
                     states: list[ChoiceState], tokenizer, num_logprobs: int | None,
                     echo: bool, prompt_tokens: int,
-                    num_prompt_logprobs: int | None = None) -> dict:
+                    num_prompt_logprobs: int | None = None,
+                    return_token_ids: bool = False) -> dict:
     choices = []
     for out, st in zip(finals, states, strict=True):
         text = (st.prompt_text if echo else "") + out.text
@@ -135,6 +146,9 @@ def completion_body(response_id: str, model: str, created: int, finals: list[Req
             choice["prompt_logprobs"] = prompt_logprobs(
                 tokenizer, st.prompt_token_ids, out.prompt_logprobs, out.prompt_top_logprobs,
                 num_prompt_logprobs)
+        if return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+            choice["prompt_token_ids"] = list(st.prompt_token_ids)
         choices.append(choice)
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(finals, prompt_tokens)}
@@ -142,7 +156,7 @@ def completion_body(response_id: str, model: str, created: int, finals: list[Req
 
 def completion_chunk(response_id: str, model: str, created: int, out: RequestOutput,
                      st: ChoiceState, tokenizer, num_logprobs: int | None,
-                     echo: bool) -> dict | None:
+                     echo: bool, return_token_ids: bool = False) -> dict | None:
     """The stream chunk for one output of one choice; None when it carries nothing."""
     text = out.delta_text
     ids = list(out.new_token_ids)
@@ -157,30 +171,44 @@ def completion_chunk(response_id: str, model: str, created: int, out: RequestOut
             text = st.prompt_text + text
             p_lps, p_tops = _echoed_logprobs(out, st)
             ids, lps, tops = st.prompt_token_ids + ids, p_lps + lps, p_tops + tops
-    # without a tokenizer (random weights) a chunk per step still reports progress
-    if not text and not out.finished and not ((num_logprobs is not None or tokenizer is None)
-                                              and ids):
+    # without a tokenizer (random weights) a chunk per step still reports progress, and so
+    # does every step when the ids are asked for (text held back still has its ids)
+    if not text and not out.finished and not (
+            (num_logprobs is not None or tokenizer is None or return_token_ids) and ids):
         return None
     lp = None
     if num_logprobs is not None:
         lp = completion_logprobs(tokenizer, ids, lps, num_logprobs, st.text_offset, tops)
         st.text_offset += sum(len(t) for t in lp["tokens"])
+    choice = {"index": st.index, "text": text, "logprobs": lp,
+              "finish_reason": out.finish_reason if out.finished else None}
+    if return_token_ids:
+        choice["token_ids"] = list(out.new_token_ids)
+        if not st.prompt_ids_sent:
+            st.prompt_ids_sent = True
+            choice["prompt_token_ids"] = list(st.prompt_token_ids)
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": st.index, "text": text, "logprobs": lp,
-                         "finish_reason": out.finish_reason if out.finished else None}]}
+            "choices": [choice]}
 
 
 def chat_body(response_id: str, model: str, created: int, finals: list[RequestOutput],
               tokenizer, num_logprobs: int | None, prompt_tokens: int,
-              num_prompt_logprobs: int | None = None) -> dict:
+              num_prompt_logprobs: int | None = None,
+              prompt_token_ids: list[int] | None = None) -> dict:
+    """prompt_token_ids: given when the request asked for token ids (return_token_ids)."""
     choices = []
     for i, out in enumerate(finals):
         lp = (chat_logprobs(tokenizer, out.token_ids, out.logprobs or [], num_logprobs,
                             out.top_logprobs) if num_logprobs is not None else None)
-        choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                        "logprobs": lp, "finish_reason": out.finish_reason})
+        choice = {"index": i, "message": {"role": "assistant", "content": out.text},
+                  "logprobs": lp, "finish_reason": out.finish_reason}
+        if prompt_token_ids is not None:
+            choice["token_ids"] = list(out.token_ids)
+        choices.append(choice)
     body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(finals, prompt_tokens)}
+    if prompt_token_ids is not None:  # vLLM: on the response, for the shared prompt
+        body["prompt_token_ids"] = list(prompt_token_ids)
     if num_prompt_logprobs is not None and finals:  # vLLM: once, for the shared prompt
         out = finals[0]
         body["prompt_logprobs"] = prompt_logprobs(tokenizer, out.prompt_token_ids,
@@ -190,23 +218,30 @@ def chat_body(response_id: str, model: str, created: int, finals: list[RequestOu
 
 
 def chat_chunk(response_id: str, model: str, created: int, out: RequestOutput, st: ChoiceState,
-               tokenizer, num_logprobs: int | None) -> dict | None:
+               tokenizer, num_logprobs: int | None, return_token_ids: bool = False,
+               prompt_token_ids: list[int] | None = None) -> dict | None:
+    """prompt_token_ids: put on this chunk (the stream's first, when ids are asked for)."""
     delta: dict = {}
     if not st.started:
         st.started = True
         delta["role"] = "assistant"
     if out.delta_text or "role" in delta:
         delta["content"] = out.delta_text
-    if not delta and not out.finished:
+    if not delta and not out.finished and not (return_token_ids and out.new_token_ids):
         return None
     lp = None
     if num_logprobs is not None and out.new_token_ids:
         lp = chat_logprobs(tokenizer, out.new_token_ids, out.new_logprobs or [], num_logprobs,
                            out.new_top_logprobs)
-    return {"id": response_id, "object": "chat.completion.chunk", "created": created,
-            "model": model,
-            "choices": [{"index": st.index, "delta": delta, "logprobs": lp,
-                         "finish_reason": out.finish_reason if out.finished else None}]}
+    choice = {"index": st.index, "delta": delta, "logprobs": lp,
+              "finish_reason": out.finish_reason if out.finished else None}
+    if return_token_ids:
+        choice["token_ids"] = list(out.new_token_ids)
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+             "model": model, "choices": [choice]}
+    if prompt_token_ids is not None:  # vLLM: on the chunk, not the choice
+        chunk["prompt_token_ids"] = list(prompt_token_ids)
+    return chunk
 
 
 def usage_chunk(response_id: str, model: str, created: int, obj: str,
