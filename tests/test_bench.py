@@ -1,19 +1,23 @@
 """`draftgraph bench serve | compare` against a real server on loopback (random tiny model with
-n-gram speculation), and the statistics they report."""
+n-gram speculation), and the statistics they report; how a streamed request's tokens are
+counted (from the ids the server streams, or from its text when it streams none)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 
+import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from draftgraph.bench.compare import abba_order, ratio_ci  # noqa: E402
-from draftgraph.bench.serve import parse_metrics, spec_summary  # noqa: E402
+from draftgraph.bench.datasets import BenchRequest  # noqa: E402
+from draftgraph.bench.serve import parse_metrics, send_request, spec_summary  # noqa: E402
 from draftgraph.cli import main  # noqa: E402
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
 from draftgraph.server.cli import build_server  # noqa: E402
@@ -57,6 +61,7 @@ def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
         assert run["mean_tpot_ms"] > 0 and run["mean_itl_ms"] > 0
         assert run["median_ttft_ms"] < run["median_e2e_ms"]
         assert run["output_throughput"] == pytest.approx(96 / run["duration_s"])
+        assert run["mean_tokens_per_chunk"] >= 1  # counted from the streamed ids
         spec = run["speculative"]
         assert spec["num_drafts"] > 0
         assert 1 <= spec["acceptance_length"] <= 1 + NUM_DRAFT_TOKENS
@@ -81,6 +86,62 @@ def test_bench_compare_against_running_servers(server, tmp_path, capsys):
     assert [r["arm"] for r in data["runs"]] == ["A", "B", "B", "A"]
     assert cmp["ratio"] > 0 and cmp["ci95"][0] <= cmp["ratio"] <= cmp["ci95"][1]
     assert "B/A" in capsys.readouterr().out
+
+
+def _send(client: httpx.AsyncClient, base_url: str, req: BenchRequest):
+    return send_request(client, base_url, "completions", "tiny", req, ignore_eos=True,
+                        api_key=None, temperature=0.0)
+
+
+def test_bench_request_counts_tokens_from_the_ids_a_random_weight_server_streams(server):
+    """The random model streams no text: every chunk is timed by its ids, the last one (its
+    finish_reason, no text) too, and the ids add up to max_tokens."""
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await _send(client, server.base_url, BenchRequest(list(range(100, 124)), 12))
+
+    res = asyncio.run(run())
+    assert res.ok, res.error
+    assert res.output_tokens == sum(res.chunk_tokens) == 12 and min(res.chunk_tokens) >= 1
+    assert len(res.itl) == len(res.chunk_tokens) - 1  # one gap between each timed chunk
+    assert 0 < res.ttft < res.e2e
+
+
+def _sse_transport(events: list[dict], requests: list[dict]) -> httpx.MockTransport:
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(json.loads(request.content))
+        return httpx.Response(200, text=body, headers={"Content-Type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def _chunk(text: str, finish: str | None = None, **extra) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish, **extra}]}
+
+
+@pytest.mark.parametrize("events,output_tokens,chunk_tokens,num_itl", [
+    # ids, no text, no usage: the ids are the count (the chunks alone would say 2)
+    ([_chunk("", token_ids=[7], prompt_token_ids=[1, 2]), _chunk("", token_ids=[8, 9]),
+      _chunk("", "length", token_ids=[10])], 4, [1, 2, 1], 2),
+    # a server that streams no ids: chunks with text are timed, usage counts the tokens
+    ([_chunk("a"), _chunk("b"), _chunk("", "stop"),
+      {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}], 3, [], 1),
+], ids=["ids", "text"])
+def test_bench_request_counts_ids_when_streamed_and_text_otherwise(events, output_tokens,
+                                                                   chunk_tokens, num_itl):
+    sent: list[dict] = []
+
+    async def run():
+        async with httpx.AsyncClient(transport=_sse_transport(events, sent)) as client:
+            return await _send(client, "http://bench.test", BenchRequest([1, 2], 4))
+
+    res = asyncio.run(run())
+    assert res.ok, res.error
+    assert sent[0]["return_token_ids"] is True and sent[0]["stream"] is True
+    assert (res.output_tokens, res.chunk_tokens, len(res.itl)) == (output_tokens, chunk_tokens,
+                                                                  num_itl)
 
 
 def test_abba_order_alternates():

@@ -2,8 +2,12 @@
 
 Each request streams; the client times its first token (TTFT), the gaps between chunks (ITL;
 under speculation one chunk may carry several tokens), the time per output token after the
-first (TPOT) and end to end (E2E). Acceptance statistics come from the difference of the
-server's `/metrics` speculative counters before and after the run.
+first (TPOT) and end to end (E2E). Requests ask for vLLM's `return_token_ids`: a chunk counts
+when it carries ids, and the output tokens are the ids streamed, so a model with no text
+(random weights, no tokenizer) is timed like any other. A server that returns no ids is timed
+by the chunks with text (or not yet finished), its output tokens taken from its usage.
+Acceptance statistics come from the difference of the server's `/metrics` speculative counters
+before and after the run.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    # tokens of each timed chunk, from its ids ([] when the server streams no ids)
+    chunk_tokens: list[int] = field(default_factory=list)
     error: str = ""
 
 
@@ -47,7 +53,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
                        temperature: float) -> RequestResult:
     body: dict = {"model": model, "max_tokens": req.output_len, "temperature": temperature,
                   "stream": True, "stream_options": {"include_usage": True},
-                  "ignore_eos": ignore_eos}
+                  "ignore_eos": ignore_eos, "return_token_ids": True}
     if endpoint == "chat":
         if not isinstance(req.prompt, str):
             return RequestResult(False, error="token-id prompts need --endpoint completions")
@@ -57,7 +63,8 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
         url = f"{base_url}/v1/completions"
         body["prompt"] = req.prompt
     start = time.perf_counter()
-    token_times: list[float] = []
+    # per choice of each chunk: (arrival, its token ids or None, text or not yet finished)
+    events: list[tuple[float, list[int] | None, bool]] = []
     usage: dict = {}
     try:
         async with client.stream("POST", url, json=body, headers=_headers(api_key)) as r:
@@ -72,20 +79,30 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
                     return RequestResult(False, error=chunk["error"].get("message", "error"))
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                now = time.perf_counter()
                 for choice in chunk.get("choices", []):
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if text or choice.get("finish_reason") is None:
-                        token_times.append(time.perf_counter())
+                    events.append((now, choice.get("token_ids"),
+                                   bool(text) or choice.get("finish_reason") is None))
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return RequestResult(False, error=f"{type(e).__name__}: {e}")
     end = time.perf_counter()
+    if any(ids is not None for _, ids, _ in events):  # the server streams ids: count them
+        timed = [(t, ids) for t, ids, _ in events if ids]
+        token_times = [t for t, _ in timed]
+        chunk_tokens = [len(ids) for _, ids in timed]
+        output_tokens = sum(chunk_tokens)
+    else:
+        token_times = [t for t, _, counts in events if counts]
+        chunk_tokens = []
+        output_tokens = usage.get("completion_tokens", len(token_times))
     if not token_times:
         return RequestResult(False, error="no tokens streamed")
     return RequestResult(
-        True, prompt_tokens=usage.get("prompt_tokens", 0),
-        output_tokens=usage.get("completion_tokens", len(token_times)),
+        True, prompt_tokens=usage.get("prompt_tokens", 0), output_tokens=output_tokens,
         ttft=token_times[0] - start, e2e=end - start,
-        itl=[b - a for a, b in zip(token_times, token_times[1:], strict=False)])
+        itl=[b - a for a, b in zip(token_times, token_times[1:], strict=False)],
+        chunk_tokens=chunk_tokens)
 
 
 def parse_metrics(text: str) -> dict:
@@ -163,6 +180,10 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
                               if r.output_tokens > 1], "tpot"))
     summary.update(_stats_ms([x for r in ok for x in r.itl], "itl"))
     summary.update(_stats_ms([r.e2e for r in ok], "e2e"))
+    chunk_tokens = [n for r in ok for n in r.chunk_tokens]
+    # tokens per timed chunk (from the ids): above 1 under speculation, where ITL > TPOT
+    summary["mean_tokens_per_chunk"] = (statistics.fmean(chunk_tokens) if chunk_tokens
+                                        else None)
     return summary
 
 
