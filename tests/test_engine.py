@@ -197,3 +197,40 @@ def test_graph_staging_writes_slot_rows_zero_padded():
     assert dst[:2].tolist() == [[5, 6, 7], [9, 10, 11]] and dst[2:].tolist() == [[99] * 3] * 2
     stage_slot_rows(dst, [[1], [2, 3, 4], [5, 6]])  # ragged: zero-padded row by row
     assert dst[:3].tolist() == [[1, 0, 0], [2, 3, 4], [5, 6, 0]]
+    dst[:] = 99
+    stage_slot_rows(dst, [[1, 2], [3, 4]])  # uniform, shorter than the grid: zero-padded
+    assert dst[:2].tolist() == [[1, 2, 0], [3, 4, 0]] and dst[2:].tolist() == [[99] * 3] * 2
+
+
+def test_only_the_final_output_carries_the_whole_token_and_logprob_lists(hf, prompts):
+    """Streams read new_token_ids / new_logprobs; no step copies a request's history."""
+    engine = tiny_engine(hf)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    rid = engine.add_request(prompts[1], sp)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    *partial, final = outs
+    assert final.finished and len(final.token_ids) == 12 and len(final.logprobs) == 12
+    assert all(o.token_ids == [] and o.logprobs == [] for o in partial if not o.finished)
+    assert sum((o.new_token_ids for o in outs), []) == final.token_ids
+    assert sum((o.new_logprobs for o in outs), []) == final.logprobs
+
+
+def test_step_budget_and_batch_default_to_the_device(monkeypatch):
+    from draftgraph.config import EngineConfig, SchedulerConfig
+    from draftgraph.runtime.graph_set import batch_buckets
+
+    cpu = EngineConfig(device="cpu").scheduler
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == SchedulerConfig.CPU_DEFAULTS \
+        == (32, 512)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = EngineConfig(device="cuda").scheduler
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (256, 8192)
+    given = EngineConfig(device="cuda", scheduler=SchedulerConfig(max_num_seqs=8)).scheduler
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (8, 8192)  # flags win
+    b = batch_buckets(256)
+    assert b[:11] == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64] and b[-1] == 256 and len(b) == 19
+    # no batch pads by more than a quarter
+    assert all(next(x for x in b if x >= n) <= max(n * 5 / 4, n + 7) for n in range(1, 257))
+    assert batch_buckets(100)[-1] == 100 and batch_buckets(3) == [1, 2, 3]

@@ -609,19 +609,22 @@ class LLMEngine:
         # the first output with tokens (prefill done) and the last carry the prompt logprobs
         prompt_lps = req.params.prompt_logprobs is not None and (
             req.finished or (n_new > 0 and len(req.output_token_ids) == n_new))
+        # NOTE: the whole lists only in the final output: copying them every step cost
+        # O(length) per request and step (streams read the new_* fields)
+        final = req.finished
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
+            token_ids=list(req.output_token_ids) if final else [],
             new_token_ids=list(new_tokens),
             text=text,
             delta_text=delta,
             finished=req.finished,
             finish_reason=req.finish_reason,
-            logprobs=list(lps) if lps is not None else None,
+            logprobs=(list(lps) if final else []) if lps is not None else None,
             new_logprobs=list(lps[len(lps) - n_new :]) if lps is not None and n_new else
             ([] if lps is not None else None),
-            top_logprobs=list(tops) if tops is not None else None,
+            top_logprobs=(list(tops) if final else []) if tops is not None else None,
             new_top_logprobs=(list(tops[len(tops) - n_new :]) if n_new else [])
             if tops is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if prompt_lps else None,

@@ -21,16 +21,20 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
+    # every output token, in the final output (finished); [] before it: a stream reads
+    # new_token_ids (so no step copies a request's whole history)
+    token_ids: list[int]
     new_token_ids: list[int]  # tokens added by this step
     text: str  # all output text so far (without held-back stop-string prefixes)
     delta_text: str  # text added by this step
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    logprobs: list[float] | None = None  # per output token, from the target model
+    # per output token, from the target model: the whole list in the final output, like
+    # token_ids ([] before it); None when the request did not ask
+    logprobs: list[float] | None = None
     new_logprobs: list[float] | None = None
     # per output token its top alternatives [(token id, logprob)], most likely first (when
-    # the request asked for top_logprobs; [] entries otherwise)
+    # the request asked for top_logprobs; [] entries otherwise); final output only, as above
     top_logprobs: list[list[tuple[int, float]]] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     # per prompt token its logprob (None for the first), and (rank, top ids, top logprobs)
