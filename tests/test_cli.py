@@ -89,7 +89,8 @@ def test_every_flag_of_every_subcommand_has_help_and_shows_its_default():
             assert shown or f"(default: {action.default})" in " ".join(text.split()), \
                 (name, action.dest)
     gen = " ".join(subs["generate"].format_help().split())
-    assert "(default: 128)" in gen and "(default: 32)" in gen  # --max-tokens, --max-num-seqs
+    assert "(default: 128)" in gen  # --max-tokens
+    assert "(default: 256 on a GPU, 32 on the CPU)" in gen  # --max-num-seqs
 
 
 def test_generate_and_serve_share_the_engine_flags():

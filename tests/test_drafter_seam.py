@@ -125,10 +125,18 @@ def test_speculative_flags_are_validated_and_name_the_flag():
 
 
 def test_kv_sizing_always_fits_one_request_of_max_model_len():
-    from draftgraph.config import CacheConfig, SchedulerConfig
+    from draftgraph.config import CacheConfig
     from draftgraph.runtime.slot_space import kv_slots
 
     cpu = torch.device("cpu")
+
+    def SchedulerConfig(**kw):  # noqa: N802  (the CPU's defaults, as EngineConfig resolves them)
+        from draftgraph.config import SchedulerConfig as S
+
+        s = S(**kw)
+        s.resolve(gpu=False)
+        return s
+
     small = kv_slots(CacheConfig(), SchedulerConfig(max_num_seqs=1), 100, 1000, cpu)
     assert small == 100 + 2  # one request (and the dummy page), not the CPU default
     default = kv_slots(CacheConfig(), SchedulerConfig(), 8192, 1000, cpu)

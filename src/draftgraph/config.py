@@ -33,15 +33,32 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 32  # requests decoded together
-    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    # requests decoded together, and the token budget of one step (prefill chunks + decodes);
+    # None: sized for the device (EngineConfig: GPU_DEFAULTS or CPU_DEFAULTS)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_waiting: int = 1024  # queued requests before new ones are refused
     max_model_len: int | None = None  # None: the model's context, capped at 8192
 
     def __post_init__(self) -> None:
-        _need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        _need(self.max_num_batched_tokens >= 16,
+        _need(self.max_num_seqs is None or self.max_num_seqs >= 1,
+              f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 16,
               f"--max-num-batched-tokens must be >= 16, got {self.max_num_batched_tokens}")
+
+    # (max_num_seqs, max_num_batched_tokens) when not given: a GPU serves many requests and
+    # takes prefills of thousands of tokens per step (as vLLM and SGLang default to); a CPU
+    # keeps small batches and short chunks, so running streams never wait long
+    GPU_DEFAULTS = (256, 8192)
+    CPU_DEFAULTS = (32, 512)
+
+    def resolve(self, gpu: bool) -> None:
+        """Fill the fields left None with the device's defaults."""
+        seqs, tokens = self.GPU_DEFAULTS if gpu else self.CPU_DEFAULTS
+        if self.max_num_seqs is None:
+            self.max_num_seqs = seqs
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = tokens
         _need(self.max_model_len is None or self.max_model_len >= 2,
               f"--max-model-len must be >= 2, got {self.max_model_len}")
 
@@ -93,7 +110,7 @@ class EngineConfig:
     device: str | None = None  # None: cuda if available
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     use_graphs: bool = True  # CUDA graphs on GPU; ignored on CPU
-    # launch decode step N + 1 before reading step N's tokens (graphs, no speculation)
+    # launch step N + 1 (decode or speculative) before reading step N's tokens (graphs)
     async_scheduling: bool = True
     attention_backend: str | None = None  # None: triton on GPU, torch on CPU
     # "on": every verify row computed exactly as the decode row at its position (GPU: every
@@ -116,6 +133,7 @@ class EngineConfig:
             raise ValueError("--device cuda was given but no CUDA GPU is visible; use --device cpu")
         if self.dtype is None:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        self.scheduler.resolve(gpu=self.device.startswith("cuda"))
         _need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, "
               f"got {self.dtype!r}")
         _need(self.exact_rows in ("auto", "on", "off"),

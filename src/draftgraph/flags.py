@@ -121,11 +121,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "most 1 GiB of weights)")
     e.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="attention kernels (default: triton on GPU, torch on CPU)")
-    e.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                   help="requests decoded together in one step")
-    e.add_argument("--max-num-batched-tokens", type=int,
-                   default=SchedulerConfig.max_num_batched_tokens,
-                   help="token budget of one step (prefill chunks + decodes)")
+    gpu, cpu = SchedulerConfig.GPU_DEFAULTS, SchedulerConfig.CPU_DEFAULTS
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"requests decoded together in one step (default: {gpu[0]} on a GPU, "
+                        f"{cpu[0]} on the CPU)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget of one step: prefill chunks + decodes (default: "
+                        f"{gpu[1]} on a GPU, {cpu[1]} on the CPU)")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="context length: prompt + generated tokens (default: the model's "
                         "context, capped at 8192)")
