@@ -1,0 +1,105 @@
+"""Where time to first token goes (issue 15): a batch-1 prefill of N tokens, wall time against
+GPU time, by kernel and by host-side CUDA call (torch.profiler).
+
+    python benchmarks/profile_prefill.py --model random:smollm2-135m --tokens 512,4096 \\
+        --out r.json
+
+Per prompt length: TTFT of `LLMEngine.generate(max_tokens=1)` (median of --repeats, after
+warm-up), the engine step alone (the eager extend forward and its sampling tail), GPU busy time
+inside that step, kernel launches from the host, and the top kernels by GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from _meta import model_shape, run_header
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.sampling import SamplingParams
+
+LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def profile(engine: LLMEngine, prompt: list[int], top: int) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof_ctx
+
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine._drain_inbox([])
+    torch.cuda.synchronize()
+    with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.step()  # the prefill step (its sampled token ends the request)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    launches = sum(e.count for e in prof.key_averages() if e.key in LAUNCH)
+    kernels, gpu_us = {}, 0.0
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")):
+            r = kernels.setdefault(e.name[:120], {"us": 0.0, "count": 0})
+            r["us"] += e.time_range.elapsed_us()
+            r["count"] += 1
+            gpu_us += e.time_range.elapsed_us()
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:top]
+    return {"step_wall_ms_profiled": wall, "gpu_ms": gpu_us / 1e3, "kernel_launches": launches,
+            "top_kernels": [{"kernel": k, **v} for k, v in ranked]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tokens", default="512,4096")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    lens = [int(x) for x in args.tokens.split(",")]
+    engine = LLMEngine(EngineConfig(
+        model=args.model, device="cuda", dtype=args.dtype,
+        cache=CacheConfig(kv_cache_tokens=max(lens) * 2 + 1024),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max(lens),
+                                  max_model_len=max(lens) + 64)))
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for n in lens:
+        prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
+        for _ in range(2):
+            ttft(engine, prompt)  # warm-up: Triton compiles for this length
+        times = [ttft(engine, prompt) for _ in range(args.repeats)]
+        r = {"prompt_tokens": n, "ttft_ms_median": statistics.median(times),
+             "ttft_ms": times, **profile(engine, prompt, args.top)}
+        results.append(r)
+        print(f"{args.model} {n} tokens: TTFT {r['ttft_ms_median']:.2f} ms, profiled step "
+              f"{r['step_wall_ms_profiled']:.2f} ms, GPU {r['gpu_ms']:.2f} ms, "
+              f"{r['kernel_launches']} launches", flush=True)
+        for k in r["top_kernels"][:6]:
+            print(f"    {k['us'] / 1e3:8.3f} ms x{k['count']:4d} {k['kernel'][:90]}", flush=True)
+    out = {"benchmark": "prefill_profile", **run_header(), "model": args.model,
+           "model_shape": model_shape(engine.model_config), "dtype": args.dtype,
+           "results": results}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
