@@ -211,3 +211,25 @@ def test_async_steps_with_a_chain_head_keep_its_kv_in_step(hf):
     assert outs[True] == outs[False]
     assert {k: v[0] for k, v in outs[True].items()} == {k: v[0] for k, v in plain.items()}
     assert engine.spec_graphs.refs > 10 and engine.decode_graphs.refs == 0
+
+
+def test_async_speculative_steps_with_sampling_controls_equal_sync_ones(hf):
+    """Penalties and logit bias replay the extras twin; its counts fold the positions each
+    ahead step's shifted seq_lens reach, so outputs still equal the synchronous engine's."""
+    prompts = _prompts(3)
+    controls = dict(temperature=0, ignore_eos=True, presence_penalty=0.5,
+                    frequency_penalty=0.3, logit_bias={7: 2.0})
+    plain = tiny_engine(hf).generate(prompts, SamplingParams(max_tokens=60, **controls))
+    futures = {f"r{i}": p + o.token_ids for i, (p, o) in enumerate(zip(prompts, plain,
+                                                                        strict=True))}
+    params = [SamplingParams(max_tokens=n, logprobs=True, **controls) for n in (22, 15, 30)]
+    ref = _run(_engine(hf, False, drafter=RowOracle(K)), prompts, params, futures)
+    engine = _engine(hf, True, drafter=RowOracle(K))
+    twin = engine.extras_graphs[engine.spec_graphs]
+    _count_refs(twin)
+    got = _run(engine, prompts, params, futures)
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
+    for k in ref:
+        torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(ref[k][1]))
+    assert twin.refs > 5  # the extras twin's steps were launched ahead
+    assert engine.stats["num_accepted_tokens"] > 10  # and shifted by accepted drafts
