@@ -45,6 +45,8 @@ class SchedulerConfig:
               f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         _need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 16,
               f"--max-num-batched-tokens must be >= 16, got {self.max_num_batched_tokens}")
+        _need(self.max_model_len is None or self.max_model_len >= 2,
+              f"--max-model-len must be >= 2, got {self.max_model_len}")
 
     # (max_num_seqs, max_num_batched_tokens) when not given: a GPU serves many requests and
     # takes prefills of thousands of tokens per step (as vLLM and SGLang default to); a CPU
@@ -59,8 +61,6 @@ class SchedulerConfig:
             self.max_num_seqs = seqs
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = tokens
-        _need(self.max_model_len is None or self.max_model_len >= 2,
-              f"--max-model-len must be >= 2, got {self.max_model_len}")
 
 
 SPEC_METHODS = ("ngram", "chain", "draft", "block")
