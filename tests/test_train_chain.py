@@ -130,13 +130,16 @@ def test_train_drafter_cli_runs_and_resumes(tmp_path, capsys):
     from draftgraph.cli import main
 
     data = tmp_path / "ids.json"
-    data.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]))
+    # the last prompt is longer than --max-len (the engine refuses it): skipped, not fatal
+    data.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16],
+                                list(range(5, 75))]))
     out = tmp_path / "run"
     argv = ["train-drafter", "random:tiny", "--out", str(out), "--data", str(data),
             "--max-new-tokens", "12", "--max-len", "64", "--draft-vocab", "32", "--steps", "6",
             "--batch-tokens", "128"]
     assert main(argv) == 0
-    assert "step 6/6" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "step 6/6" in err and "1 prompts skipped" in err
     saved = json.loads((out / "sequences.json").read_text())
     assert len(saved["sequences"]) == 3 and len(saved["sha256"]) == 64
     assert main(argv[:-4] + ["--steps", "8", "--batch-tokens", "128"]) == 0  # resumes

@@ -138,9 +138,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         seqs = [Sequence(s["ids"], s["prompt_len"]) for s in saved["sequences"]]
         print(f"train-drafter: {len(seqs)} sequences from {seq_path}", file=sys.stderr)
     else:
+        from draftgraph.engine.errors import EngineError
+
         limit = args.max_len - args.max_new_tokens
-        prompts = [p for p in (engine.encode_prompt(x) for x in _prompts(args))
-                   if len(p) <= limit]
+        prompts, skipped = [], 0
+        for x in _prompts(args):
+            try:
+                p = engine.encode_prompt(x)
+            except EngineError:  # longer than the context (--max-len), or not valid text
+                p = None
+            if p is None or len(p) > limit:
+                skipped += 1
+                continue
+            prompts.append(p)
+        if skipped:
+            print(f"train-drafter: {skipped} prompts skipped: longer than --max-len "
+                  f"{args.max_len} - --max-new-tokens {args.max_new_tokens} tokens (or not "
+                  "valid text)", file=sys.stderr)
         if not prompts:
             print(f"error: no prompt fits --max-len {args.max_len} with --max-new-tokens "
                   f"{args.max_new_tokens}", file=sys.stderr)
