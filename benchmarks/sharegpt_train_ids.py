@@ -1,0 +1,65 @@
+"""The ShareGPT train split's prompts as token ids, for `train-drafter --data IDS.json.gz` on a
+machine without the dataset package (the GPU machine): `sharegpt_prompts("train", turns=...)`
+encoded with the engine's `encode_prompt` (the chat template), as `train/cli.py` does, keeping
+prompts of at most --max-len - --max-new-tokens tokens (those the context cannot hold at all
+are refused by the engine and counted). Prints the count and the sha256 of the ids' JSON (the
+value the head READMEs quote).
+
+    python benchmarks/sharegpt_train_ids.py --model default --turns all \
+        --out .traindata_all/sharegpt_train_all_ids.json.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import sys
+
+from draftgraph.config import EngineConfig, SchedulerConfig
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.errors import EngineError
+from draftgraph.train.data import sharegpt_prompts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--turns", choices=["first", "all"], default="all")
+    ap.add_argument("--max-len", type=int, default=640)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--limit", type=int, default=None, help="keep at most this many prompts")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=a.model, device="cpu",
+                                    scheduler=SchedulerConfig(max_model_len=a.max_len)))
+    limit = a.max_len - a.max_new_tokens
+    messages = sharegpt_prompts("train", turns=a.turns)
+    ids, refused, too_long = [], 0, 0
+    for m in messages:
+        try:
+            p = engine.encode_prompt(m)
+        except EngineError:  # longer than the context (or not valid text)
+            refused += 1
+            continue
+        if len(p) > limit:
+            too_long += 1
+            continue
+        ids.append(p)
+    ids = ids[: a.limit]
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    blob = json.dumps(ids)
+    with gzip.open(a.out, "wt") as f:
+        f.write(blob)
+    print(json.dumps({"turns": a.turns, "conversation_prompts": len(messages),
+                      "refused_by_engine": refused, "over_limit": too_long,
+                      "kept": len(ids), "tokens": sum(map(len, ids)), "max_prompt_len": limit,
+                      "sha256": hashlib.sha256(blob.encode()).hexdigest(),
+                      "file_bytes": os.path.getsize(a.out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
