@@ -7,7 +7,9 @@
   wall time to the loaded model (imports included);
 - decode: tokens/s of one greedy request (batch 1) after its first token;
 - prefill: tokens/s of one prompt of N tokens (one chunk: --max-num-batched-tokens N), next to
-  one transformers forward of the same GGUF (transformers dequantises it itself), in this run.
+  one transformers forward of the same GGUF (transformers dequantises it itself), in this run;
+- stall: with the CPU's default step budget (chunked prefill), the largest gap between two
+  tokens of a running stream while a --stall-tokens prompt is admitted, and that prompt's TTFT.
 
 Writes JSON with the device, model shape, date and command. Say whether the machine was quiet
 (`load_average` is recorded before and after).
@@ -90,6 +92,39 @@ def prefill(engine: LLMEngine, n: int, repeats: int, vocab: int) -> dict:
     return {"tokens": n, "seconds": best, "tok_s": n / best, "seconds_all": times}
 
 
+def stall(model: str, n: int, vocab: int) -> dict:
+    """A stream decodes; a prompt of n tokens arrives; its prefill is cut into chunks of the
+    default budget, each step also carrying the stream's next token."""
+    engine = LLMEngine(EngineConfig(model=model, device="cpu",
+                                    scheduler=SchedulerConfig(max_model_len=n + 256),
+                                    cache=CacheConfig(kv_cache_tokens=2 * n + 512)))
+    budget = engine.config.scheduler.max_num_batched_tokens
+    g = torch.Generator().manual_seed(1)
+    stream = engine.add_request("Write a story about a graph that learns to fly.",
+                                SamplingParams(max_tokens=10_000, temperature=0.0,
+                                               ignore_eos=True))
+    times: list[float] = []
+    long_id, t_arrive, ttft = None, None, None
+    while ttft is None or len(times) < 3:
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.request_id == stream and out.new_token_ids:
+                times.append(now)
+            if out.request_id == long_id and out.new_token_ids and ttft is None:
+                ttft = now - t_arrive
+        if long_id is None and len(times) >= 5:
+            t_arrive = time.perf_counter()
+            long_id = engine.add_request(torch.randint(100, vocab - 100, (n,),
+                                                       generator=g).tolist(),
+                                         SamplingParams(max_tokens=1, temperature=0.0))
+            first_gap = len(times)
+    gaps = [b - a for a, b in zip(times[first_gap - 1 :], times[first_gap:], strict=False)]
+    steady = [b - a for a, b in zip(times[: first_gap - 1], times[1:first_gap], strict=False)]
+    engine.abort(stream)
+    return {"prompt_tokens": n, "step_budget": budget, "max_gap_s": max(gaps),
+            "gaps_s": gaps, "steady_gap_s": min(steady), "long_prompt_ttft_s": ttft}
+
+
 def transformers_model(path: str):
     """transformers' own GGUF loading, fp32 (without accelerate: its conversion, by hand)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -135,6 +170,8 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--stall-tokens", type=int, default=4096,
+                   help="the prompt admitted while a stream runs (0: skip)")
     p.add_argument("--out", default="benchmarks/results/cpu_smollm2.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -162,7 +199,12 @@ def main() -> int:
     result["prefill"] = {str(n): prefill(engine, n, args.repeats, engine.model_config.vocab_size)
                          for n in args.prefill_lens}
     save()
+    vocab = engine.model_config.vocab_size
     del engine
+    if args.stall_tokens:
+        print("stall ...", file=sys.stderr, flush=True)
+        result["stall"] = stall(args.model, args.stall_tokens, vocab)
+        save()
     if not args.no_transformers:
         print("transformers ...", file=sys.stderr, flush=True)
         result["transformers_forward"] = transformers_forward(path, args.prefill_lens,
