@@ -15,11 +15,9 @@ from _tiny import tiny_engine, tiny_hf_model
 from draftgraph.engine.sampling import SamplingParams
 
 
-def _engine(hf, async_on: bool, kv_tokens: int = 2048):
-    engine = tiny_engine(hf, max_num_seqs=8, budget=64, kv_tokens=kv_tokens)
-    engine.async_scheduling = async_on  # on CPU off by default: eagerly nothing overlaps
-    graphs = engine.decode_graphs
-    graphs.refs = 0  # last tokens that were references to the previous step
+def count_refs(graphs) -> None:
+    """graphs.refs: rows staged as references to the previous replay (launched ahead)."""
+    graphs.refs = 0
     replay = graphs.replay
 
     def counting_replay(bs, greedy, fields):
@@ -27,16 +25,25 @@ def _engine(hf, async_on: bool, kv_tokens: int = 2048):
         return replay(bs, greedy, fields)
 
     graphs.replay = counting_replay
+
+
+def _engine(hf, async_on: bool, kv_tokens: int = 2048):
+    engine = tiny_engine(hf, max_num_seqs=8, budget=64, kv_tokens=kv_tokens)
+    engine.async_scheduling = async_on  # on CPU off by default: eagerly nothing overlaps
+    count_refs(engine.decode_graphs)
     return engine
 
 
-def _run(engine, prompts, params, abort_at=None, late=None):
+def run_steps(engine, prompts, params, abort_at=None, late=None, before_step=None):
     """Drive step() by hand: abort request `abort_at[1]` after step abort_at[0]; add `late`
-    (prompt, params) after step 3. Returns {request id: (tokens, logprobs, reason)}."""
+    (prompt, params) after step 3; call before_step(engine) before each step. Returns
+    {request id: (tokens, logprobs, reason)}; every KV slot must be back at the end."""
     ids = [engine.add_request(p, sp, request_id=f"r{i}")
            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     done, step = {}, 0
     while engine.has_unfinished():
+        if before_step is not None:
+            before_step(engine)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = (out.token_ids, out.logprobs, out.finish_reason)
@@ -46,7 +53,11 @@ def _run(engine, prompts, params, abort_at=None, late=None):
         if late and step == 3:
             engine.add_request(late[0], late[1], request_id="late")
     assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+    assert engine._inflight is None
     return done
+
+
+_run = run_steps
 
 
 @pytest.fixture(scope="module")

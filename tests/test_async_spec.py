@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
+from test_async_scheduling import _prompts, run_steps
+from test_async_scheduling import count_refs as _count_refs
 
 from draftgraph.config import SpecConfig
 from draftgraph.engine.sampling import SamplingParams
@@ -52,23 +54,6 @@ def hf():
     return tiny_hf_model(seed=0)
 
 
-def _prompts(n=5):
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, 128, (m,), generator=g).tolist() for m in (5, 30, 12, 9, 21)[:n]]
-
-
-def _count_refs(graphs) -> None:
-    """graphs.refs: rows staged as references to the previous replay (launched ahead)."""
-    graphs.refs = 0
-    replay = graphs.replay
-
-    def counting_replay(bs, greedy, fields):
-        graphs.refs += sum(t < 0 for t in fields["input_ids"])
-        return replay(bs, greedy, fields)
-
-    graphs.replay = counting_replay
-
-
 def _engine(hf, async_on: bool, spec=FIXED, drafter=None, kv_tokens: int = 2048):
     engine = tiny_engine(hf, max_num_seqs=8, budget=64, kv_tokens=kv_tokens, spec=spec,
                          drafter=drafter)
@@ -79,28 +64,15 @@ def _engine(hf, async_on: bool, spec=FIXED, drafter=None, kv_tokens: int = 2048)
 
 
 def _run(engine, prompts, params, futures=None, abort_at=None, late=None):
-    """Drive step() by hand; before each step the oracle (if any) learns each running
-    request's future; abort request abort_at[1] after step abort_at[0]; add `late` after
-    step 3. Returns {request id: (tokens, logprobs, reason)}."""
-    ids = [engine.add_request(p, sp, request_id=f"r{i}")
-           for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-    done, step = {}, 0
-    while engine.has_unfinished():
-        if futures is not None:
-            for rid, req in engine.requests.items():
-                if req.req_pool_idx:
-                    engine.drafter.set(req.req_pool_idx, futures[rid])
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = (out.token_ids, out.logprobs, out.finish_reason)
-        step += 1
-        if abort_at and step == abort_at[0]:
-            engine.abort(ids[abort_at[1]])
-        if late and step == 3:
-            engine.add_request(late[0], late[1], request_id="late")
-    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
-    assert engine._inflight is None
-    return done
+    """test_async_scheduling's driver; before each step the oracle (if any) learns each
+    running request's future."""
+    def teach(engine):
+        for rid, req in engine.requests.items():
+            if req.req_pool_idx:
+                engine.drafter.set(req.req_pool_idx, futures[rid])
+
+    return run_steps(engine, prompts, params, abort_at, late,
+                     before_step=teach if futures is not None else None)
 
 
 def _futures(hf, prompts, late=None):

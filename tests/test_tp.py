@@ -28,7 +28,10 @@ from draftgraph.models.presets import init_random_weights
 from draftgraph.runtime import tp_control, tp_worker
 from draftgraph.runtime.schema import StepBatch
 
-LOGITS_ATOL = 1e-4
+# fp32 rounding of a different summation order (row-parallel partials all-reduced; SDPA's
+# fused CPU kernel blocks each rank's heads its own way) over up to 30 layers; a wrong shard
+# is off by O(1)
+LOGITS_ATOL = 2e-4
 
 
 # ---- sharding arithmetic (no processes) ---------------------------------------------------

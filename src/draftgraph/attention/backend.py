@@ -183,17 +183,24 @@ class TorchBackend(AttentionBackend):
               fb: ForwardBatch) -> torch.Tensor:
         """Attention of the query rows q [L, Hq, D] (tokens q0.. of the batch) over the keys at
         slots idx, the first at position kv_start."""
-        kr = k_cache[idx].transpose(0, 1)  # [Hkv, S, D]
-        vr = v_cache[idx].transpose(0, 1)
-        qr = q.transpose(0, 1)  # [Hq, L, D]
-        n = q.shape[0]
-        mask = None  # a draft block sees its whole list
-        if not lists.noncausal and (n > 1 or lists.window is not None):
+        n, s = q.shape[0], idx.shape[0]
+        # NOTE: 4-D [1, H, L, D] inputs take SDPA's fused CPU kernel, 3-D ones its math path:
+        # 4-6x slower for a prefill chunk, 5x for a decode row (2 cores). But the fused
+        # kernel's rounding of a row depends on the chunk around it (bf16 logprobs differ
+        # with the prefill's chunking), the math path's does not: exact rows stay 3-D
+        lead = () if self.exact_rows else (None,)
+        kr = k_cache[idx].transpose(0, 1)[lead]  # [(1,) Hkv, S, D]
+        vr = v_cache[idx].transpose(0, 1)[lead]
+        qr = q.transpose(0, 1)[lead]  # [(1,) Hq, L, D]
+        mask, causal = None, False  # a draft block sees its whole list
+        if not lists.noncausal and lists.window is None and n == s > 1:
+            causal = True  # the request's first chunk: its positions are the list's
+        elif not lists.noncausal and (n > 1 or lists.window is not None):
             qpos = fb.positions[q0 : q0 + n, None]
-            kpos = kv_start + torch.arange(idx.shape[0], device=q.device)[None, :]
+            kpos = kv_start + torch.arange(s, device=q.device)[None, :]
             mask = kpos <= qpos
             if lists.window is not None:
                 mask &= qpos - kpos < lists.window
         o = F.scaled_dot_product_attention(qr, kr.to(q.dtype), vr.to(q.dtype), attn_mask=mask,
-                                           scale=self.scale, enable_gqa=True)
-        return o.transpose(0, 1)
+                                           is_causal=causal, scale=self.scale, enable_gqa=True)
+        return (o[0] if lead else o).transpose(0, 1)
