@@ -223,7 +223,7 @@ def test_step_budget_and_batch_default_to_the_device(monkeypatch):
 
     cpu = EngineConfig(device="cpu").scheduler
     assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == SchedulerConfig.CPU_DEFAULTS \
-        == (32, 512)
+        == (32, 256)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = EngineConfig(device="cuda").scheduler
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (256, 8192)
