@@ -401,9 +401,10 @@ class LLMEngine:
             input_ids=input_ids, req_pool_indices=[r.req_pool_idx for r in reqs],
             seq_lens=seq_lens, max_draft=max_draft, top_k=[x.top_k for x in p],
             seeds=[r.seed for r in reqs], reserved_slots=reserved_slots,
-            seq_limit=[min(len(r.prompt_token_ids) + x.max_tokens, self.max_model_len)
-                       for r, x in zip(reqs, p, strict=True)],
             temperature=[x.temperature for x in p], top_p=[x.top_p for x in p])
+        if graphs.body.k:  # the device's draft cap after an async shift (decode has none)
+            fields["seq_limit"] = [min(len(r.prompt_token_ids) + x.max_tokens,
+                                       self.max_model_len) for r, x in zip(reqs, p, strict=True)]
         if graphs in self.extras_graphs.values():
             fields.update(self._control_lanes(reqs))
         return graphs.replay(len(reqs), all(x.temperature == 0 for x in p), fields)
