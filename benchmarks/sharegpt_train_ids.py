@@ -1,12 +1,16 @@
-"""The ShareGPT train split's prompts as token ids, for `train-drafter --data IDS.json.gz` on a
-machine without the dataset package (the GPU machine): `sharegpt_prompts("train", turns=...)`
-encoded with the engine's `encode_prompt` (the chat template), as `train/cli.py` does, keeping
-prompts of at most --max-len - --max-new-tokens tokens (those the context cannot hold at all
-are refused by the engine and counted). Prints the count and the sha256 of the ids' JSON (the
-value the head READMEs quote).
+"""ShareGPT prompts as token ids, for `train-drafter --data IDS.json.gz` (the train split) and
+`--eval-data IDS.json.gz` (the held-out split) on a machine without the dataset package (the
+GPU machine): `sharegpt_prompts(split, turns=...)` encoded with the engine's `encode_prompt`
+(the chat template), as `train/cli.py` does, keeping prompts of at most --max-len -
+--max-new-tokens tokens (those the context cannot hold at all are refused by the engine and
+counted) and none of the prompts of `--exclude` (a JSON {set: [ids, ...]} file: the acceptance
+benchmark's prompts stay out of the held-out set a run selects its head by). Prints the count
+and the sha256 of the ids' JSON (the value the head READMEs quote).
 
     python benchmarks/sharegpt_train_ids.py --model default --turns all \
         --out .traindata_all/sharegpt_train_all_ids.json.gz
+    python benchmarks/sharegpt_train_ids.py --split held_out --limit 256 \
+        --exclude benchmarks/data/accept_sets_smollm2_ids.json --out .traindata_all/eval.json.gz
 """
 
 from __future__ import annotations
@@ -31,13 +35,20 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=640)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=None, help="keep at most this many prompts")
+    ap.add_argument("--split", choices=["train", "held_out"], default="train")
+    ap.add_argument("--exclude", default=None, help="JSON {set: [prompt ids, ...]}: prompts "
+                    "to leave out")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=a.model, device="cpu",
                                     scheduler=SchedulerConfig(max_model_len=a.max_len)))
     limit = a.max_len - a.max_new_tokens
-    messages = sharegpt_prompts("train", turns=a.turns)
-    ids, refused, too_long = [], 0, 0
+    messages = sharegpt_prompts(a.split, turns=a.turns)
+    excluded = set()
+    if a.exclude:
+        with open(a.exclude) as f:
+            excluded = {tuple(p) for ps in json.load(f).values() for p in ps}
+    ids, refused, too_long, dropped = [], 0, 0, 0
     for m in messages:
         try:
             p = engine.encode_prompt(m)
@@ -47,14 +58,18 @@ def main() -> int:
         if len(p) > limit:
             too_long += 1
             continue
+        if tuple(p) in excluded:
+            dropped += 1
+            continue
         ids.append(p)
     ids = ids[: a.limit]
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     blob = json.dumps(ids)
     with gzip.open(a.out, "wt") as f:
         f.write(blob)
-    print(json.dumps({"turns": a.turns, "conversation_prompts": len(messages),
+    print(json.dumps({"split": a.split, "turns": a.turns, "conversation_prompts": len(messages),
                       "refused_by_engine": refused, "over_limit": too_long,
+                      "excluded": dropped,
                       "kept": len(ids), "tokens": sum(map(len, ids)), "max_prompt_len": limit,
                       "sha256": hashlib.sha256(blob.encode()).hexdigest(),
                       "file_bytes": os.path.getsize(a.out)}))

@@ -1,75 +1,46 @@
 #!/usr/bin/env bash
-# Train the default model's chain head (KIND=chain, the default) or block head (KIND=block) on
-# the H200, whose calls carry at most 64 MiB (the package's tracked files are about half of it),
-# over back-to-back calls to the same warm machine. The GGUF travels in quarters (`split -n 4
-# -d FILE`, the ignored folders .modelq1/ .. .modelq4/, the last with the file's sha256):
-#   calls 1-3: `bash benchmarks/train_head_gpu.sh stage N`, N = 1, 2, 3, with carry
-#           [".modelqN"]: the quarters go to /tmp/dg_model;
-#   call 4: `[KIND=block] bash benchmarks/train_head_gpu.sh train` with carry [".modelq4",
-#           ".whl", DATA's folder]: joins the GGUF, regenerates the prompts' responses with the
-#           engine (bf16, greedy, 256 new tokens, SEQS requests at a time, default 1024; 256 if
-#           that fails at once), returns them packed (`pack_sequences.py`: seqs.npz, store them
-#           under .trainseqs_all/) and trains until END seconds (default 550) after the call
-#           began; returns head/, history.json, loss.png and train_log.txt (the data's sha256s).
-#           A block run on a machine that already ran the chain one takes its sequences.json
-#           (same model, prompts and lengths); with .trainseqs_all/ carried, a run unpacks the
-#           sequences there instead of regenerating;
-#   call 5: `[KIND=block] bash benchmarks/train_head_gpu.sh bench` (no carry but SRC's folder):
-#           MINUTES (default 1.5) more training when the steps are not done, then the chain head
-#           against the shipped one (OLD, default src/draftgraph/heads/smollm2-135m-chain) on
-#           the real model, plain and chain arms of bench_accept.py each, batch 1, bf16, NUM
-#           (default 32) prompts per set; a block head against plain and n-gram.
-# DATA: the prompts' token ids (`sharegpt_train_ids.py`), default the shipped heads' data,
-# .traindata/sharegpt_train_ids.json.gz (the first human turn of each ShareGPT train
-# conversation); DATA=.traindata_all/sharegpt_train_all_ids.json.gz is every human turn with
-# its history (the 2026-12-02 run, benchmarks/NOTES.md: not better, not shipped).
-# The block head: block size 8 (7 drafts), 1 layer, window 512 (the whole of nearly every
-# 640-token training sequence, and at inference a block's attention stays at 512 + 8 keys),
-# Markov head of rank 64, confidence head on, mask token = the tokenizer's <empty_output> (16),
-# ANCHORS (default 64) blocks per sequence and at most MAX_BLOCKS (default 2048) per step
-# (7 vocabulary rows each: ~25 bytes per row and token, ~18 GB at 2048, measured on the CPU).
+# Train drafter heads for the default model on the H200, whose calls carry at most 64 MiB (the
+# package's tracked files are about half of it), over back-to-back calls to the same warm
+# machine (it is given back 30 s after a call ends). The GGUF travels in quarters
+# (`split -n 4 -d FILE`, the ignored folders .modelq1/ .. .modelq4/, the last with the file's
+# sha256):
+#   calls 1-3: `bash benchmarks/train_head_gpu.sh stage N`, N = 1, 2, 3, carry [".modelqN"];
+#   call 4:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modelq4", ".whl",
+#              ".traindata_all"]: joins and checks the GGUF, regenerates the responses of DATA's
+#              prompts and of EVAL's held-out prompts with the engine (bf16, greedy, 256 new
+#              tokens, SEQS requests at a time), returns them packed (`pack_sequences.py`:
+#              seqs.npz*, keep them under .trainseqs_all/: a later call carrying that folder
+#              unpacks instead of regenerating), then trains the ARMS until END seconds;
+#   call 5+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
+#              from their checkpoints until END seconds;
+#   last call: `RETURN=arm bash benchmarks/train_head_gpu.sh train` also returns that arm's
+#              best head (the best held-out accept-length estimate) as best/.
+# ARMS: `name=flags` pairs separated by ';', one train-drafter run each, all at once on the
+# one GPU (default: 1- and 2-layer chain heads); each returns history_NAME.json (the training
+# curve and the held-out evaluations) and loss_NAME.png.
+# DATA: the prompts' token ids (`sharegpt_train_ids.py`), default every human turn of the
+# ShareGPT train split with its history, at most 768 tokens; EVAL: held-out prompts, default
+# 256 of the held-out split, the acceptance benchmark's prompts excluded.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-KIND=${KIND:-chain}
-D=/tmp/dg_model RUN=/tmp/dg_train
-[ "$KIND" = block ] && RUN=/tmp/dg_train_block
-DATA=${DATA:-.traindata/sharegpt_train_ids.json.gz}
-# SRC: where the package is imported from (default src; a snapshot of a commit, e.g.
-# `git archive HEAD src/draftgraph`, keeps others' uncommitted edits out of a run)
-export PYTHONPATH=/tmp/site:${SRC:-$PWD/src}:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+D=/tmp/dg_model S=/tmp/dg_seqs R=/tmp/dg_runs
 M=$D/smollm2.gguf
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+DATA=${DATA:-.traindata_all/sharegpt_train_all1024_ids.json.gz}
+EVAL=${EVAL:-.traindata_all/sharegpt_heldout256_ids.json.gz}
+ARMS=${ARMS:-"l1=--head-layers 1;l2=--head-layers 2"}
+END=${END:-560}
+COMMON="--max-new-tokens ${NEW:-256} --max-len ${MAXLEN:-1024} --batch-tokens ${BATCH:-16384}
+  --dtype bfloat16 --eval-prompts 256 --eval-every ${EVAL_EVERY:-250}"
 LOG="$OUT/train_log.txt"
-mkdir -p $D
-if [ "${1:-}" = stage ]; then
-  cp .modelq$2/part* $D/ && ls $D; exit 0
-fi
-if [ "$KIND" = block ]; then
-  FLAGS="--kind block --block-size 8 --head-layers 1 --window 512 --markov-rank 64
-    --confidence --anchors ${ANCHORS:-64} --max-blocks ${MAX_BLOCKS:-2048}
-    --steps ${STEPS:-3000} --lr ${LR:-5e-4}"
-else
-  FLAGS="--steps ${STEPS:-2500}"
-fi
-COMMON="--out $RUN --data $DATA --num-prompts 100000 --max-new-tokens 256 --max-len 640
-  --batch-tokens 16384 --dtype bfloat16 $FLAGS"
+mkdir -p $D $S $R
 
 quiet() { tr '\r' '\n' | grep -v -i warn | grep -v "it/s]$" | grep -v "s/it]$"; }
 
-train() {  # train-drafter with a small engine (nothing to regenerate) for $1 minutes
-  echo "== train $1 min from $(date +%T)" | tee -a "$LOG"
-  timeout $(( ${1%.*} * 60 + 120 )) python3 -m draftgraph.cli train-drafter $M $COMMON \
-    --max-num-seqs 8 --time-limit $1 2>&1 | quiet | tail -4 | tee -a "$LOG"
-}
-
-report() {
-  rm -rf "$OUT/head"; cp -r $RUN/head "$OUT/head"; cp $RUN/history.json $RUN/loss.png "$OUT/"
-  python3 -c "import json; h=json.load(open('$RUN/history.json'))['history']; r=h[-1]; \
-print('steps', r['step'], {k: (float(f'{v:.4g}') if isinstance(v, float) else v) for k, v in r.items() \
-if k not in ('step', 'agree')}, 'agree', [round(a, 3) for a in r['agree']])" | tee -a "$LOG"
-}
-
-if [ "${1:-}" = train ]; then
-  END=${END:-550}
+if [ "${1:-}" = stage ]; then
+  cp .modelq$2/part* $D/ && ls $D; exit 0
+fi
+if [ "${1:-}" = regen ]; then
   for i in 00 01 02; do
     [ -f $D/part$i ] || { echo "part $i missing: the machine was not the warm one"; exit 3; }
   done
@@ -77,52 +48,54 @@ if [ "${1:-}" = train ]; then
   echo "$(cat .modelq4/sha256)  $M" | sha256sum -c - || exit 4
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/gguf-*.whl || exit 1
-  sha256sum $DATA | tee -a "$LOG"
-  mkdir -p $RUN
-  if [ ! -f $RUN/sequences.json ] && ls .trainseqs_all/seqs.npz* > /dev/null 2>&1; then
-    python3 benchmarks/pack_sequences.py unpack .trainseqs_all $RUN/sequences.json | tee -a "$LOG"
+  sha256sum $DATA $EVAL | tee -a "$LOG"
+  if ls .trainseqs_all/seqs.npz* > /dev/null 2>&1; then
+    python3 benchmarks/pack_sequences.py unpack .trainseqs_all $S/sequences.json | tee -a "$LOG"
+    python3 benchmarks/pack_sequences.py unpack .trainseqs_all/eval $S/eval_sequences.json \
+      | tee -a "$LOG"
   fi
-  if [ ! -f $RUN/sequences.json ] && [ -f /tmp/dg_train/sequences.json ]; then
-    cp /tmp/dg_train/sequences.json $RUN/
-  fi
-  if [ ! -f $RUN/sequences.json ]; then  # regenerate (a big engine), one step, a checkpoint
-    for seqs in ${SEQS:-1024} 256; do
-      echo "== regenerate, --max-num-seqs $seqs, from $(date +%T) (${SECONDS}s)" | tee -a "$LOG"
-      timeout $(( END - SECONDS - 60 )) python3 -m draftgraph.cli train-drafter $M $COMMON \
-        --max-num-seqs $seqs --time-limit 0.01 2>&1 | quiet | tail -8 | tee -a "$LOG"
-      [ -f $RUN/sequences.json ] && break
-      [ $SECONDS -gt 150 ] && break  # it failed late: no time for a second try
-    done
-    [ -f $RUN/sequences.json ] || { echo "no sequences"; exit 5; }
+  if [ ! -f $S/sequences.json ] || [ ! -f $S/eval_sequences.json ]; then
+    echo "== regenerate, --max-num-seqs ${SEQS:-1024}, from $(date +%T)" | tee -a "$LOG"
+    timeout $(( END - 120 )) python3 -m draftgraph.cli train-drafter $M --out $S --data $DATA \
+      --eval-data $EVAL --num-prompts 100000 $COMMON --steps 0 --max-num-seqs ${SEQS:-1024} \
+      2>&1 | quiet | tail -6 | tee -a "$LOG"
+    [ -f $S/eval_sequences.json ] || { echo "no sequences"; exit 5; }
     echo "== regenerated by ${SECONDS}s" | tee -a "$LOG"
-    python3 benchmarks/pack_sequences.py pack $RUN/sequences.json "$OUT" | tee -a "$LOG"
+    python3 benchmarks/pack_sequences.py pack $S/sequences.json "$OUT" | tee -a "$LOG"
+    mkdir -p "$OUT/eval"
+    python3 benchmarks/pack_sequences.py pack $S/eval_sequences.json "$OUT/eval" | tee -a "$LOG"
   fi
-  MIN=$(python3 -c "print(round(max(0.5, ($END - $SECONDS - 50) / 60), 2))")
-  train $MIN
-  report
-  ls -la "$OUT" "$OUT/head"
-  exit 0
+elif [ "${1:-}" != train ]; then
+  echo "usage: $0 stage N | regen | train"; exit 2
 fi
-[ -f $M ] || { echo "the model is missing: run the train call first on this machine"; exit 3; }
-DONE=$(python3 -c "import json; h=json.load(open('$RUN/history.json')); \
-print(int(h['history'][-1]['step'] >= h['config']['steps']))")
-if [ "$DONE" = 0 ] && [ "${MINUTES:-1.5}" != 0 ]; then
-  train ${MINUTES:-1.5}
-fi
-report
-H=${HEAD:-$RUN/head}
-NUM=${NUM:-32}
-if [ "$KIND" = block ]; then
-  timeout 250 python3 benchmarks/bench_accept.py --model $M --device cuda --dtype bfloat16 \
-    --arms plain,block,ngram --block-head $H --sets benchmarks/data/accept_sets_smollm2_ids.json \
-    --num-prompts $NUM --batch 1 --out "$OUT/accept_block_real_bs1_h200.json" 2>&1 | quiet | tail -9
-  exit 0
-fi
-for arm in old new; do
-  HD=$H; [ $arm = old ] && HD=${OLD:-src/draftgraph/heads/smollm2-135m-chain}
-  echo "== $arm head $HD" | tee -a "$LOG"
-  timeout 200 python3 benchmarks/bench_accept.py --model $M --device cuda --dtype bfloat16 \
-    --arms plain,chain --head $HD --sets benchmarks/data/accept_sets_smollm2_ids.json \
-    --num-prompts $NUM --batch 1 --out "$OUT/accept_ab_chain_${arm}_real_bs1_h200.json" 2>&1 \
-    | quiet | tail -6 | tee -a "$LOG"
+[ -f $M ] || { echo "the model is missing: stage it and run regen on this machine"; exit 3; }
+
+# the arms, all at once, until END seconds after the call began
+MIN=$(python3 -c "print(round(max(0.5, ($END - $SECONDS - 100) / 60), 2))")
+echo "== train arms for $MIN min from $(date +%T)" | tee -a "$LOG"
+IFS=';' read -ra arms <<< "$ARMS"
+pids=()
+for arm in "${arms[@]}"; do
+  name=${arm%%=*} flags=${arm#*=}
+  mkdir -p $R/$name
+  for f in sequences.json eval_sequences.json; do
+    [ -f $R/$name/$f ] || cp $S/$f $R/$name/
+  done
+  # shellcheck disable=SC2086
+  python3 -m draftgraph.cli train-drafter $M --out $R/$name --data $DATA --eval-data $EVAL \
+    $COMMON --steps ${STEPS:-3000} --max-num-seqs 8 --time-limit $MIN $flags \
+    > $R/$name/log.txt 2>&1 &
+  pids+=($!)
 done
+for p in "${pids[@]}"; do wait $p; done
+for arm in "${arms[@]}"; do
+  name=${arm%%=*}
+  echo "== $name: ${arm#*=}" | tee -a "$LOG"
+  quiet < $R/$name/log.txt | grep -E "held-out|train-drafter|Error|error" | tail -5 | tee -a "$LOG"
+  cp $R/$name/history.json "$OUT/history_$name.json" 2>/dev/null
+  cp $R/$name/loss.png "$OUT/loss_$name.png" 2>/dev/null
+done
+if [ -n "${RETURN:-}" ]; then
+  rm -rf "$OUT/best"; cp -r $R/$RETURN/best "$OUT/best"
+fi
+ls -la "$OUT"

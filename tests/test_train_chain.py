@@ -77,9 +77,10 @@ def trained(tmp_path_factory):
     cfg = tiny_loaded(hf).config
     head = random_head(cfg, "", seed=1)
     out = str(tmp_path_factory.mktemp("run"))
-    tc = TrainConfig(steps=80, lr=3e-3, batch_tokens=256, warmup=10, checkpoint_every=40)
+    tc = TrainConfig(steps=80, lr=3e-3, batch_tokens=256, warmup=10, checkpoint_every=40,
+                     eval_every=20)
     state = train_head(head, engine.model, seqs, tc, out, "cpu", torch.float32, "torch",
-                       progress=False)
+                       progress=False, eval_seqs=seqs[:3])
     return hf, prompts, out, state, tc, seqs, engine
 
 
@@ -108,6 +109,44 @@ def test_a_trained_head_lowers_its_loss_and_raises_its_accept_length(trained):
         assert os.path.getsize(os.path.join(out, name)) > 0
 
 
+def test_the_held_out_evaluation_scores_the_head_as_the_loss_does(trained):
+    """The history's held-out entries are the training loss and agreement of the head at that
+    step on the held-out sequences (here the first three training ones), computed directly."""
+    from draftgraph.train.chain import ttt_loss
+    from draftgraph.train.loop import TargetOracle
+
+    hf, _, out, state, tc, seqs, engine = trained
+    evals = [h for h in state.history if "eval" in h]
+    assert [h["step"] for h in evals] == [20, 40, 60, 80]
+    assert evals[-1]["eval"]["accept_estimate"] > evals[0]["eval"]["accept_estimate"]
+    cfg = tiny_loaded(hf).config
+    head = load_head(os.path.join(out, "head"), cfg)  # the final head, saved in bf16
+    model = engine.model
+    held = seqs[:3]
+    oracle = TargetOracle(model, head.head_config.hidden_layer_ids, sum(len(s.ids) for s in held),
+                          3, 64, "cpu", torch.float32, "torch")
+    streams, logits = oracle([s.ids for s in held])
+    s_max = max(len(s.ids) for s in held)
+    tok = torch.zeros(3, s_max, dtype=torch.int64)
+    st = streams.new_zeros(3, s_max, streams.shape[-1])
+    lg = logits.new_zeros(3, s_max, logits.shape[-1])
+    mask = torch.zeros(3, s_max, dtype=torch.bool)
+    off = 0
+    for i, s in enumerate(held):
+        n = len(s.ids)
+        tok[i, :n], st[i, :n], lg[i, :n] = torch.tensor(s.ids), streams[off:off + n], \
+            logits[off:off + n]
+        mask[i, s.prompt_len - 1 : n - 1] = True
+        off += n
+    with torch.no_grad():
+        loss, agree = ttt_loss(head, model.embed_tokens.weight, model.lm_head_weight, st, lg, tok,
+                               mask, tc.ttt_steps, tc.decay)
+    # the trained fp32 head against its bf16 copy: close, not bitwise
+    assert abs(loss.item() - evals[-1]["eval"]["loss"]) < 0.05 * evals[-1]["eval"]["loss"] + 0.02
+    assert max(abs(a - b) for a, b in zip(agree, evals[-1]["eval"]["agree"],
+                                          strict=True)) < 0.1
+
+
 def test_a_run_resumes_from_its_checkpoint(trained):
     hf, _, out, state, tc, seqs, engine = trained
     head = random_head(tiny_loaded(hf).config, "", seed=7)
@@ -120,10 +159,17 @@ def test_a_run_resumes_from_its_checkpoint(trained):
 
 
 def test_a_head_config_that_does_not_fit_is_refused(trained):
+    import dataclasses
+
     hf, _, out, _, tc, seqs, engine = trained
-    head = random_head(tiny_loaded(hf).config, "layers=2", seed=1)
-    with pytest.raises(ValueError, match="1-layer"):
+    cfg = tiny_loaded(hf).config
+    other = dataclasses.replace(cfg, hidden_size=2 * cfg.hidden_size)
+    head = random_head(other, "", seed=1)  # built for a wider target
+    with pytest.raises(ValueError, match="hidden size"):
         train_head(head, engine.model, seqs, tc, out, "cpu", torch.float32, "torch")
+    with pytest.raises(ValueError, match="chain heads"):
+        train_head(random_head(cfg, "", seed=1, kind="block"), engine.model, seqs, tc, out,
+                   "cpu", torch.float32, "torch")
 
 
 def test_train_drafter_cli_runs_and_resumes(tmp_path, capsys):
@@ -135,14 +181,65 @@ def test_train_drafter_cli_runs_and_resumes(tmp_path, capsys):
                                 list(range(5, 75))]))
     out = tmp_path / "run"
     argv = ["train-drafter", "random:tiny", "--out", str(out), "--data", str(data),
-            "--max-new-tokens", "12", "--max-len", "64", "--draft-vocab", "32", "--steps", "6",
+            "--max-new-tokens", "12", "--max-len", "64", "--draft-vocab", "32",
+            "--eval-data", str(data), "--eval-every", "3", "--steps", "6",
             "--batch-tokens", "128"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "step 6/6" in err and "1 prompts skipped" in err
+    assert "step 6/6" in err and "1 training prompts skipped" in err
     saved = json.loads((out / "sequences.json").read_text())
     assert len(saved["sequences"]) == 3 and len(saved["sha256"]) == 64
+    # the held-out prompts: regenerated once, scored at steps 3 and 6, the best head kept
+    assert "held out (3 sequences)" in err
+    assert len(json.loads((out / "eval_sequences.json").read_text())["sequences"]) == 3
+    history = json.loads((out / "history.json").read_text())["history"]
+    assert [h["step"] for h in history if "eval" in h] == [3, 6]
+    assert all(len(h["eval"]["agree"]) == 4 and h["eval"]["loss"] > 0
+               for h in history if "eval" in h)
+    assert json.loads((out / "best" / "config.json").read_text())["draft_vocab_size"] == 32
     assert main(argv[:-4] + ["--steps", "8", "--batch-tokens", "128"]) == 0  # resumes
     assert "step 8/8" in capsys.readouterr().err
     head = json.loads((out / "head" / "config.json").read_text())
     assert head["draft_vocab_size"] == 32
+
+
+@pytest.mark.parametrize("spec", ["", "layers=2"])
+def test_training_time_test_level_j_is_chain_step_j(spec):
+    """Level j of the training-time test at position p computes what the engine's chain step j
+    computes there: run one speculative step of a random head in the engine, then the
+    training-time test over the prompt, the step's last token and its drafts."""
+    from draftgraph.train.chain import ttt_streams
+    from draftgraph.train.loop import TargetOracle, rms
+
+    hf = tiny_hf_model(seed=5)
+    cfg = tiny_loaded(hf).config
+    head = random_head(cfg, spec, seed=3)
+    drafter = ChainHeadDrafter(head, 4)
+    seen: list[torch.Tensor] = []
+    take = drafter.take
+
+    def recording_take(ctx, i, logits):
+        seen.append(logits[0].clone())
+        return take(ctx, i, logits)
+
+    drafter.take = recording_take
+    engine = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=4,
+                                             adaptive=False), drafter=drafter)
+    prompt = [5, 9, 17, 33, 2, 61, 7, 40, 11, 23]
+    out = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0,
+                                                   ignore_eos=True))[0]
+    assert len(seen) >= 4
+    steps = torch.stack(seen[:4])  # [4, V]: chain steps 0..3 of the first speculative step
+    drafts = steps.argmax(-1).tolist()
+    seq = prompt + [out.token_ids[0]] + drafts[:3]  # step j feeds the token at len(prompt) + j
+    model = engine.model
+    oracle = TargetOracle(model, head.head_config.hidden_layer_ids, len(seq), 1, 64, "cpu",
+                          torch.float32, "torch")
+    streams, _ = oracle([seq])
+    with torch.no_grad():
+        levels = ttt_streams(head, model.embed_tokens.weight, streams[None],
+                             torch.tensor([seq]), 4)
+        for j in range(4):
+            h = levels[j][0, len(prompt) + j]
+            logits = rms(h, head.norm.weight, head.config.rms_norm_eps) @ model.lm_head_weight.T
+            torch.testing.assert_close(logits, steps[j], atol=2e-4, rtol=1e-4)

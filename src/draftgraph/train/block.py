@@ -238,11 +238,13 @@ def default_mask_token_id(tokenizer, embed_weight: torch.Tensor | None, vocab_si
 
 def train_block_head(head: BlockHead, target_model, seqs: list[Sequence],
                      cfg: BlockTrainConfig, out_dir: str, device, dtype, backend: str,
-                     progress: bool = True) -> TrainState:
+                     progress: bool = True,
+                     eval_seqs: list[Sequence] | None = None) -> TrainState:
     """Train `head` in place (fp32 master weights) for cfg.steps steps over `seqs` with the
     DSpark loss; writes checkpoint.pt, head/, history.json and loss.png to out_dir; resumes
     from out_dir/checkpoint.pt when it is there. Anchors are drawn from a generator seeded by
-    (cfg.seed, step), so a resumed run draws what the uninterrupted one would have."""
+    (cfg.seed, step), so a resumed run draws what the uninterrupted one would have. With
+    `eval_seqs`, the same loss on them every cfg.eval_every steps, the best head in `best/`."""
     if not isinstance(head, BlockHead):
         raise ValueError(f"train_block_head trains block heads, got {type(head).__name__}")
     head.head_config.validate_for(target_model.config)
@@ -259,5 +261,5 @@ def train_block_head(head: BlockHead, target_model, seqs: list[Sequence],
                       desc="train block head",
                       loss_label="DSpark loss (0.1 CE + 0.9 TV + BCE, position-weighted)",
                       agree_label="top-1 agree, draft {}", agree_first=1, min_response=2,
-                      progress=progress)
+                      progress=progress, eval_seqs=eval_seqs)
 

@@ -9,9 +9,9 @@ last token; level j reads (level j - 1's own stream at p - 1, token p) and atten
 level-0 entries up to p - j plus its own chain's entries at p - j + 1 .. p (levels 1 .. j), the
 way chain step j sees the sequence's entries and the chain's own. Every level predicts the
 target's distribution at p (forward KL, level j weighted decay ** j), on response positions.
-Top-1 agreement with the target per level estimates acceptance.
-
-One decoder layer (the head shape the engine drafts fastest with).
+Top-1 agreement with the target per level estimates acceptance. Heads of any number of
+layers train the same way (every layer runs at every level; the first is EAGLE-3's fused
+input layer, the others plain decoder layers).
 """
 
 from __future__ import annotations
@@ -45,72 +45,116 @@ class TrainConfig(LoopConfig):
 
 # ---- the head under training ---------------------------------------------------------------
 
+def _ttt_attend(attn, qkv: torch.Tensor, kv: list, j: int, pos: torch.Tensor,
+                cos_sin: torch.Tensor) -> torch.Tensor:
+    """One attention layer of level j over [B, S] entries: q/k/v from qkv [B, S, q + 2 kv];
+    this level's keys and values are appended to `kv` (this layer's, one pair per level). Level
+    j at position p attends to the level-0 entries up to p - j and to the chain's own entries at
+    p - j + jj (levels jj = 1 .. j), exactly the entries chain step j sees. Returns
+    [B, S, q_size]."""
+    b, s, _ = qkv.shape
+    hq, hk, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = rope_ref(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d), pos.repeat(b), cos_sin)
+    q = q.view(b, s, hq, d).transpose(1, 2)  # [B, Hq, S, D]
+    k = k.view(b, s, hk, d).transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    v = v.view(b, s, hk, d).transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    kv.append((k, v))
+    scale = d ** -0.5
+    keys0, values0 = kv[0]
+    sc0 = (q @ keys0.transpose(-1, -2)).float() * scale  # [B, Hq, S, S]
+    sc0 = sc0.masked_fill(pos[None, :] > (pos[:, None] - j), float("-inf"))
+    diag, diag_v = [], []
+    for jj in range(1, j + 1):  # the chain's own entries: level jj at p - j + jj
+        shift = j - jj
+        kk = torch.roll(kv[jj][0], shifts=shift, dims=2)
+        vv = torch.roll(kv[jj][1], shifts=shift, dims=2)
+        sc = (q * kk).sum(-1).float() * scale  # [B, Hq, S]
+        diag.append(sc.masked_fill(pos < shift, float("-inf")))
+        diag_v.append(vv)
+    scores = torch.cat([sc0] + [t[..., None] for t in diag], dim=-1)
+    w = torch.softmax(scores, dim=-1).to(v.dtype)
+    o = w[..., :s] @ values0
+    for i, vv in enumerate(diag_v):
+        o = o + w[..., s + i : s + i + 1] * vv
+    return o.transpose(1, 2).reshape(b, s, attn.q_size)
+
+
+def _mlp_block(layer, h: torch.Tensor, eps: float) -> torch.Tensor:
+    """The stream after a decoder layer's MLP: h + down(silu(gate) * up) of norm(h)."""
+    g, u = F.linear(_rms(h, layer.post_attention_layernorm.weight, eps),
+                    layer.mlp.gate_up_proj.weight).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, layer.mlp.down_proj.weight) + h
+
+
+def ttt_streams(head: ChainHead, embed_w: torch.Tensor, streams: torch.Tensor,
+                tokens: torch.Tensor, levels: int) -> list[torch.Tensor]:
+    """The head's output streams (before `norm`) [B, S, H] of each training-time-test level:
+    level j at position p is chain step j of a chain begun at p - j (level 0 reads the target's
+    feature of p - 1 and token p; level j > 0 its level j - 1 stream at p - 1 and token p).
+    streams [B, S, n * H] are the target's captured streams, tokens [B, S]. Every layer of the
+    head runs at every level: the first reads [norm(embedding), norm(feature)], the others are
+    plain decoder layers."""
+    first, eps = head.layers[0], head.config.rms_norm_eps
+    pos = torch.arange(tokens.shape[1], device=tokens.device)
+    cos_sin = head.cos_sin_cache
+    emb = _rms(F.embedding(tokens, embed_w), first.input_layernorm.weight, eps)
+    feats = head.fc(streams)  # [B, S, H]: the target's feature of each position
+    feat_in = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)  # of p - 1
+    kv: list[list] = [[] for _ in head.layers]  # per layer: (keys, values) per level
+    out = []
+    for j in range(levels):
+        x = torch.cat([emb, _rms(feat_in, first.hidden_norm.weight, eps)], dim=-1)
+        attn = first.self_attn
+        qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        o = _ttt_attend(attn, qkv, kv[0], j, pos, cos_sin)
+        stream = _mlp_block(first, F.linear(o, attn.o_proj.weight) + feat_in, eps)
+        for li, layer in enumerate(head.layers[1:], 1):
+            attn = layer.self_attn
+            qkv = F.linear(_rms(stream, layer.input_layernorm.weight, eps),
+                           attn.qkv_proj.weight, attn.qkv_proj.bias)
+            o = _ttt_attend(attn, qkv, kv[li], j, pos, cos_sin)
+            stream = _mlp_block(layer, F.linear(o, attn.o_proj.weight) + stream, eps)
+        out.append(stream)
+        feat_in = torch.cat([torch.zeros_like(stream[:, :1]), stream[:, :-1]], dim=1)
+    return out
+
+
 def ttt_loss(head: ChainHead, embed_w: torch.Tensor, lm_w: torch.Tensor,
              streams: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor,
              loss_mask: torch.Tensor, levels: int, decay: float):
     """streams [B, S, n * H], target_logits [B, S, V], tokens [B, S], loss_mask [B, S] (bool:
-    position p's next token is a response token). Returns (loss, per-level top-1 agreement)."""
-    layer, cfg = head.layers[0], head.config
-    attn, eps = layer.self_attn, cfg.rms_norm_eps
+    position p's next token is a response token). The LM head and the loss run on the masked
+    positions alone. Returns (loss, per-level top-1 agreement with the target's argmax over its
+    whole vocabulary)."""
     b, s = tokens.shape
-    hq, hk, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    pos = torch.arange(s, device=tokens.device)
-    cos_sin = head.cos_sin_cache
-    emb = _rms(F.embedding(tokens, embed_w), layer.input_layernorm.weight, eps)
-    feats = head.fc(streams)  # [B, S, H]: the target's feature of each position
-    feat_in = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)  # of p - 1
+    eps = head.config.rms_norm_eps
+    rows = loss_mask.flatten().nonzero().squeeze(1)  # [N] the masked (b, p), flattened
+    row_pos = torch.arange(s, device=tokens.device).repeat(b)[rows]  # [N]
     with torch.no_grad():
+        t_logits = target_logits.reshape(b * s, -1)[rows].float()  # [N, V]
+        top_t = t_logits.argmax(-1)  # over the target's whole vocabulary
         if head.lm_head is not None:  # a reduced draft vocabulary: the target over it
-            target_logits = target_logits.index_select(-1, head.d2t)
-        p_t = F.softmax(target_logits.float(), dim=-1)
-        logp_t = F.log_softmax(target_logits.float(), dim=-1)
-        top_t = target_logits.argmax(-1)
-    keys, values = [], []
+            t_logits = t_logits.index_select(-1, head.d2t)
+        p_t = F.softmax(t_logits, dim=-1)
+        logp_t = F.log_softmax(t_logits, dim=-1)
+        del t_logits
     total = torch.zeros((), device=tokens.device)
     weight_sum, agree = 0.0, []
-    for j in range(levels):
-        x = torch.cat([emb, _rms(feat_in, layer.hidden_norm.weight, eps)], dim=-1)
-        qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = rope_ref(q.reshape(b * s, hq, d), k.reshape(b * s, hk, d),
-                        pos.repeat(b), cos_sin)
-        q = q.view(b, s, hq, d).transpose(1, 2)  # [B, Hq, S, D]
-        k = k.view(b, s, hk, d).transpose(1, 2).repeat_interleave(hq // hk, dim=1)
-        v = v.view(b, s, hk, d).transpose(1, 2).repeat_interleave(hq // hk, dim=1)
-        keys.append(k)
-        values.append(v)
-        scale = d ** -0.5
-        # level-0 entries up to p - j
-        sc0 = (q @ keys[0].transpose(-1, -2)).float() * scale  # [B, Hq, S, S]
-        sc0 = sc0.masked_fill(pos[None, :] > (pos[:, None] - j), float("-inf"))
-        diag, diag_v = [], []
-        for jj in range(1, j + 1):  # the chain's own entries: level jj at p - j + jj
-            shift = j - jj
-            kk = torch.roll(keys[jj], shifts=shift, dims=2)
-            vv = torch.roll(values[jj], shifts=shift, dims=2)
-            sc = (q * kk).sum(-1).float() * scale  # [B, Hq, S]
-            diag.append(sc.masked_fill(pos < shift, float("-inf")))
-            diag_v.append(vv)
-        scores = torch.cat([sc0] + [t[..., None] for t in diag], dim=-1)
-        w = torch.softmax(scores, dim=-1).to(v.dtype)
-        o = w[..., :s] @ values[0]
-        for i, vv in enumerate(diag_v):
-            o = o + w[..., s + i : s + i + 1] * vv
-        o = o.transpose(1, 2).reshape(b, s, attn.q_size)
-        h = F.linear(o, attn.o_proj.weight) + feat_in
-        g, u = F.linear(_rms(h, layer.post_attention_layernorm.weight, eps),
-                        layer.mlp.gate_up_proj.weight).chunk(2, dim=-1)
-        stream = F.linear(F.silu(g) * u, layer.mlp.down_proj.weight) + h
-        logits = F.linear(_rms(stream, head.norm.weight, eps), lm_w)  # [B, S, V]
-        mask = loss_mask & (pos >= j)[None, :]
+    for j, stream in enumerate(ttt_streams(head, embed_w, streams, tokens, levels)):
+        h = stream.reshape(b * s, -1)[rows]  # [N, H]
+        logits = F.linear(_rms(h, head.norm.weight, eps), lm_w)  # [N, V']
+        live = row_pos >= j  # level j drafts from a chain begun at p - j
         logq = F.log_softmax(logits.float(), dim=-1)
-        kl = (p_t * (logp_t - logq)).sum(-1)  # [B, S]
-        n = mask.sum().clamp_min(1)
-        total = total + decay ** j * (kl * mask).sum() / n
+        kl = (p_t * (logp_t - logq)).sum(-1)  # [N]
+        n = live.sum().clamp_min(1)
+        total = total + decay ** j * (kl * live).sum() / n
         weight_sum += decay ** j
         with torch.no_grad():
-            agree.append(((logits.argmax(-1) == top_t) & mask).sum().item() / n.item())
-        feat_in = torch.cat([torch.zeros_like(stream[:, :1]), stream[:, :-1]], dim=1)
+            top_q = logits.argmax(-1)
+            if head.lm_head is not None:
+                top_q = head.d2t[top_q]
+            agree.append(((top_q == top_t) & live).sum().item() / n.item())
     return total / weight_sum, agree
 
 
@@ -127,12 +171,15 @@ def expected_accept_length(agree: list[float]) -> float:
 # ---- the loop --------------------------------------------------------------------------------
 
 def train_head(head: ChainHead, target_model, seqs: list[Sequence], cfg: TrainConfig,
-               out_dir: str, device, dtype, backend: str, progress: bool = True) -> TrainState:
+               out_dir: str, device, dtype, backend: str, progress: bool = True,
+               eval_seqs: list[Sequence] | None = None) -> TrainState:
     """Train `head` in place (fp32 master weights) for cfg.steps steps over `seqs`; writes
     checkpoint.pt, the head directory `head/`, history.json and loss.png to out_dir; resumes
-    from out_dir/checkpoint.pt when it is there."""
-    if head.config.num_hidden_layers != 1:
-        raise ValueError("train-drafter trains 1-layer chain heads (--head-layers 1)")
+    from out_dir/checkpoint.pt when it is there. With `eval_seqs` (held-out sequences), the
+    same loss on them every cfg.eval_every steps, and the best head in `best/`."""
+    if not isinstance(head, ChainHead):
+        raise ValueError(f"train_head trains chain heads, got {type(head).__name__}")
+    head.head_config.validate_for(target_model.config)
     embed_w = target_model.embed_tokens.weight.detach()
     lm_w = (head.lm_head.weight if head.lm_head is not None
             else target_model.lm_head_weight.detach())
@@ -149,4 +196,5 @@ def train_head(head: ChainHead, target_model, seqs: list[Sequence], cfg: TrainCo
 
     return train_loop(head, target_model, seqs, cfg, out_dir, device, dtype, backend, loss_fn,
                       desc="train chain head", loss_label="forward KL (level-weighted)",
-                      agree_label="top-1 agree, level {}", progress=progress)
+                      agree_label="top-1 agree, level {}", progress=progress,
+                      eval_seqs=eval_seqs)

@@ -31,7 +31,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256,
                    help="tokens of each regenerated response (greedy)")
     p.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps in all")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps in all (0: "
+                   "regenerate the sequences and stop)")
     p.add_argument("--batch-tokens", type=int, default=8192,
                    help="padded tokens per step (sequences x the longest)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate "
@@ -40,8 +41,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="chain: an EAGLE-3-style chain head (training-time test, forward KL); "
                         "block: a DSpark-style block head (anchors per sequence, 0.1 CE + "
                         "0.9 TV + confidence BCE)")
-    p.add_argument("--head-layers", type=int, default=1,
-                   help="decoder layers of the head (chain heads: 1)")
+    p.add_argument("--head-layers", type=int, default=1, help="decoder layers of the head")
+    p.add_argument("--intermediate-size", type=int, default=0,
+                   help="MLP width of the head's layers (0: the target's)")
+    p.add_argument("--eval-data", default=None,
+                   help="held-out prompts (formats as --data; default with --data sharegpt: "
+                        "its held-out split, first turns); their regenerated responses are "
+                        "scored every --eval-every steps and the best head kept in best/")
+    p.add_argument("--eval-prompts", type=int, default=256,
+                   help="held-out prompts to regenerate and score (0: no held-out evaluation)")
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="steps between held-out evaluations")
     p.add_argument("--ttt-steps", type=int, default=4, help="--kind chain: training-time-test "
                    "levels")
     p.add_argument("--draft-vocab", type=int, default=0,
@@ -77,26 +87,68 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def _prompts(args) -> list:
-    if args.data == "sharegpt":
+def _prompts(data: str, limit: int, turns: str = "all", split: str = "train",
+             flag: str = "--data") -> list:
+    if data == "sharegpt":
         from draftgraph.train.data import sharegpt_prompts
 
-        return sharegpt_prompts("train", limit=args.num_prompts, turns=args.turns)
-    if args.data.endswith(".jsonl"):
+        return sharegpt_prompts(split, limit=limit, turns=turns)
+    if data.endswith(".jsonl"):
         from draftgraph.train.data import jsonl_prompts
 
-        return jsonl_prompts(args.data)[: args.num_prompts]
-    if args.data.endswith(".gz"):
+        return jsonl_prompts(data)[:limit]
+    if data.endswith(".gz"):
         import gzip
 
-        with gzip.open(args.data, "rt") as f:
+        with gzip.open(data, "rt") as f:
             ids = json.load(f)
     else:
-        with open(args.data) as f:
+        with open(data) as f:
             ids = json.load(f)
     if not (isinstance(ids, list) and all(isinstance(x, list) for x in ids)):
-        raise ValueError(f"--data {args.data}: expected a JSON list of token-id lists")
-    return ids[: args.num_prompts]
+        raise ValueError(f"{flag} {data}: expected a JSON list of token-id lists")
+    return ids[:limit]
+
+
+def _sequences(engine, prompts, path: str, args, model: str, what: str) -> list:
+    """The target's greedy responses to the prompts `prompts()` returns, read from `path` when
+    an earlier run wrote it (resume: the prompts are not read), else regenerated and written
+    there with their sha256; prompts the context cannot hold with --max-new-tokens are skipped
+    and counted."""
+    from draftgraph.engine.errors import EngineError
+    from draftgraph.train.loop import Sequence, regenerate
+
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        seqs = [Sequence(s["ids"], s["prompt_len"]) for s in saved["sequences"]]
+        print(f"train-drafter: {len(seqs)} {what} sequences from {path}", file=sys.stderr)
+        return seqs
+    limit = args.max_len - args.max_new_tokens
+    kept, skipped = [], 0
+    for x in prompts():
+        try:
+            p = engine.encode_prompt(x)
+        except EngineError:  # longer than the context (--max-len), or not valid text
+            p = None
+        if p is None or len(p) > limit:
+            skipped += 1
+            continue
+        kept.append(p)
+    if skipped:
+        print(f"train-drafter: {skipped} {what} prompts skipped: longer than --max-len "
+              f"{args.max_len} - --max-new-tokens {args.max_new_tokens} tokens (or not "
+              "valid text)", file=sys.stderr)
+    if not kept:
+        return []
+    print(f"train-drafter: regenerating {len(kept)} {what} responses", file=sys.stderr)
+    seqs = regenerate(engine, kept, args.max_new_tokens)
+    blob = json.dumps([[s.ids, s.prompt_len] for s in seqs]).encode()
+    with open(path, "w") as f:
+        json.dump({"sha256": hashlib.sha256(blob).hexdigest(), "model": model,
+                   "max_new_tokens": args.max_new_tokens,
+                   "sequences": [{"ids": s.ids, "prompt_len": s.prompt_len} for s in seqs]}, f)
+    return seqs
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -106,15 +158,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from draftgraph.engine.engine import LLMEngine
     from draftgraph.models.heads import random_head
     from draftgraph.train.chain import TrainConfig, train_head
-    from draftgraph.train.loop import Sequence, regenerate
 
     model = resolve_model(args)
     if args.kind == "block" and (args.draft_vocab or args.ttt_steps != 4):
         print("error: --draft-vocab and --ttt-steps are for --kind chain", file=sys.stderr)
-        return 2
-    if args.kind == "chain" and args.head_layers != 1:
-        print("error: train-drafter trains 1-layer chain heads (--head-layers 1)",
-              file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
@@ -132,41 +179,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         head = _block_head(args, engine, device)
         if head is None:
             return 2
-    if os.path.isfile(seq_path):
-        with open(seq_path) as f:
-            saved = json.load(f)
-        seqs = [Sequence(s["ids"], s["prompt_len"]) for s in saved["sequences"]]
-        print(f"train-drafter: {len(seqs)} sequences from {seq_path}", file=sys.stderr)
-    else:
-        from draftgraph.engine.errors import EngineError
-
-        limit = args.max_len - args.max_new_tokens
-        prompts, skipped = [], 0
-        for x in _prompts(args):
-            try:
-                p = engine.encode_prompt(x)
-            except EngineError:  # longer than the context (--max-len), or not valid text
-                p = None
-            if p is None or len(p) > limit:
-                skipped += 1
-                continue
-            prompts.append(p)
-        if skipped:
-            print(f"train-drafter: {skipped} prompts skipped: longer than --max-len "
-                  f"{args.max_len} - --max-new-tokens {args.max_new_tokens} tokens (or not "
-                  "valid text)", file=sys.stderr)
-        if not prompts:
-            print(f"error: no prompt fits --max-len {args.max_len} with --max-new-tokens "
-                  f"{args.max_new_tokens}", file=sys.stderr)
-            return 2
-        print(f"train-drafter: regenerating {len(prompts)} responses", file=sys.stderr)
-        seqs = regenerate(engine, prompts, args.max_new_tokens)
-        blob = json.dumps([[s.ids, s.prompt_len] for s in seqs]).encode()
-        with open(seq_path, "w") as f:
-            json.dump({"sha256": hashlib.sha256(blob).hexdigest(), "model": model,
-                       "max_new_tokens": args.max_new_tokens,
-                       "sequences": [{"ids": s.ids, "prompt_len": s.prompt_len}
-                                     for s in seqs]}, f)
+    seqs = _sequences(engine, lambda: _prompts(args.data, args.num_prompts, args.turns),
+                      seq_path, args, model, "training")
+    if not seqs:
+        print(f"error: no prompt fits --max-len {args.max_len} with --max-new-tokens "
+              f"{args.max_new_tokens}", file=sys.stderr)
+        return 2
+    eval_data = args.eval_data or ("sharegpt" if args.data == "sharegpt" else None)
+    eval_seqs = []
+    if eval_data and args.eval_prompts > 0:
+        eval_seqs = _sequences(engine, lambda: _prompts(eval_data, args.eval_prompts, "first",
+                                                        "held_out", "--eval-data"),
+                               os.path.join(args.out, "eval_sequences.json"), args, model,
+                               "held-out")
+    if args.steps == 0:
+        print(f"train-drafter: --steps 0: sequences in {args.out}, nothing trained",
+              file=sys.stderr)
+        return 0
     target = engine.model
     backend = engine.target.backend.name
     dtype = engine.config.torch_dtype
@@ -175,7 +204,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
     common = dict(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens,
                   max_len=args.max_len, seed=args.seed,
-                  time_limit_s=args.time_limit * 60 if args.time_limit else None)
+                  time_limit_s=args.time_limit * 60 if args.time_limit else None,
+                  eval_every=args.eval_every)
     if args.kind == "block":
         from draftgraph.train.block import BlockTrainConfig, train_block_head
 
@@ -185,9 +215,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"train-drafter: warning: the mask token {mask_id} occurs {seen} times in "
                   "the training sequences (--mask-token-id)", file=sys.stderr)
         cfg = BlockTrainConfig(**common, anchors=args.anchors, max_blocks=args.max_blocks)
-        state = train_block_head(head, target, seqs, cfg, args.out, device, dtype, backend)
+        state = train_block_head(head, target, seqs, cfg, args.out, device, dtype, backend,
+                                 eval_seqs=eval_seqs)
     else:
-        spec = f"draft_vocab={args.draft_vocab}" if args.draft_vocab else ""
+        spec = ",".join(f"{k}={v}" for k, v in (("layers", args.head_layers),
+                                                 ("draft_vocab", args.draft_vocab),
+                                                 ("intermediate_size", args.intermediate_size))
+                        if v)
         head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
         if args.draft_vocab:
             counts = torch.bincount(
@@ -195,11 +229,19 @@ def cmd_train(args: argparse.Namespace) -> int:
                 minlength=target.config.vocab_size)
             head.d2t.copy_(counts.topk(args.draft_vocab).indices.sort().values.to(device))
         cfg = TrainConfig(**common, ttt_steps=args.ttt_steps)
-        state = train_head(head, target, seqs, cfg, args.out, device, dtype, backend)
+        state = train_head(head, target, seqs, cfg, args.out, device, dtype, backend,
+                           eval_seqs=eval_seqs)
     last = state.history[-1] if state.history else {}
     print(f"train-drafter: step {state.step}/{cfg.steps}, loss {last.get('loss', 0):.3f}, "
           f"accept length estimate {last.get('accept_estimate', 0):.2f}; head in "
           f"{os.path.join(args.out, 'head')}", file=sys.stderr)
+    evals = [h for h in state.history if "eval" in h]
+    if evals:
+        best = max(evals, key=lambda h: h["eval"]["accept_estimate"])
+        print(f"train-drafter: held out ({len(eval_seqs)} sequences): accept length estimate "
+              f"{evals[-1]['eval']['accept_estimate']:.3f} at step {evals[-1]['step']}, best "
+              f"{best['eval']['accept_estimate']:.3f} at step {best['step']} (its head: "
+              f"{os.path.join(args.out, 'best')})", file=sys.stderr)
     return 0
 
 
@@ -221,7 +263,8 @@ def _block_head(args, engine, device):
         return None
     spec = (f"layers={args.head_layers},block_size={args.block_size},window={args.window},"
             f"markov_rank={args.markov_rank},confidence={int(args.confidence)},"
-            f"mask_token_id={mask_id}")
+            f"mask_token_id={mask_id}"
+            + (f",intermediate_size={args.intermediate_size}" if args.intermediate_size else ""))
     try:
         head = random_head(cfg, spec, device, torch.float32, seed=args.seed, kind="block")
     except ValueError as e:

@@ -12,10 +12,14 @@ linear warmup then cosine to a tenth of the peak rate, bf16 autocast on a GPU (o
 with a half-precision target, its dtype), gradient
 clipping, a resumable `checkpoint.pt` every `checkpoint_every` steps and when `time_limit_s`
 runs out, then the head directory `head/` (bf16, save_head), `history.json` and `loss.png`.
+Given held-out sequences, it evaluates the same loss on them every `eval_every` steps and at
+the end (no gradient; the history's "eval" entries, the plot's held-out curve) and keeps the
+head of the best held-out accept-length estimate in `best/`.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -49,6 +53,7 @@ class LoopConfig:
     log_every: int = 10
     checkpoint_every: int = 200
     time_limit_s: float | None = None  # stop (with a checkpoint) after this long
+    eval_every: int = 200  # held-out evaluation every this many steps (and at the end)
 
 
 @dataclass
@@ -152,17 +157,50 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 # ---- the loop --------------------------------------------------------------------------------
 
 # a trainer's loss: (the step's batch, the step index) -> (loss, the step's metrics: "agree"
-# (top-1 agreement per draft position) and "accept_estimate" at least)
+# (top-1 agreement per draft position) and "accept_estimate" at least; "tokens" or "blocks"
+# (what it scored) weighs a batch in the held-out mean)
 LossFn = Callable[[OracleBatch, int], tuple[torch.Tensor, dict]]
+
+
+def _oracle_batch(oracle: TargetOracle, bt: list[Sequence]) -> OracleBatch:
+    streams, tlogits = oracle([s.ids for s in bt])
+    offsets = [0]
+    for s in bt[:-1]:
+        offsets.append(offsets[-1] + len(s.ids))
+    return OracleBatch(bt, streams, tlogits, offsets)
+
+
+def evaluate(loss_fn: LossFn, oracle: TargetOracle, eval_batches: list[list[Sequence]],
+             autocast) -> dict:
+    """The loss and its metrics over held-out batches, without gradients: means weighted by
+    what each batch scored ("tokens" or "blocks", else 1). Batch i is scored as step -1 - i,
+    so a loss that draws at random (block anchors) draws the same at every evaluation."""
+    sums: dict = {"loss": 0.0, "accept_estimate": 0.0}
+    agree: list[float] = []
+    weight = 0.0
+    with torch.no_grad(), autocast:
+        for i, bt in enumerate(eval_batches):
+            loss, m = loss_fn(_oracle_batch(oracle, bt), -1 - i)
+            w = float(m.get("tokens", m.get("blocks", 1)))
+            sums["loss"] += w * loss.item()
+            sums["accept_estimate"] += w * m["accept_estimate"]
+            agree = [a + w * b for a, b in zip(agree or [0.0] * len(m["agree"]), m["agree"],
+                                               strict=True)]
+            weight += w
+    weight = max(weight, 1e-9)
+    return {"loss": sums["loss"] / weight, "agree": [a / weight for a in agree],
+            "accept_estimate": sums["accept_estimate"] / weight, "weight": int(weight)}
 
 
 def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopConfig,
                out_dir: str, device, dtype, backend: str, loss_fn: LossFn, *,
                desc: str, loss_label: str, agree_label: str, agree_first: int = 0,
-               min_response: int = 1, progress: bool = True) -> TrainState:
+               min_response: int = 1, progress: bool = True,
+               eval_seqs: list[Sequence] | None = None) -> TrainState:
     """Train `head` in place (fp32 master weights) for cfg.steps steps of `loss_fn` over
     `seqs`; writes checkpoint.pt, the head directory `head/`, history.json and loss.png to
-    out_dir; resumes from out_dir/checkpoint.pt when it is there."""
+    out_dir; resumes from out_dir/checkpoint.pt when it is there. With `eval_seqs`, evaluates
+    on them (see `evaluate`) and keeps the best head in `best/`."""
     from tqdm import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
@@ -173,8 +211,11 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
     if not order:
         raise ValueError(f"no training sequences (each needs {min_response} response "
                          f"token{'s' if min_response > 1 else ''})")
-    max_seqs = max(len(bt) for bt in order)
-    max_tokens = max(sum(len(s.ids) for s in bt) for bt in order)
+    eval_batches = (batches(eval_seqs, cfg.batch_tokens, cfg.max_len,
+                            torch.Generator().manual_seed(0), min_response)
+                    if eval_seqs else [])
+    max_seqs = max(len(bt) for bt in order + eval_batches)
+    max_tokens = max(sum(len(s.ids) for s in bt) for bt in order + eval_batches)
     oracle = TargetOracle(target_model, head.head_config.hidden_layer_ids, max_tokens, max_seqs,
                           cfg.max_len, dev, dtype, backend)
     head.float().train()
@@ -190,6 +231,7 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     state = TrainState()
+    best = float("-inf")  # the best held-out accept-length estimate so far (its head: best/)
     ckpt = os.path.join(out_dir, "checkpoint.pt")
     if os.path.isfile(ckpt):
         saved = torch.load(ckpt, map_location=dev, weights_only=False)
@@ -197,6 +239,7 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
         opt.load_state_dict(saved["opt"])
         sched.load_state_dict(saved["sched"])
         state = TrainState(saved["step"], saved["history"])
+        best = saved.get("best", best)
         logger.info("resumed from %s at step %d", ckpt, state.step)
     # bf16 on a GPU; on the CPU a half-precision target's dtype (its streams feed the head)
     half = dtype in (torch.bfloat16, torch.float16)
@@ -204,14 +247,23 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
         torch.autocast("cpu", dtype=dtype if half else torch.bfloat16, enabled=half)
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=state.step, desc=desc, disable=not progress)
+
+    def held_out_eval(rec: dict) -> None:
+        nonlocal best
+        head.eval()
+        rec["eval"] = evaluate(loss_fn, oracle, eval_batches, autocast)
+        head.train()
+        if rec["eval"]["accept_estimate"] > best:
+            best = rec["eval"]["accept_estimate"]
+            save_head(copy.deepcopy(head).to(torch.bfloat16), os.path.join(out_dir, "best"))
+        bar.write(f"step {rec['step']}: held-out loss {rec['eval']['loss']:.3f}, agree "
+                  f"{[round(a, 3) for a in rec['eval']['agree']]}, accept length estimate "
+                  f"{rec['eval']['accept_estimate']:.3f}")
+
     while state.step < cfg.steps:
         bt = order[state.step % len(order)]
-        streams, tlogits = oracle([s.ids for s in bt])
-        offsets = [0]
-        for s in bt[:-1]:
-            offsets.append(offsets[-1] + len(s.ids))
         with autocast:
-            loss, metrics = loss_fn(OracleBatch(bt, streams, tlogits, offsets), state.step)
+            loss, metrics = loss_fn(_oracle_batch(oracle, bt), state.step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -225,10 +277,12 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
         if state.step % cfg.log_every == 0:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", accept=f"{rec['accept_estimate']:.2f}")
         out_of_time = cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s
+        if eval_batches and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
+            held_out_eval(rec)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps or out_of_time:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(),
                         "sched": sched.state_dict(), "step": state.step,
-                        "history": state.history, "config": asdict(cfg)}, ckpt)
+                        "history": state.history, "config": asdict(cfg), "best": best}, ckpt)
         if out_of_time:
             logger.info("time limit reached at step %d: checkpoint saved, run again to "
                         "resume", state.step)
@@ -247,7 +301,8 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
 def plot_history(history: list[dict], path: str, loss_label: str = "loss",
                  agree_label: str = "top-1 agree, level {}", agree_first: int = 0) -> None:
     """Loss (and its parts, where a trainer records "ce" / "tv" / "bce") and acceptance per
-    step (after a confidence cut too, where it records "accept_cut"):
+    step (after a confidence cut too, where it records "accept_cut"; held out, where the
+    history has "eval" entries):
     agree_label.format(agree_first + j) names draft position j's agreement curve."""
     if not history:
         return
@@ -262,6 +317,10 @@ def plot_history(history: list[dict], path: str, loss_label: str = "loss",
     for part in ("ce", "tv", "bce"):
         if part in history[0]:
             a.plot(steps, [h[part] for h in history], alpha=0.6, label=part)
+    evals = [h for h in history if "eval" in h]
+    if evals:
+        a.plot([h["step"] for h in evals], [h["eval"]["loss"] for h in evals], "ko-",
+               label="held out")
     a.set_xlabel("step")
     if len(a.get_lines()) > 1:
         a.set_ylabel("loss")
@@ -275,6 +334,9 @@ def plot_history(history: list[dict], path: str, loss_label: str = "loss",
     for j in range(len(history[0]["agree"])):
         b.plot(steps, [h["agree"][j] for h in history], alpha=0.6,
                label=agree_label.format(agree_first + j))
+    if evals:
+        b.plot([h["step"] for h in evals], [h["eval"]["accept_estimate"] for h in evals], "ko-",
+               label="accept length (estimate), held out")
     b.set_xlabel("step")
     b.legend(fontsize=7)
     fig.tight_layout()
