@@ -95,6 +95,8 @@ BAD_REQUESTS = [
      "invalid_request_error", "prompt"),
     ("max_tokens past the context", "/v1/completions", {**GOOD, "max_tokens": 100000}, AUTH,
      400, "invalid_request_error", "max_tokens"),
+    ("max_tokens 0 without echo", "/v1/completions", {**GOOD, "max_tokens": 0}, AUTH, 400,
+     "invalid_request_error", "max_tokens"),
     ("malformed JSON", "/v1/completions", b'{"model": "tiny", "prompt": [1,', AUTH, 400,
      "invalid_request_error", None),
     ("empty messages", "/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400,
@@ -111,6 +113,10 @@ BAD_REQUESTS = [
      "authentication_error", None),
     ("wrong key on models", "/v1/models", None, {"Authorization": "Bearer nope"}, 401,
      "authentication_error", None),
+    ("tokenizer_info without a tokenizer", "/tokenizer_info", None, AUTH, 404,
+     "not_found_error", None),
+    ("wrong key on tokenizer_info", "/tokenizer_info", None, {"Authorization": "Bearer nope"},
+     401, "authentication_error", None),
 ]
 
 
