@@ -184,14 +184,16 @@ class OpenAIServer:
                            f"and queues at most {sched.max_waiting} more (--max-waiting)",
                            param=param)
 
-    def encode(self, prompt, use_chat_template: bool) -> list[int]:
+    def encode(self, prompt, use_chat_template: bool,
+               add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt (runs on a worker thread)."""
         import jinja2
 
         param = ("messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
                  else "prompt")
         try:
-            return self.engine.encode_prompt(prompt, use_chat_template=use_chat_template)
+            return self.engine.encode_prompt(prompt, use_chat_template=use_chat_template,
+                                             add_special_tokens=add_special_tokens)
         except (EngineError, jinja2.TemplateError, ValueError) as e:
             raise APIError(400, _safe_str(e), param=param) from None
 
@@ -707,7 +709,8 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
             raise APIError(400, str(e), param="prompt") from None
         if server.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (random weights)", param="prompt")
-        ids = await server.run_blocking(lambda: server.encode(prompt, use_chat_template=chat))
+        ids = await server.run_blocking(lambda: server.encode(
+            prompt, use_chat_template=chat, add_special_tokens=body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}
 
     @app.get("/tokenizer_info")

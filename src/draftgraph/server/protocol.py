@@ -232,11 +232,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt (text, chat template off) or chat messages (template on)."""
+    """vLLM's /tokenize: a prompt (text, chat template off) or chat messages (template on).
+    add_special_tokens (vLLM's): whether the tokenizer adds its own (a BOS, for Llama 3);
+    by default yes for a prompt, no for messages (the template writes them)."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
 
     def target(self) -> tuple[str | list[dict[str, Any]], bool]:
         if (self.prompt is None) == (self.messages is None):
