@@ -34,13 +34,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _meta import model_shape, run_header  # benchmarks/ is on sys.path: the script's folder
 
-from _meta import model_shape, run_header  # noqa: E402
-
-from draftgraph import flags  # noqa: E402
-from draftgraph.engine.engine import LLMEngine  # noqa: E402
-from draftgraph.engine.sampling import SamplingParams  # noqa: E402
+from draftgraph import flags
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.sampling import SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MC_DATA = os.path.join(HERE, "data", "lm_eval_mc.jsonl")

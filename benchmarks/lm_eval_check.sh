@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-COMMAND="benchmarks/lm_eval_check.sh $*"
+COMMAND="benchmarks/lm_eval_check.sh${*:+ $*}"
 if [ $# -eq 0 ]; then set -- default --device cpu; fi
 VENV=${LMEVAL_VENV:-/tmp/draftgraph-lmeval-venv}
 LMEVAL_VERSION=0.4.13
