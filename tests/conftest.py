@@ -45,9 +45,10 @@ def default_model(default_gguf_path):
     return load_model(default_gguf_path)
 
 
-def save_tiny_tokenizer(path: str) -> None:
-    """Write tokenizer.json + tokenizer_config.json of a byte-level, merge-free tokenizer."""
-    from tokenizers import AddedToken, decoders, pre_tokenizers
+def save_tiny_tokenizer(path: str, add_bos: bool = False) -> None:
+    """Write tokenizer.json + tokenizer_config.json of a byte-level, merge-free tokenizer;
+    add_bos: it puts <s> before every text (as Llama 3's adds its BOS)."""
+    from tokenizers import AddedToken, decoders, pre_tokenizers, processors
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -59,6 +60,9 @@ def save_tiny_tokenizer(path: str) -> None:
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIALS])
+    if add_bos:
+        raw.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))])
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
                                   chat_template=TINY_CHAT_TEMPLATE)
     tok.save_pretrained(path)

@@ -283,11 +283,11 @@ def test_tokenising_runs_off_the_event_loop(server, monkeypatch):
     started, release = threading.Event(), threading.Event()
     real = engine.encode_prompt
 
-    def slow_encode(prompt, use_chat_template=True):
+    def slow_encode(prompt, use_chat_template=True, **kw):
         if prompt == [9, 9, 9]:
             started.set()
             assert release.wait(60)
-        return real(prompt, use_chat_template)
+        return real(prompt, use_chat_template, **kw)
 
     monkeypatch.setattr(engine, "encode_prompt", slow_encode)
     result = {}
@@ -445,6 +445,46 @@ def test_chat_token_ids_match_the_text_and_the_prompt_ids_come_once(chat_server)
         (c,) = event["choices"]
         streamed[c["index"]] += c["token_ids"]
     assert [streamed[0], streamed[1]] == [c["token_ids"] for c in choices]
+
+
+def test_tokenize_honours_add_special_tokens_as_lm_evals_remote_tokenizer_needs(tmp_path):
+    """lm-evaluation-harness's remote tokenizer sends add_special_tokens false and takes
+    /tokenize(eos)[0] as the EOS id and a text's ids as its tokens, so a tokenizer that adds
+    a BOS (Llama 3's) must not add it then; by default a prompt still gets it (vLLM)."""
+    from conftest import save_tiny_hf_checkpoint, save_tiny_tokenizer, tiny_llama_config
+
+    from draftgraph.models.loader import load_model
+
+    path = str(tmp_path)
+    save_tiny_hf_checkpoint(path, tiny_llama_config(), tokenizer=False)
+    save_tiny_tokenizer(path, add_bos=True)
+    st = _serve(load_model(path), model=path, max_model_len=256)
+    try:
+        bos, eos, ab = 256, 257, [64, 65]  # <s>, </s> after the 256 byte tokens; "ab"
+
+        def tokenize(**kw) -> list[int]:
+            r = _post(st, "/tokenize", kw)
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"]
+
+        assert tokenize(prompt="ab") == [bos, *ab]
+        assert tokenize(prompt="ab", add_special_tokens=True) == [bos, *ab]
+        assert tokenize(prompt="ab", add_special_tokens=False) == ab
+        info = httpx.get(st.base_url + "/tokenizer_info").json()
+        assert (info["bos_token"], info["eos_token"]) == ("<s>", "</s>")
+        assert tokenize(prompt=info["eos_token"], add_special_tokens=False) == [eos]
+        chat = [{"role": "user", "content": "hi"}]
+        templated = tokenize(messages=chat)
+        assert templated[0] != bos and tokenize(messages=chat, add_special_tokens=True) == \
+            [bos, *templated]
+        # a completion's text prompt is tokenised as before: with the BOS
+        r = _post(st, "/v1/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 1,
+                                          "return_token_ids": True})
+        assert r.json()["choices"][0]["prompt_token_ids"] == [bos, *ab]
+        bad = _post(st, "/tokenize", {"prompt": "ab", "add_special_tokens": "no"})
+        _assert_error(bad, 400, "add_special_tokens")
+    finally:
+        st.stop()
 
 
 # ---- 7. HEAD /health --------------------------------------------------------------------------

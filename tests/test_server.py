@@ -203,6 +203,38 @@ def test_echo_with_logprobs_scores_the_prompt(client, server):
     assert lps[0] is None and lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
+def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(client, server):
+    """OpenAI's legacy scoring request (echo, logprobs, max_tokens 0; vLLM accepts it too):
+    the prompt and its logprobs, nothing generated, streamed or not; max_tokens 0 without
+    echo is refused."""
+    prompt = "The capital of France is Paris"
+    n = len(_tokenize(server, prompt))
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                    echo=True, logprobs=1).choices[0]
+    r = client.completions.create(model=MODEL, prompt=[prompt, prompt], max_tokens=0,
+                                  temperature=0, echo=True, logprobs=1)
+    assert r.usage.completion_tokens == 0 and len(r.choices) == 2
+    for c in r.choices:
+        assert c.text == prompt and c.finish_reason == "length"
+        assert c.logprobs.tokens == one.logprobs.tokens[:n]
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(
+            one.logprobs.token_logprobs[1:n], abs=1e-5)
+        assert [max(t.values()) for t in c.logprobs.top_logprobs[1:]] == pytest.approx(
+            [max(t.values()) for t in one.logprobs.top_logprobs[1:n]], abs=1e-5)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0,
+                                            temperature=0, echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompt
+    streamed = [x for c in chunks if c.choices[0].logprobs
+                for x in c.choices[0].logprobs.token_logprobs]
+    assert len(streamed) == n and streamed[1:] == pytest.approx(
+        one.logprobs.token_logprobs[1:n], abs=1e-5)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="echo") as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
 def test_lm_eval_loglikelihood_requests_score_like_the_engine_in_process(loaded, server):
     """lm-evaluation-harness's `local-completions` loglikelihood call (its payload and its
     parse_logprobs, 0.4.13): a batch of token-id prompts, echo, logprobs 1, max_tokens 1.
@@ -299,6 +331,22 @@ def test_ngram_speculation_gives_the_same_greedy_text(loaded, client):
         assert float(drafts.group(1)) > 0
     finally:
         st.stop()
+
+
+def test_tokenizer_info_gives_what_lm_evals_remote_tokenizer_reads(server, loaded):
+    """vLLM's /tokenizer_info: lm-evaluation-harness picks its `remote` tokenizer when this
+    route and /tokenize answer (and otherwise loads a Hugging Face tokenizer by the model's
+    name, which needs the network); it reads eos and bos here and their ids via /tokenize."""
+    base = server.base_url
+    info = httpx.get(base + "/tokenizer_info")
+    assert info.status_code == 200
+    body = info.json()
+    tok = loaded.tokenizer
+    assert body["eos_token"] == "<|im_end|>" and body["bos_token"] == "<|im_start|>"
+    assert body["chat_template"] == tok.chat_template and body["model_max_length"] == 2048
+    ids = httpx.post(base + "/tokenize", json={"prompt": body["eos_token"],
+                                               "add_special_tokens": False}).json()["tokens"]
+    assert ids == [tok.hf.eos_token_id] and ids[0] in tok.eos_token_ids
 
 
 def test_tokenize_detokenize_version_and_ping_routes(server, loaded):

@@ -127,9 +127,12 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
-                      use_chat_template: bool = True) -> list[int]:
+                      use_chat_template: bool = True,
+                      add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt given as text, token ids, or chat messages. Text that cannot
-        fit the context is refused before it is tokenised; tokenising releases the GIL."""
+        fit the context is refused before it is tokenised; tokenising releases the GIL.
+        add_special_tokens: whether the tokenizer adds its own (a BOS, for Llama 3); None:
+        for plain text yes, for a chat template's text no (the template writes them)."""
         from draftgraph.engine import admission
 
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
@@ -147,21 +150,20 @@ class LLMEngine:
                           if os.path.exists(source) or source.startswith("random:")
                           else None) or f"model {self.config.model} has no tokenizer"
                 raise EngineError(f"{reason}: pass prompts as token ids")
+            templated = isinstance(prompt, list) or (
+                use_chat_template and self.tokenizer.has_chat_template)
+            special = not templated if add_special_tokens is None else add_special_tokens
             if isinstance(prompt, list):
                 if not prompt:
                     raise EngineError("messages must not be empty")
                 admission.check_messages(self, prompt)
-                ids = admission.encode_text(
-                    self.tokenizer, self.tokenizer.render_chat(prompt, add_generation_prompt=True),
-                    add_special_tokens=False)
+                text = self.tokenizer.render_chat(prompt, add_generation_prompt=True)
             else:
                 admission.check_text(self, prompt, "prompt")
-                if use_chat_template and self.tokenizer.has_chat_template:
-                    ids = admission.encode_text(self.tokenizer, self.tokenizer.render_chat(
-                        [{"role": "user", "content": prompt}], add_generation_prompt=True),
-                        add_special_tokens=False)
-                else:
-                    ids = admission.encode_text(self.tokenizer, prompt)
+                text = (self.tokenizer.render_chat([{"role": "user", "content": prompt}],
+                                                   add_generation_prompt=True)
+                        if templated else prompt)
+            ids = admission.encode_text(self.tokenizer, text, add_special_tokens=special)
         if not ids:
             raise EngineError("prompt is empty")
         if len(ids) >= self.max_model_len:

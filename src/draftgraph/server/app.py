@@ -56,7 +56,7 @@ SHUTDOWN_MESSAGE = "the server is shutting down (--shutdown-timeout passed)"
 _FALLBACK_ERROR = (b'{"error":{"message":"internal error","type":"server_error",'
                    b'"param":null,"code":"internal_error"}}')
 # routes that need the key when one is set (/health and /metrics stay open, as in vLLM)
-_PROTECTED_PREFIXES = ("/v1/", "/info", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1/", "/info", "/tokenize", "/tokenizer_info", "/detokenize")
 
 
 class APIError(Exception):
@@ -124,6 +124,12 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return out
 
 
+async def _prompt_only(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The outputs of an echo + max_tokens 0 request without the token the engine generated."""
+    async for out in stream:
+        yield serving.without_output(out)
+
+
 async def _wait_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
@@ -178,14 +184,16 @@ class OpenAIServer:
                            f"and queues at most {sched.max_waiting} more (--max-waiting)",
                            param=param)
 
-    def encode(self, prompt, use_chat_template: bool) -> list[int]:
+    def encode(self, prompt, use_chat_template: bool,
+               add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt (runs on a worker thread)."""
         import jinja2
 
         param = ("messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
                  else "prompt")
         try:
-            return self.engine.encode_prompt(prompt, use_chat_template=use_chat_template)
+            return self.engine.encode_prompt(prompt, use_chat_template=use_chat_template,
+                                             add_special_tokens=add_special_tokens)
         except (EngineError, jinja2.TemplateError, ValueError) as e:
             raise APIError(400, _safe_str(e), param=param) from None
 
@@ -287,6 +295,9 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
         self.check_queue_fits(len(prompts) * body.n, "n" if len(prompts) == 1 else "prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is only accepted with echo "
+                           "(the prompt scored, with logprobs)", param="max_tokens")
         tok = self.engine.tokenizer
 
         def prepare() -> tuple[list[list[int]], list[str]]:
@@ -301,13 +312,16 @@ class OpenAIServer:
         encoded = [ids for ids in encoded for _ in range(body.n)]
         texts = [t for t in texts for _ in range(body.n)]
         # choice j of each prompt draws from its own stream (seed + j)
+        max_tokens = 1 if body.prompt_only else body.max_tokens
         params = [p for ids in encoded[:: body.n] for p in choice_params(
-            self.sampling_params(body, len(ids), body.max_tokens), body.n)]
+            self.sampling_params(body, len(ids), max_tokens), body.n)]
         states = [serving.ChoiceState(i, prompt_text=text, prompt_token_ids=ids)
                   for i, (text, ids) in enumerate(zip(texts, encoded, strict=True))]
         self.check_admitting()  # tokenising took a while: still admitting?
         request_id = f"cmpl-{uuid.uuid4().hex}"
         rids, streams = self.add(encoded, params, request_id)
+        if body.prompt_only:
+            streams = [_prompt_only(s) for s in streams]
         created = serving.now()
 
         if body.stream:
@@ -695,8 +709,20 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
             raise APIError(400, str(e), param="prompt") from None
         if server.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (random weights)", param="prompt")
-        ids = await server.run_blocking(lambda: server.encode(prompt, use_chat_template=chat))
+        ids = await server.run_blocking(lambda: server.encode(
+            prompt, use_chat_template=chat, add_special_tokens=body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """vLLM's /tokenizer_info: lm-evaluation-harness (`tokenizer_backend=remote`, which it
+        picks when this route answers) reads the special tokens here and tokenises through
+        /tokenize, so it needs no copy of the tokenizer."""
+        tok = server.engine.tokenizer
+        if tok is None:
+            raise APIError(404, "this model has no tokenizer (random weights)",
+                           "not_found_error")
+        return serving.tokenizer_info(tok, server.engine.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

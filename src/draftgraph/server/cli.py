@@ -57,7 +57,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready socket bound to host:port; ValueError saying what to change when
     the port is taken or the address is not this machine's."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # NOTE: proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose
+    # proto says TCP. Without it every response after a connection's first waited ~40 ms
+    # (Nagle's algorithm against the client's delayed ACK): keep-alive clients, SSE chunks.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
     try:
         sock.bind((host, port))

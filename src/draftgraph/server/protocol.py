@@ -157,9 +157,17 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     # text, token ids, or a batch of either
     prompt: Text | TokenIds | list[Text] | list[TokenIds]
-    max_tokens: Count | None = 16
+    # 0 only with echo: the prompt scored, nothing generated (OpenAI's legacy scoring request)
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
     logprobs: NumLogprobs | None = None
     echo: StrictBool = False
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo + max_tokens 0: the response is the prompt (and its logprobs) alone. The
+        engine still generates one token (a request generates at least one); the server
+        drops it, as vLLM does."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -224,11 +232,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt (text, chat template off) or chat messages (template on)."""
+    """vLLM's /tokenize: a prompt (text, chat template off) or chat messages (template on).
+    add_special_tokens (vLLM's): whether the tokenizer adds its own (a BOS, for Llama 3);
+    by default yes for a prompt, no for messages (the template writes them)."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
 
     def target(self) -> tuple[str | list[dict[str, Any]], bool]:
         if (self.prompt is None) == (self.messages is None):

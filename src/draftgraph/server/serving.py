@@ -12,6 +12,7 @@ carries the whole `token_ids` only when it is the request's last.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -106,6 +107,21 @@ def _prompt_tops(out: RequestOutput) -> list:
     """Per prompt token its top alternatives [(id, logprob)] (None for the first)."""
     return [None if t is None else list(zip(t[1], t[2], strict=True))
             for t in out.prompt_top_logprobs or []]
+
+
+def without_output(out: RequestOutput) -> RequestOutput:
+    """out with no generated tokens (text, ids, logprobs), its prompt logprobs kept; a
+    finished one ends for its length (max_tokens 0), whatever stopped the engine's token.
+    Errors and aborts keep their reason."""
+    empty = None if out.logprobs is None else []
+    reason = out.finish_reason
+    if out.finished and reason in ("stop", "length"):
+        reason = "length"
+    return dataclasses.replace(
+        out, token_ids=[], new_token_ids=[], text="", delta_text="", finish_reason=reason,
+        logprobs=empty, new_logprobs=None if out.new_logprobs is None else [],
+        top_logprobs=None if out.top_logprobs is None else [],
+        new_top_logprobs=None if out.new_top_logprobs is None else [])
 
 
 def usage(outputs: list[RequestOutput], prompt_tokens: int) -> dict:
@@ -248,6 +264,15 @@ def usage_chunk(response_id: str, model: str, created: int, obj: str,
                 finals: list[RequestOutput], prompt_tokens: int) -> dict:
     return {"id": response_id, "object": obj, "created": created, "model": model,
             "choices": [], "usage": usage(finals, prompt_tokens)}
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """vLLM's /tokenizer_info body: the special tokens (as text, or None), the chat template
+    and the context the server allows."""
+    hf = tokenizer.hf
+    return {"bos_token": hf.bos_token,
+            "eos_token": hf.eos_token, "pad_token": hf.pad_token, "unk_token": hf.unk_token,
+            "chat_template": tokenizer.chat_template, "model_max_length": max_model_len}
 
 
 def clean_text(s: str) -> str:
