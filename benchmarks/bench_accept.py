@@ -11,6 +11,11 @@ accept_length counts the verify steps that drafted (accepted drafts per step + 1
 tokens_per_step counts every speculative step, those where a block head's confidence cut left
 no draft included (DSpark's accepted length).
 
+An arm `chain@DIR` (or `block@DIR`) drafts with the head directory DIR instead of --head
+(--block-head), so several heads run in one process on the same prompts:
+
+    python benchmarks/bench_accept.py --arms plain,chain@runs/a/head,chain@runs/b/head ...
+
 `--sets` is JSON {set name: [[prompt token ids], ...]} (chat-templated MT-Bench first turns,
 HumanEval, held-out ShareGPT for the default model). Greedy unless --temperature.
 """
@@ -49,10 +54,11 @@ def main() -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    if "chain" in a.arms.split(",") and a.head is None:
-        ap.error("the chain arm needs --head")
-    if "block" in a.arms.split(",") and a.block_head is None:
-        ap.error("the block arm needs --block-head")
+    arms = a.arms.split(",")
+    if "chain" in arms and a.head is None:
+        ap.error("the chain arm needs --head (or name the head: chain@DIR)")
+    if "block" in arms and a.block_head is None:
+        ap.error("the block arm needs --block-head (or name the head: block@DIR)")
     loaded = load_model(a.model, device=a.device or "cpu", **({"dtype": __import__(
         "torch").__dict__[a.dtype]} if a.dtype else {}))
     with open(a.sets) as f:
@@ -66,14 +72,15 @@ def main() -> int:
     for name in names:
         prompts = sets[name][: a.num_prompts]
         res, plain_tokens = {}, None
-        for arm in a.arms.split(","):
+        for arm in arms:
+            kind, _, head = arm.partition("@")
             spec = {"plain": SpecConfig(),
-                    "chain": SpecConfig(method="chain", draft_head=a.head,
+                    "chain": SpecConfig(method="chain", draft_head=head or a.head,
                                         num_draft_tokens=a.k, adaptive=False),
-                    "block": SpecConfig(method="block", draft_head=a.block_head,
+                    "block": SpecConfig(method="block", draft_head=head or a.block_head,
                                         block_size=a.block_size, adaptive=False),
                     "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,
-                                        adaptive=False)}[arm]
+                                        adaptive=False)}[kind]
             engine = LLMEngine(EngineConfig(
                 model=a.model, device=a.device, dtype=a.dtype,
                 cache=CacheConfig(kv_cache_tokens=a.batch * (max(map(len, prompts))

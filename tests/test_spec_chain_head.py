@@ -47,7 +47,8 @@ def _head_engine(hf, spec: str = "", catch_up: bool = True, **kw):
     return tiny_engine(hf, spec=SPEC, drafter=drafter, **kw), drafter
 
 
-@pytest.mark.parametrize("spec", ["", "layers=2", "draft_vocab=64"])
+@pytest.mark.parametrize("spec", ["", "layers=2", "draft_vocab=64",
+                                  "draft_vocab=64,share_lm_head=1"])
 def test_a_random_head_is_lossless(hf, plain, spec):
     engine, drafter = _head_engine(hf, spec)
     outs = engine.generate(PROMPTS, GREEDY)
@@ -254,3 +255,42 @@ def test_bad_heads_are_refused_with_the_reason(hf, tmp_path):
         HeadConfig([0, 7], 64, 128).validate_for(cfg)
     with pytest.raises(ValueError, match="layers=N"):
         random_head(cfg, "depth=2")
+
+
+def _recording(drafter: ChainHeadDrafter) -> list:
+    """Each chain step's logits over the target's vocabulary, as the drafter takes them."""
+    seen, take = [], drafter.take
+
+    def recording_take(ctx, i, logits):
+        seen.append(logits.clone())
+        return take(ctx, i, logits)
+
+    drafter.take = recording_take
+    return seen
+
+
+def test_a_reduced_shared_vocabulary_drafts_the_heads_argmax_within_it(hf, plain):
+    """reduce_vocab: over every token, the target's gathered LM-head rows give the full head's
+    logits exactly; over a subset, every draft is in it (its tokens' logits unchanged, -inf
+    elsewhere), and the output stays lossless."""
+    from draftgraph.models.heads import reduce_vocab
+
+    cfg = tiny_loaded(hf).config
+    head = random_head(cfg, "", seed=3)
+    runs = {}
+    subset = torch.arange(0, cfg.vocab_size, 2)  # the even tokens
+    for name, h in (("full", head), ("all", reduce_vocab(head, torch.arange(cfg.vocab_size), cfg)),
+                    ("even", reduce_vocab(head, subset, cfg))):
+        drafter = ChainHeadDrafter(h, K)
+        seen = _recording(drafter)
+        engine = tiny_engine(hf, spec=SPEC, drafter=drafter)
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == plain
+        assert drafter.lm_head.shape[0] == (h.head_config.draft_vocab_size or cfg.vocab_size)
+        runs[name] = torch.cat(seen)
+    assert torch.equal(runs["all"], runs["full"])
+    even = runs["even"]
+    assert torch.isinf(even[:, 1::2]).all() and torch.isfinite(even[:, ::2]).all()
+    assert (even.argmax(-1) % 2 == 0).all()
+    # step 0 of the first proposal reads the same inputs in both runs: same logits on the subset
+    torch.testing.assert_close(even[0, ::2], runs["full"][0, ::2])

@@ -201,6 +201,22 @@ def test_train_drafter_cli_runs_and_resumes(tmp_path, capsys):
     assert "step 8/8" in capsys.readouterr().err
     head = json.loads((out / "head" / "config.json").read_text())
     assert head["draft_vocab_size"] == 32
+    # a reduced vocabulary over the target's own LM-head rows: no LM head to train or ship
+    shared = tmp_path / "shared"
+    assert main(["train-drafter", "random:tiny", "--out", str(shared), "--data", str(data),
+                 "--max-new-tokens", "12", "--max-len", "64", "--draft-vocab", "32",
+                 "--share-lm-head", "--eval-prompts", "0", "--steps", "2",
+                 "--batch-tokens", "128"]) == 0
+    cfg = json.loads((shared / "head" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 32 and cfg["share_lm_head"] is True
+    from safetensors import safe_open
+
+    names = [n for f in os.listdir(shared / "head") if f.endswith(".safetensors")
+             for n in safe_open(str(shared / "head" / f), "pt").keys()]
+    assert "d2t" in names and not any(n.startswith("lm_head") for n in names)
+    assert main(["train-drafter", "random:tiny", "--out", str(tmp_path / "x"), "--data",
+                 str(data), "--share-lm-head"]) == 2
+    assert "--share-lm-head needs --draft-vocab" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec", ["", "layers=2"])

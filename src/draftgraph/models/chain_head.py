@@ -10,8 +10,11 @@ the residual stream; more layers are plain decoder layers. The stream after the 
 `norm` an LM head gives the next token. Position 0 reads a zero feature.
 
 The target's embedding is shared, and so is its LM head unless the head has a reduced draft
-vocabulary: then its own `lm_head` [draft_vocab, hidden] and `d2t` [draft_vocab] (the target id
-of each draft token) map draft logits onto the target's vocabulary.
+vocabulary: then `d2t` [draft_vocab] (the target id of each draft token) maps draft logits onto
+the target's vocabulary, and the LM head is the head's own `lm_head` [draft_vocab, hidden], or,
+with `share_lm_head`, the target's rows `d2t` (no weights of its own: the drafter gathers them
+once when it binds). A reduced vocabulary makes each draft step's LM head that much smaller,
+which is most of a draft step's bytes on a small target; drafts outside it are never proposed.
 
 Head directories (save, load, random heads) are models/heads.py.
 """
@@ -82,12 +85,18 @@ class HeadConfig(HeadShape):
     """The shape of a chain head and the target it was built for."""
 
     draft_vocab_size: int = 0  # 0: the target's vocabulary and LM head
+    # with a reduced vocabulary: its LM head is the target's rows d2t (no lm_head of its own)
+    share_lm_head: bool = False
 
     def validate_for(self, target: ModelConfig) -> None:
         super().validate_for(target)
         if not 0 <= self.draft_vocab_size <= target.vocab_size:
             raise ValueError(f"--draft-head draft vocabulary {self.draft_vocab_size} exceeds "
                              f"the target's {target.vocab_size} tokens")
+        if self.share_lm_head and not self.draft_vocab_size:
+            raise ValueError("--draft-head share_lm_head needs a reduced draft vocabulary "
+                             "(draft_vocab_size > 0): without one the head shares the "
+                             "target's whole LM head already")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -155,7 +164,8 @@ class ChainHead(nn.Module):
             + [LlamaDecoderLayer(cfg, i, tp) for i in range(1, cfg.num_hidden_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         dv = head_cfg.draft_vocab_size
-        self.lm_head = nn.Linear(h, dv, bias=False) if dv else None
+        self.lm_head = (nn.Linear(h, dv, bias=False) if dv and not head_cfg.share_lm_head
+                        else None)
         self.register_buffer("d2t", torch.arange(dv, dtype=torch.int64))  # [dv] target ids
         self.register_buffer("cos_sin_cache",
                              rope_cos_sin_cache(cfg, cfg.max_position_embeddings),
@@ -196,11 +206,23 @@ class ChainHead(nn.Module):
         h, _ = last.input_layernorm(x, residual)
         store_kv_only(last.self_attn, last.self_attn.qkv_proj(h), fb, backend, cache)
 
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether it drafts over a reduced vocabulary (logits over `d2t`'s tokens)."""
+        return self.head_config.draft_vocab_size > 0
+
+    def lm_head_weight(self, target_lm_head: torch.Tensor) -> torch.Tensor:
+        """Its LM head [V', hidden]: its own, or the target's (its rows d2t when shared over a
+        reduced vocabulary: a gather, so bind-time work, not per step)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        return target_lm_head.index_select(0, self.d2t) if self.reduced_vocab \
+            else target_lm_head
+
     def logits(self, x: torch.Tensor, residual: torch.Tensor,
-               target_lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [T, V'] fp32, next feature x + residual [T, hidden]); V' is the draft
-        vocabulary (map with `d2t`) or the target's, through its LM head weight."""
-        w = self.lm_head.weight if self.lm_head is not None else target_lm_head
-        logits, stream = gemv.rmsnorm_gemv(x, self.norm.weight, self.norm.eps, w, None,
+               lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [T, V'] fp32, next feature x + residual [T, hidden]) through `lm_head`
+        (`lm_head_weight`): V' is the draft vocabulary (map with `d2t`) or the target's."""
+        logits, stream = gemv.rmsnorm_gemv(x, self.norm.weight, self.norm.eps, lm_head, None,
                                            residual)
         return logits.float(), stream

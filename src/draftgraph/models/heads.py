@@ -105,7 +105,7 @@ def load_head(path: str, target: ModelConfig, device="cpu",
 # random-head spec keys -> config fields, per kind
 _SPEC_KEYS = {
     "chain": {"layers": "num_layers", "draft_vocab": "draft_vocab_size",
-              "intermediate_size": "intermediate_size"},
+              "intermediate_size": "intermediate_size", "share_lm_head": "share_lm_head"},
     "block": {"layers": "num_layers", "block_size": "block_size", "window": "window",
               "intermediate_size": "intermediate_size", "markov_rank": "markov_rank",
               "confidence": "confidence", "mask_token_id": "mask_token_id"},
@@ -116,7 +116,8 @@ def random_head(target: ModelConfig, spec: str = "", device="cpu",
                 dtype: torch.dtype = torch.float32, seed: int = 0,
                 kind: str = "chain") -> nn.Module:
     """A head of random weights (norms 1, biases 0, weights N(0, 0.02)); `spec` is empty or
-    comma-separated `key=N` (chain: layers, draft_vocab, intermediate_size; block: layers,
+    comma-separated `key=N` (chain: layers, draft_vocab, intermediate_size, share_lm_head
+    (0/1); block: layers,
     block_size, window, intermediate_size, markov_rank, confidence (0/1), mask_token_id)."""
     keys = _SPEC_KEYS[kind]
     kw: dict[str, int] = {}
@@ -126,8 +127,9 @@ def random_head(target: ModelConfig, spec: str = "", device="cpu",
             raise ValueError(f"--draft-head random:{spec}: expected "
                              f"{', '.join(k + '=N' for k in keys)}, comma-separated")
         kw[keys[key]] = int(val)
-    if "confidence" in kw:
-        kw["confidence"] = bool(kw["confidence"])
+    for flag in ("confidence", "share_lm_head"):
+        if flag in kw:
+            kw[flag] = bool(kw[flag])
     config_cls, head_cls = KINDS[kind]
     cfg = config_cls(default_layer_ids(target.num_hidden_layers), target.hidden_size,
                      target.vocab_size, kind=kind, **kw)
@@ -138,3 +140,23 @@ def random_head(target: ModelConfig, spec: str = "", device="cpu",
         for name, p in head.named_parameters():
             fill_random(name, p, gen)
     return head.to(dtype=dtype).eval()
+
+
+def reduce_vocab(head: ChainHead, d2t: torch.Tensor, target: ModelConfig) -> ChainHead:
+    """`head` (a chain head over the target's whole shared LM head) drafting over the target
+    tokens `d2t` alone [V'], its LM head the target's rows d2t: the same weights and the same
+    drafts wherever its argmax is in d2t; each draft step's LM head V' rows instead of V."""
+    if head.reduced_vocab or head.lm_head is not None:
+        raise ValueError("reduce_vocab takes a head over the target's whole vocabulary")
+    d2t = torch.as_tensor(d2t, dtype=torch.int64).sort().values
+    v = head.head_config.target_vocab_size
+    if d2t.numel() == 0 or d2t[0] < 0 or d2t[-1] >= v or d2t.unique().numel() != d2t.numel():
+        raise ValueError(f"d2t: distinct target token ids in 0..{v - 1}")
+    cfg = dataclasses.replace(head.head_config, draft_vocab_size=d2t.numel(),
+                              share_lm_head=True)
+    dev = head.fc.weight.device
+    with torch.device(dev):
+        out = ChainHead(cfg, target)
+    state = {k: t for k, t in head.state_dict().items() if k != "d2t"}
+    out.load_state_dict({**state, "d2t": d2t.to(dev)})
+    return out.to(head.fc.weight.dtype).eval()

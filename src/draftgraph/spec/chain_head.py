@@ -60,6 +60,9 @@ class ChainHeadDrafter(ChainDrafter):
         self.executor = ModelExecutor(head, target.slots, target.max_bs, target.max_num_tokens,
                                       target.device, target.dtype, target.backend.name)
         self.capture = target.capture_hidden(tuple(head.head_config.hidden_layer_ids))
+        # [V', H] the head's LM head (the target's rows d2t, gathered once, when it shares a
+        # reduced vocabulary)
+        self.lm_head = head.lm_head_weight(self.target_model.lm_head_weight).contiguous()
         m, k, dev, dt = target.max_bs, self.k, target.device, target.dtype
         h = head.config.hidden_size
         rows = target.slots.token_table.shape[0]
@@ -84,7 +87,7 @@ class ChainHeadDrafter(ChainDrafter):
     def _target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [bs, V'] onto the target's vocabulary (-inf elsewhere)."""
         head = self.head
-        if head.lm_head is None:
+        if not head.reduced_vocab:
             return logits
         full = logits.new_full((logits.shape[0], self.target_model.config.vocab_size),
                                float("-inf"))
@@ -98,7 +101,7 @@ class ChainHeadDrafter(ChainDrafter):
     def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
         head, feat = self.head, self.step_feat[: fb.bs]
         x, residual = head(self._embed(fb.input_ids), feat, fb, self.executor.backend)
-        logits, stream = head.logits(x, residual, self.target_model.lm_head_weight)
+        logits, stream = head.logits(x, residual, self.lm_head)
         self.take(ctx, i, self._target_vocab(logits))
         feat.copy_(stream)
 

@@ -134,7 +134,7 @@ def ttt_loss(head: ChainHead, embed_w: torch.Tensor, lm_w: torch.Tensor,
     with torch.no_grad():
         t_logits = target_logits.reshape(b * s, -1)[rows].float()  # [N, V]
         top_t = t_logits.argmax(-1)  # over the target's whole vocabulary
-        if head.lm_head is not None:  # a reduced draft vocabulary: the target over it
+        if head.reduced_vocab:  # the target over the draft vocabulary
             t_logits = t_logits.index_select(-1, head.d2t)
         p_t = F.softmax(t_logits, dim=-1)
         logp_t = F.log_softmax(t_logits, dim=-1)
@@ -152,7 +152,7 @@ def ttt_loss(head: ChainHead, embed_w: torch.Tensor, lm_w: torch.Tensor,
         weight_sum += decay ** j
         with torch.no_grad():
             top_q = logits.argmax(-1)
-            if head.lm_head is not None:
+            if head.reduced_vocab:
                 top_q = head.d2t[top_q]
             agree.append(((top_q == top_t) & live).sum().item() / n.item())
     return total / weight_sum, agree
@@ -181,8 +181,7 @@ def train_head(head: ChainHead, target_model, seqs: list[Sequence], cfg: TrainCo
         raise ValueError(f"train_head trains chain heads, got {type(head).__name__}")
     head.head_config.validate_for(target_model.config)
     embed_w = target_model.embed_tokens.weight.detach()
-    lm_w = (head.lm_head.weight if head.lm_head is not None
-            else target_model.lm_head_weight.detach())
+    lm_w = head.lm_head_weight(target_model.lm_head_weight.detach())
 
     def loss_fn(batch: OracleBatch, step: int):
         tok = batch.padded("tokens")

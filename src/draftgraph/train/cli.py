@@ -57,6 +57,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="--kind chain: a reduced draft vocabulary of the most frequent response "
                         "tokens (0: the target's vocabulary and LM head)")
+    p.add_argument("--share-lm-head", action="store_true",
+                   help="--kind chain with --draft-vocab: the head's LM head is the target's "
+                        "rows of the draft vocabulary (nothing to train or ship) instead of "
+                        "its own")
     b = p.add_argument_group("block heads (--kind block)")
     b.add_argument("--block-size", type=int, default=8,
                    help="the anchor + block_size - 1 mask tokens: block_size - 1 drafts")
@@ -160,8 +164,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from draftgraph.train.chain import TrainConfig, train_head
 
     model = resolve_model(args)
-    if args.kind == "block" and (args.draft_vocab or args.ttt_steps != 4):
-        print("error: --draft-vocab and --ttt-steps are for --kind chain", file=sys.stderr)
+    if args.kind == "block" and (args.draft_vocab or args.ttt_steps != 4
+                                 or args.share_lm_head):
+        print("error: --draft-vocab, --share-lm-head and --ttt-steps are for --kind chain",
+              file=sys.stderr)
+        return 2
+    if args.share_lm_head and not args.draft_vocab:
+        print("error: --share-lm-head needs --draft-vocab N (without one the head shares the "
+              "target's whole LM head already)", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
@@ -218,16 +228,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         state = train_block_head(head, target, seqs, cfg, args.out, device, dtype, backend,
                                  eval_seqs=eval_seqs)
     else:
-        spec = ",".join(f"{k}={v}" for k, v in (("layers", args.head_layers),
-                                                 ("draft_vocab", args.draft_vocab),
-                                                 ("intermediate_size", args.intermediate_size))
-                        if v)
+        from draftgraph.train.loop import frequent_response_tokens
+
+        spec = ",".join(f"{k}={int(v)}" for k, v in (
+            ("layers", args.head_layers), ("draft_vocab", args.draft_vocab),
+            ("intermediate_size", args.intermediate_size),
+            ("share_lm_head", args.share_lm_head)) if v)
         head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
         if args.draft_vocab:
-            counts = torch.bincount(
-                torch.tensor([t for s in seqs for t in s.ids[s.prompt_len:]]),
-                minlength=target.config.vocab_size)
-            head.d2t.copy_(counts.topk(args.draft_vocab).indices.sort().values.to(device))
+            head.d2t.copy_(frequent_response_tokens(seqs, args.draft_vocab,
+                                                    target.config.vocab_size).to(device))
         cfg = TrainConfig(**common, ttt_steps=args.ttt_steps)
         state = train_head(head, target, seqs, cfg, args.out, device, dtype, backend,
                            eval_seqs=eval_seqs)

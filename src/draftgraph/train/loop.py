@@ -101,6 +101,14 @@ def batches(seqs: list[Sequence], batch_tokens: int, max_len: int, gen: torch.Ge
     return [out[i] for i in order]
 
 
+def frequent_response_tokens(seqs: list[Sequence], n: int, vocab_size: int) -> torch.Tensor:
+    """The n token ids most frequent in the sequences' responses, ascending [n] int64 (a
+    reduced draft vocabulary: `d2t`)."""
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s.ids[s.prompt_len:]],
+                                         dtype=torch.int64), minlength=vocab_size)
+    return counts.topk(n).indices.sort().values
+
+
 # ---- the frozen target ---------------------------------------------------------------------
 
 class TargetOracle:
