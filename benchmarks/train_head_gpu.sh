@@ -5,12 +5,14 @@
 # (`split -n 4 -d FILE`, the ignored folders .modelq1/ .. .modelq4/, the last with the file's
 # sha256):
 #   calls 1-3: `bash benchmarks/train_head_gpu.sh stage N`, N = 1, 2, 3, carry [".modelqN"];
-#   call 4:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modelq4", ".whl",
-#              ".traindata_all"]: joins and checks the GGUF, regenerates the responses of DATA's
-#              prompts and of EVAL's held-out prompts with the engine (bf16, greedy, 256 new
-#              tokens, SEQS requests at a time), returns them packed (`pack_sequences.py`:
-#              seqs.npz*, keep them under .trainseqs_all/: a later call carrying that folder
-#              unpacks instead of regenerating), then trains the ARMS until END seconds;
+#   call 4:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modelq4", ".whl"]:
+#              joins and checks the GGUF, unpacks the sequences of SEQDIR (`pack_sequences.py`:
+#              seqs.npz and eval/seqs.npz; default the shipped chain head's, tracked in
+#              benchmarks/data/smollm2_allturns1024_seqs/) or, with SEQDIR empty (and DATA's
+#              folder carried), regenerates the responses of DATA's prompts and of EVAL's
+#              held-out prompts with the engine (bf16, greedy, 256 new tokens, SEQS requests at
+#              a time: 5.6 minutes for the default 20,722) and returns them packed, then trains
+#              the ARMS until END seconds;
 #   call 5+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
 #              from their checkpoints until END seconds;
 #   last call: `RETURN=arm bash benchmarks/train_head_gpu.sh train` also returns that arm's
@@ -48,10 +50,11 @@ if [ "${1:-}" = regen ]; then
   echo "$(cat .modelq4/sha256)  $M" | sha256sum -c - || exit 4
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/gguf-*.whl || exit 1
-  sha256sum $DATA $EVAL | tee -a "$LOG"
-  if ls .trainseqs_all/seqs.npz* > /dev/null 2>&1; then
-    python3 benchmarks/pack_sequences.py unpack .trainseqs_all $S/sequences.json | tee -a "$LOG"
-    python3 benchmarks/pack_sequences.py unpack .trainseqs_all/eval $S/eval_sequences.json \
+  [ -f $DATA ] && sha256sum $DATA $EVAL | tee -a "$LOG"
+  SEQDIR=${SEQDIR-benchmarks/data/smollm2_allturns1024_seqs}
+  if [ -n "$SEQDIR" ] && ls $SEQDIR/seqs.npz* > /dev/null 2>&1; then
+    python3 benchmarks/pack_sequences.py unpack $SEQDIR $S/sequences.json | tee -a "$LOG"
+    python3 benchmarks/pack_sequences.py unpack $SEQDIR/eval $S/eval_sequences.json \
       | tee -a "$LOG"
   fi
   if [ ! -f $S/sequences.json ] || [ ! -f $S/eval_sequences.json ]; then
