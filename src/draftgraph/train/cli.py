@@ -1,8 +1,9 @@
 """`draftgraph train-drafter`: regenerate responses with the target, then train a chain head
 (--kind chain, train/chain.py) or a DSpark-style block head (--kind block, train/block.py)
-against the target's own forward. Everything lands in --out: sequences.json
-(the regenerated data and its sha256), checkpoint.pt (resumable: run the same command again),
-head/ (the head directory for --draft-head), history.json and loss.png."""
+against the target's own forward. Everything lands in --out: sequences.json and
+eval_sequences.json (the regenerated training and held-out data and their sha256s),
+checkpoint.pt (resumable: run the same command again), head/ (the head directory for
+--draft-head), best/ (the head of the best held-out score), history.json and loss.png."""
 
 from __future__ import annotations
 
