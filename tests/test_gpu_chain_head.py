@@ -69,9 +69,11 @@ def _drafts_and_outputs(engine, drafter, prompts) -> tuple[list, list]:
     return drafts, [done[r] for r in rids]
 
 
-def test_fused_fallback_and_eager_chains_draft_the_same_and_are_lossless(loaded, monkeypatch):
+@pytest.mark.parametrize("spec", ["draft_vocab=8192", "draft_vocab=8192,share_lm_head=1"])
+def test_fused_fallback_and_eager_chains_draft_the_same_and_are_lossless(loaded, monkeypatch,
+                                                                        spec):
     prompts = _prompts(loaded.config.vocab_size)
-    head = random_head(loaded.config, "draft_vocab=8192", "cuda", torch.float32, seed=2)
+    head = random_head(loaded.config, spec, "cuda", torch.float32, seed=2)
     runs = {}
     for arm in ("fused", "fallback", "eager"):
         if arm == "fallback":
