@@ -1,7 +1,9 @@
 """CPU, bf16: with exact rows every verify row attends as the decode row at its position would
-(TorchBackend: one row at a time over the keys that row owns), so n-gram speculation gives
-plain decoding's tokens and logprobs bit for bit at batch 1. (The CPU's multi-row matmuls
-already give each row its lone value at these shapes: attention is what differed.)"""
+(TorchBackend: one row at a time over the keys that row owns; projections, LM head and
+logsumexp one row at a time too: `gemv.linear`, `argmax.ROWS_ALONE`), so n-gram speculation
+gives plain decoding's tokens and logprobs bit for bit at batch 1. (On a Xeon the multi-row
+matmuls and logsumexp already gave each row its lone value at these shapes; on an AMD EPYC they
+do not: a row by row matmul and logsumexp are each needed there, each shown by removing it.)"""
 
 from __future__ import annotations
 

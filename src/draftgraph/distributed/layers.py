@@ -58,7 +58,7 @@ class VocabParallelEmbedding(nn.Embedding):
 def parallel_lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
                      tp: TPInfo) -> torch.Tensor:
     """[n, hidden] -> [n, vocab] fp32 on every rank: local vocabulary slice, then all-gather."""
-    logits = all_gather_last_dim(hidden @ weight.t(), tp)
+    logits = all_gather_last_dim(gemv.linear(hidden, weight), tp)
     if logits.shape[1] != vocab_size:
         logits = logits[:, :vocab_size]
     return logits.float()

@@ -592,10 +592,23 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
     return x.is_cuda and triton_usable(x) and pays(x.numel() // max(k, 1), weight)
 
 
-def _linear(x, weight, bias, out_dtype) -> torch.Tensor:
-    """F.linear, or with out_dtype fp32 the accumulator unrounded (cuBLAS out_dtype on CUDA)."""
-    if out_dtype is None or out_dtype == x.dtype:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear; on the CPU, rows [M, K] with 1 < M <= the weight's exact-rows bound one at a
+    time: a multi-row matmul may round a row differently from the lone row (MKL/oneDNN pick
+    other kernels by M, and which ones depends on the CPU), so a verify row equals the decode
+    row at its position only this way. It costs a weight read per row, hence opt-in."""
+    m = x.numel() // max(x.shape[-1], 1)
+    if x.is_cuda or not 1 < m <= getattr(weight, EXACT_ROWS_ATTR, 0):
         return F.linear(x, weight, bias)
+    rows = x.reshape(m, x.shape[-1])
+    y = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(m)])
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _linear(x, weight, bias, out_dtype) -> torch.Tensor:
+    """`linear`, or with out_dtype fp32 the accumulator unrounded (cuBLAS out_dtype on CUDA)."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return linear(x, weight, bias)
     if not x.is_cuda:
         return F.linear(x.to(out_dtype), weight.to(out_dtype),
                         bias.to(out_dtype) if bias is not None else None)
@@ -628,7 +641,7 @@ def rmsnorm_gemv(x, norm_weight, eps, weight, bias=None,
     from draftgraph.kernels import ops
 
     normed, new_residual = ops.rms_norm(x, norm_weight, eps, residual)
-    return F.linear(normed, weight, bias), new_residual if new_residual is not None else x
+    return linear(normed, weight, bias), new_residual if new_residual is not None else x
 
 
 def silu_mul_gemv(gate_up, weight, residual=None, *, out_dtype=None) -> torch.Tensor:

@@ -157,7 +157,7 @@ class LlamaDecoderLayer(nn.Module):
                 h, residual = ln(x, residual)
                 if residual is None:
                     residual = x
-                qkv = attn.qkv_proj(h)
+                qkv = gemv.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
             o = attn.attend(qkv, fb, backend, cos_sin_cache)
         h = attn.o_proj(o)
         if fuse:
@@ -166,7 +166,7 @@ class LlamaDecoderLayer(nn.Module):
                                                   mlp.gate_up_proj.weight, None, residual)
         else:
             h, residual = self.post_attention_layernorm(h, residual)
-            gate_up = mlp.gate_up_proj(h)
+            gate_up = gemv.linear(h, mlp.gate_up_proj.weight)
         return mlp.down_proj(gate_up, silu_mul=True), residual
 
 

@@ -78,7 +78,7 @@ class ModelExecutor:
         if exact_rows not in (None, "auto", "on", "off"):
             raise ValueError(f"--exact-rows must be auto, on or off, got {exact_rows!r}")
         exact = exact_rows == "on" or (exact_rows == "auto" and gemv.wants_exact_rows(model))
-        if exact_rows is not None and torch.device(device).type == "cuda":
+        if exact_rows is not None:
             gemv.mark_exact_rows(model, gemv.EXACT_ROWS_MAX_M if exact else 0)
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads,
