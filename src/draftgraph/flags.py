@@ -116,8 +116,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--exact-rows", choices=["auto", "on", "off"], default="off",
                    help="compute every verify row exactly as the decode row at its position "
                         "(GPU: steps of up to 16 rows through the fused single-row kernels; "
-                        "CPU: verify attention, projections and logsumexp row by row), so bf16 speculation equals plain "
-                        "decoding at batch 1; costs time per step (auto: on for models of at "
+                        "CPU: verify attention, projections and logsumexp row by row), so "
+                        "bf16 speculation equals plain decoding at batch 1; costs time per "
+                        "step (auto: on for models of at "
                         "most 1 GiB of weights)")
     e.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="attention kernels (default: triton on GPU, torch on CPU)")
