@@ -1,6 +1,7 @@
 """CPU benchmark of the default model (SmolLM2-135M-Instruct GGUF): start-up, decode, prefill.
 
     python benchmarks/bench_cpu.py --threads 2 --out benchmarks/results/cpu_smollm2.json
+    python benchmarks/bench_cpu.py --threads 2 --quantizations none int4 --out r.json
 
 - start-up: `load_model` in a fresh process with an empty weight cache (the first start:
   dequantisation + cache write) and again (the second start: the cache), plus the process's
@@ -62,9 +63,10 @@ def startup(model: str, threads: int) -> dict:
     return {"first": runs[0], "second": runs[1]}
 
 
-def engine_for(model: str, max_batched: int, max_len: int) -> LLMEngine:
+def engine_for(model: str, max_batched: int, max_len: int,
+               quantization: str = "none") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=model, device="cpu",
+        model=model, device="cpu", quantization=quantization,
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_batched,
                                   max_model_len=max_len),
         cache=CacheConfig(kv_cache_tokens=max_len + 64)))
@@ -92,10 +94,10 @@ def prefill(engine: LLMEngine, n: int, repeats: int, vocab: int) -> dict:
     return {"tokens": n, "seconds": best, "tok_s": n / best, "seconds_all": times}
 
 
-def stall(model: str, n: int, vocab: int) -> dict:
+def stall(model: str, n: int, vocab: int, quantization: str = "none") -> dict:
     """A stream decodes; a prompt of n tokens arrives; its prefill is cut into chunks of the
     default budget, each step also carrying the stream's next token."""
-    engine = LLMEngine(EngineConfig(model=model, device="cpu",
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", quantization=quantization,
                                     scheduler=SchedulerConfig(max_model_len=n + 256),
                                     cache=CacheConfig(kv_cache_tokens=2 * n + 512)))
     budget = engine.config.scheduler.max_num_batched_tokens
@@ -172,6 +174,9 @@ def main() -> int:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--stall-tokens", type=int, default=4096,
                    help="the prompt admitted while a stream runs (0: skip)")
+    p.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int4"],
+                   help="arms, each with its own engine in this run (keys of the others: "
+                        "decode_batch1_int4, prefill_int4, stall_int4)")
     p.add_argument("--out", default="benchmarks/results/cpu_smollm2.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -190,29 +195,33 @@ def main() -> int:
     result["startup"] = startup(args.model, args.threads)
     save()
     max_len = max(args.prefill_lens) + args.decode_tokens + 64
-    engine = engine_for(args.model, max(args.prefill_lens), max_len)
-    result["shape"] = model_shape(engine.model_config)
-    print("decode ...", file=sys.stderr, flush=True)
-    result["decode_batch1"] = decode(engine, args.decode_tokens, args.repeats)
-    save()
-    print("prefill ...", file=sys.stderr, flush=True)
-    result["prefill"] = {str(n): prefill(engine, n, args.repeats, engine.model_config.vocab_size)
-                         for n in args.prefill_lens}
-    save()
-    vocab = engine.model_config.vocab_size
-    del engine
-    if args.stall_tokens:
-        print("stall ...", file=sys.stderr, flush=True)
-        result["stall"] = stall(args.model, args.stall_tokens, vocab)
+    for q in args.quantizations:
+        arm = "" if q == "none" else f"_{q}"
+        engine = engine_for(args.model, max(args.prefill_lens), max_len, q)
+        result["shape"] = model_shape(engine.model_config)
+        print(f"decode{arm} ...", file=sys.stderr, flush=True)
+        result[f"decode_batch1{arm}"] = decode(engine, args.decode_tokens, args.repeats)
         save()
+        print(f"prefill{arm} ...", file=sys.stderr, flush=True)
+        vocab = engine.model_config.vocab_size
+        result[f"prefill{arm}"] = {str(n): prefill(engine, n, args.repeats, vocab)
+                                   for n in args.prefill_lens}
+        save()
+        del engine
+        if args.stall_tokens:
+            print(f"stall{arm} ...", file=sys.stderr, flush=True)
+            result[f"stall{arm}"] = stall(args.model, args.stall_tokens, vocab, q)
+            save()
     if not args.no_transformers:
         print("transformers ...", file=sys.stderr, flush=True)
         result["transformers_forward"] = transformers_forward(path, args.prefill_lens,
                                                               args.repeats)
-        for n in args.prefill_lens:
-            ours = result["prefill"][str(n)]["tok_s"]
-            result["prefill"][str(n)]["vs_transformers"] = \
-                ours / result["transformers_forward"][str(n)]["tok_s"]
+        for q in args.quantizations:
+            arm = "" if q == "none" else f"_{q}"
+            for n in args.prefill_lens:
+                ours = result[f"prefill{arm}"][str(n)]["tok_s"]
+                result[f"prefill{arm}"][str(n)]["vs_transformers"] = \
+                    ours / result["transformers_forward"][str(n)]["tok_s"]
     save()
     print(json.dumps(result, indent=2))
     return 0

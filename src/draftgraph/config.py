@@ -120,6 +120,9 @@ class EngineConfig:
     # attention row by row), so bf16 speculation equals plain decoding at batch 1, at a cost
     # per step; "auto": on for models of at most 1 GiB of weights
     exact_rows: str = "off"
+    # "int4": the projections and LM head read 4-bit weights (CPU only; models/quant.py), the
+    # target's and a draft model's; approximate, so off ("none") by default
+    quantization: str = "none"
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -140,11 +143,18 @@ class EngineConfig:
               f"got {self.dtype!r}")
         _need(self.exact_rows in ("auto", "on", "off"),
               f"--exact-rows must be auto, on or off, got {self.exact_rows!r}")
+        _need(self.quantization in ("none", "int4"),
+              f"--quantization must be none or int4, got {self.quantization!r}")
+        _need(self.quantization == "none" or self.device == "cpu",
+              "--quantization int4 is a CPU path (torch's CPU int4 matmul); on a GPU run "
+              "--dtype bfloat16")
         _need(self.attention_backend in (None, "torch", "triton"),
               f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
         tp = self.tensor_parallel_size
         _need(isinstance(tp, int) and tp >= 1,
               f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
+        _need(self.quantization == "none" or tp == 1,
+              "--quantization int4 does not run under --tensor-parallel-size > 1")
         if tp > 1 and self.device.startswith("cuda"):
             _need(self.device == "cuda", f"--tensor-parallel-size {tp} uses GPUs 0..{tp - 1}; "
                   f"pass --device cuda, not {self.device}")

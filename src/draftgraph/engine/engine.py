@@ -56,6 +56,12 @@ class LLMEngine:
 
             loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype)
         self.loaded = loaded
+        if config.quantization == "int4":
+            from draftgraph.models.quant import quantize_int4_
+
+            q = quantize_int4_(loaded.model)
+            logger.info("int4: %d weights packed; a step reads %.0f MB of them, not %.0f MB",
+                        q["packed"], q["bytes_after"] / 1e6, q["bytes_before"] / 1e6)
         self.model = self.loaded.model
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -66,7 +72,8 @@ class LLMEngine:
             raise EngineError(f"--max-model-len {sched_cfg.max_model_len} exceeds the model's "
                               f"context of {model_ctx} tokens")
         self.drafter = drafter if drafter is not None else make_drafter(
-            config.spec, self.device, config.torch_dtype, self.model_config, config.model)
+            config.spec, self.device, config.torch_dtype, self.model_config, config.model,
+            quantization=config.quantization)
         if self.drafter is not None and self.drafter.keeps_kv and \
                 config.tensor_parallel_size > 1:
             raise EngineError(f"--speculative {self.drafter.name} does not run under "

@@ -592,16 +592,23 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
     return x.is_cuda and triton_usable(x) and pays(x.numel() // max(k, 1), weight)
 
 
+# A weight with a packed form (`--quantization int4`, models/quant.py) carries it here: a
+# callable taking F.linear's arguments, which `linear` calls instead of F.linear.
+PACKED_ATTR = "_draftgraph_packed"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """F.linear; on the CPU, rows [M, K] with 1 < M <= the weight's exact-rows bound one at a
-    time: a multi-row matmul may round a row differently from the lone row (MKL/oneDNN pick
-    other kernels by M, and which ones depends on the CPU), so a verify row equals the decode
-    row at its position only this way. It costs a weight read per row, hence opt-in."""
+    """F.linear (or the weight's packed form). On the CPU, rows [M, K] with 1 < M <= the
+    weight's exact-rows bound go one at a time: a multi-row matmul may round a row differently
+    from the lone row (MKL/oneDNN pick other kernels by M, and which ones depends on the CPU),
+    so a verify row equals the decode row at its position only this way. It costs a weight
+    read per row, hence opt-in."""
+    mm = getattr(weight, PACKED_ATTR, None) or F.linear
     m = x.numel() // max(x.shape[-1], 1)
     if x.is_cuda or not 1 < m <= getattr(weight, EXACT_ROWS_ATTR, 0):
-        return F.linear(x, weight, bias)
+        return mm(x, weight, bias)
     rows = x.reshape(m, x.shape[-1])
-    y = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(m)])
+    y = torch.cat([mm(rows[i : i + 1], weight, bias) for i in range(m)])
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -41,10 +41,10 @@ def shipped_head(method: str, model: str | None) -> str:
 
 
 def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
-                 model: str | None = None) -> Drafter | None:
+                 model: str | None = None, quantization: str = "none") -> Drafter | None:
     """The drafter `--speculative` names (None without speculation); a draft model or head is
     loaded onto `device` in `dtype` (a head is built for `target_config`; without
-    --draft-head, the head that ships for `model`)."""
+    --draft-head, the head that ships for `model`; a draft model quantized as the target)."""
     if cfg.method is None:
         return None
     if cfg.method == "ngram":
@@ -55,6 +55,10 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
 
         kw = {} if dtype is None else {"dtype": dtype}
         loaded = load_model(cfg.draft_model, device=device, **kw)
+        if quantization == "int4":
+            from draftgraph.models.quant import quantize_int4_
+
+            quantize_int4_(loaded.model)
         return DraftModelDrafter(loaded.model.eval(), cfg.num_draft_tokens)
     import torch
 
