@@ -9,8 +9,9 @@
 - decode: tokens/s of one greedy request (batch 1) after its first token;
 - prefill: tokens/s of one prompt of N tokens (one chunk: --max-num-batched-tokens N), next to
   one transformers forward of the same GGUF (transformers dequantises it itself), in this run;
-- stall: with the CPU's default step budget (chunked prefill), the largest gap between two
-  tokens of a running stream while a --stall-tokens prompt is admitted, and that prompt's TTFT.
+- stall: with the CPU's default step budget (chunked prefill), per --step-seconds arm (the
+  CLI's CPU default, and 0: the token budget alone), the largest gap between two tokens of a
+  running stream while a --stall-tokens prompt is admitted, and that prompt's TTFT.
 
 Writes JSON with the device, model shape, date and command. Say whether the machine was quiet
 (`load_average` is recorded before and after).
@@ -94,11 +95,14 @@ def prefill(engine: LLMEngine, n: int, repeats: int, vocab: int) -> dict:
     return {"tokens": n, "seconds": best, "tok_s": n / best, "seconds_all": times}
 
 
-def stall(model: str, n: int, vocab: int, quantization: str = "none") -> dict:
+def stall(model: str, n: int, vocab: int, quantization: str = "none",
+          step_seconds: float = 0.0) -> dict:
     """A stream decodes; a prompt of n tokens arrives; its prefill is cut into chunks of the
-    default budget, each step also carrying the stream's next token."""
+    default budget (and, with step_seconds, of what fits in that time), each step also carrying
+    the stream's next token."""
     engine = LLMEngine(EngineConfig(model=model, device="cpu", quantization=quantization,
-                                    scheduler=SchedulerConfig(max_model_len=n + 256),
+                                    scheduler=SchedulerConfig(max_model_len=n + 256,
+                                                              max_step_seconds=step_seconds),
                                     cache=CacheConfig(kv_cache_tokens=2 * n + 512)))
     budget = engine.config.scheduler.max_num_batched_tokens
     g = torch.Generator().manual_seed(1)
@@ -123,7 +127,8 @@ def stall(model: str, n: int, vocab: int, quantization: str = "none") -> dict:
     gaps = [b - a for a, b in zip(times[first_gap - 1 :], times[first_gap:], strict=False)]
     steady = [b - a for a, b in zip(times[: first_gap - 1], times[1:first_gap], strict=False)]
     engine.abort(stream)
-    return {"prompt_tokens": n, "step_budget": budget, "max_gap_s": max(gaps),
+    return {"prompt_tokens": n, "step_budget": budget, "max_step_seconds": step_seconds,
+            "max_gap_s": max(gaps),
             "gaps_s": gaps, "steady_gap_s": min(steady), "long_prompt_ttft_s": ttft}
 
 
@@ -174,6 +179,9 @@ def main() -> int:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--stall-tokens", type=int, default=4096,
                    help="the prompt admitted while a stream runs (0: skip)")
+    p.add_argument("--step-seconds", type=float, nargs="+",
+                   default=[SchedulerConfig.CPU_STEP_SECONDS, 0.0],
+                   help="stall arms: --max-step-seconds values (0: the token budget alone)")
     p.add_argument("--quantizations", nargs="+", default=["none"], choices=["none", "int4"],
                    help="arms, each with its own engine in this run (keys of the others: "
                         "decode_batch1_int4, prefill_int4, stall_int4)")
@@ -210,7 +218,8 @@ def main() -> int:
         del engine
         if args.stall_tokens:
             print(f"stall{arm} ...", file=sys.stderr, flush=True)
-            result[f"stall{arm}"] = stall(args.model, args.stall_tokens, vocab, q)
+            result[f"stall{arm}"] = {str(s): stall(args.model, args.stall_tokens, vocab, q, s)
+                                     for s in args.step_seconds}
             save()
     if not args.no_transformers:
         print("transformers ...", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from _tiny import tiny_engine, tiny_hf_model
 
+from draftgraph.config import EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import EngineError
 from draftgraph.engine.sampling import SamplingParams
 
@@ -234,3 +235,58 @@ def test_step_budget_and_batch_default_to_the_device(monkeypatch):
     # no batch pads by more than a quarter
     assert all(next(x for x in b if x >= n) <= max(n * 5 / 4, n + 7) for n in range(1, 257))
     assert batch_buckets(100)[-1] == 100 and batch_buckets(3) == [1, 2, 3]
+
+
+def test_prefill_chunks_are_cut_by_time_while_streams_decode(hf, prompts, monkeypatch):
+    """max_step_seconds: with a stream decoding, the next prompt's chunks take what fits in
+    the step time by the last measured costs; with none decoding, the whole token budget."""
+    from draftgraph.engine.scheduler import MIN_CHUNK
+
+    eng = tiny_engine(hf, budget=64)
+    eng.config.scheduler.max_step_seconds = 0.1
+    sched = eng.scheduler
+    eng.add_request(prompts[0][:8], SamplingParams(max_tokens=50, temperature=0))  # a stream
+    eng.step()  # its prefill: nobody decodes, nothing is cut
+    monkeypatch.setattr(sched, "observe", lambda *a: None)  # the costs below, not the clock's
+    sched.decode_step_seconds, sched.prefill_token_seconds = 0.02, 0.004
+    long = eng.add_request([3 + i % 100 for i in range(200)],
+                           SamplingParams(max_tokens=1, temperature=0))
+    eng._drain_inbox([])
+    chunks = []
+    while len(chunks) < 3:
+        picked = sched.schedule(0)
+        chunks.append([sr.num_new_tokens for sr in picked])
+        for sr in picked:  # as if the step ran: the chunk's tokens are in the KV now
+            if sr.req.request_id == long:
+                sr.req.num_computed_tokens += sr.num_new_tokens
+    # (0.1 - 0.02) s / 0.004 s a token = 20 tokens beside the stream's one, every step
+    assert chunks == [[1, 20]] * 3
+    sched.decode_step_seconds, sched.prefill_token_seconds = 0.099, 0.004
+    assert sched._time_budget(64) == MIN_CHUNK  # a prefill always moves
+    eng.config.scheduler.max_step_seconds = 0.0
+    assert sched._time_budget(64) == 64  # off: the token budget alone
+
+
+def test_the_cli_cuts_prefill_by_time_on_a_cpu_only():
+    from draftgraph.cli import build_parser
+    from draftgraph.flags import engine_config_from_args
+
+    parser = build_parser()
+    cpu = engine_config_from_args(parser.parse_args(["generate", "hi", "--device", "cpu"]))
+    assert cpu.scheduler.max_step_seconds == SchedulerConfig.CPU_STEP_SECONDS == 0.4
+    off = engine_config_from_args(parser.parse_args(["generate", "hi", "--device", "cpu",
+                                                     "--max-step-seconds", "0"]))
+    assert off.scheduler.max_step_seconds == 0.0
+    assert EngineConfig(device="cpu").scheduler.max_step_seconds == 0.0  # library: off
+
+
+def test_scheduler_observe_takes_the_decode_base_out_of_a_mixed_step():
+    from draftgraph.engine.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_step_seconds=0.5), None, None)
+    s.observe(0, 1, 0.05)
+    s.observe(100, 1, 0.45)
+    assert s.decode_step_seconds == 0.05 and abs(s.prefill_token_seconds - 0.004) < 1e-12
+    assert s._time_budget(256) == 112  # (0.5 - 0.05) / 0.004
+    s.observe(100, 0, 0.8)  # no stream in that step: no base to take out
+    assert abs(s.prefill_token_seconds - 0.008) < 1e-12

@@ -39,6 +39,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     max_waiting: int = 1024  # queued requests before new ones are refused
     max_model_len: int | None = None  # None: the model's context, capped at 8192
+    # while requests decode, prefill chunks are cut so that a step takes about this long (by
+    # the measured cost of the last steps): a running stream waits at most about this between
+    # two tokens while a long prompt is admitted. 0: off, the token budget alone. Off by
+    # default here, since chunk sizes then follow the machine's speed (a batch's numerics with
+    # them); the CLI and server turn it on on a CPU (CPU_STEP_SECONDS)
+    max_step_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs is None or self.max_num_seqs >= 1,
@@ -47,6 +53,8 @@ class SchedulerConfig:
               f"--max-num-batched-tokens must be >= 16, got {self.max_num_batched_tokens}")
         _need(self.max_model_len is None or self.max_model_len >= 2,
               f"--max-model-len must be >= 2, got {self.max_model_len}")
+        _need(self.max_step_seconds >= 0,
+              f"--max-step-seconds must be >= 0, got {self.max_step_seconds}")
 
     # (max_num_seqs, max_num_batched_tokens) when not given: a GPU serves many requests and
     # takes prefills of thousands of tokens per step (as vLLM and SGLang default to); a CPU
@@ -55,6 +63,9 @@ class SchedulerConfig:
     # its TTFT 23.8 vs 24.7 s; 128: 1.3 s but 26.5 s)
     GPU_DEFAULTS = (256, 8192)
     CPU_DEFAULTS = (32, 256)
+    # a step's time while streams decode on a CPU: issue 19's goal is an inter-token gap of at
+    # most 0.5 s while a 4096-token prompt is admitted (bench_cpu.py `stall`)
+    CPU_STEP_SECONDS = 0.4
 
     def resolve(self, gpu: bool) -> None:
         """Fill the fields left None with the device's defaults."""

@@ -13,6 +13,8 @@ import argparse
 import logging
 import os
 
+import torch
+
 from draftgraph.config import (
     SPEC_METHODS,
     CacheConfig,
@@ -133,6 +135,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"token budget of one step: prefill chunks + decodes (default: "
                         f"{gpu[1]} on a GPU, {cpu[1]} on the CPU)")
+    e.add_argument("--max-step-seconds", type=float, default=None,
+                   help="while requests decode, cut prefill chunks so a step takes about this "
+                        "long (measured), bounding the gap between a stream's tokens while a "
+                        "long prompt is admitted; 0: the token budget alone (default: "
+                        f"{SchedulerConfig.CPU_STEP_SECONDS} on the CPU, 0 on a GPU, whose "
+                        "steps are short)")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="context length: prompt + generated tokens (default: the model's "
                         "context, capped at 8192)")
@@ -191,6 +199,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags; ValueError naming the flag to change."""
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    step_seconds = args.max_step_seconds
+    if step_seconds is None:
+        on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+        step_seconds = SchedulerConfig.CPU_STEP_SECONDS if on_cpu else 0.0
     return EngineConfig(
         model=resolve_model(args),
         device=args.device,
@@ -206,7 +218,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting,
-                                  max_model_len=args.max_model_len),
+                                  max_model_len=args.max_model_len,
+                                  max_step_seconds=step_seconds),
         spec=spec_config_from_args(args),
     )
 

@@ -265,10 +265,13 @@ class LLMEngine:
     def _step_now(self, outputs: list[RequestOutput]) -> None:
         # drafts are made on the device, inside the step: each decoding request gets 1 + k
         # KV slots (the drafts' slots are given back after acceptance)
+        t0 = time.perf_counter()  # the whole step, as a stream waits it (scheduler.observe)
         scheduled = self.scheduler.schedule(self.spec_k)
         if not scheduled:
             return
         self._admit_controls([sr.req for sr in scheduled])
+        decode_rows = sum(1 for sr in scheduled
+                          if sr.num_new_tokens == 1 and not sr.req.is_prefilling)
         for sr, result in zip(scheduled, self._run_isolated(scheduled), strict=True):
             if isinstance(result, Exception):  # this request's rows made the step raise
                 sr.req.error = f"internal error: {result}"
@@ -276,6 +279,8 @@ class LLMEngine:
                 outputs.append(self._output(sr.req, []))
             else:
                 outputs.append(self._append(sr.req, *result, num_fed=sr.num_new_tokens))
+        self.scheduler.observe(sum(sr.num_new_tokens for sr in scheduled) - decode_rows,
+                               decode_rows, time.perf_counter() - t0)
 
     def _admit_controls(self, reqs: list[Request]) -> None:
         """A request with sampling controls that starts its prefill (first scheduled, or

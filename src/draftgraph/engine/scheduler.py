@@ -5,6 +5,12 @@ Every step builds one flat batch: each running request in decode contributes its
 prefilling requests contribute prompt chunks while the
 token budget lasts, then waiting requests are admitted. When the KV pool runs dry, the most
 recently admitted request is preempted (its KV freed, recomputed later).
+
+With `max_step_seconds`, a step that carries decoding requests also caps its prefill tokens by
+time: the engine reports each step's wall time (`observe`), and the chunk is sized from the
+last decode-only step (the base) and the last prefill step's seconds per prompt token, which
+grow with the context a chunk attends to; the last observation, not an average, follows that
+growth. Steps without decoding requests keep the whole token budget (throughput).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from draftgraph.engine.request import Request, Status
 from draftgraph.runtime.kv_cache import OutOfKVSlots, PagedAllocator, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
+
+MIN_CHUNK = 16  # prompt tokens a step always takes (a time cap never stops a prefill)
 
 
 @dataclass
@@ -42,6 +50,26 @@ class Scheduler:
         self.req_pool = req_pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # measured by `observe`: a decode-only step's seconds, a prompt token's seconds
+        self.decode_step_seconds = 0.0
+        self.prefill_token_seconds: float | None = None
+
+    def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
+        """The wall time of a step that fed `prefill_tokens` prompt tokens and `decode_rows`
+        decoding requests (the engine reports every eager step)."""
+        if prefill_tokens == 0:
+            self.decode_step_seconds = seconds
+        else:
+            base = self.decode_step_seconds if decode_rows else 0.0
+            self.prefill_token_seconds = max(seconds - base, 1e-6) / prefill_tokens
+
+    def _time_budget(self, budget: int) -> int:
+        """The token budget left for prefill chunks in a step that carries decoding requests:
+        what fits in max_step_seconds by the last measured costs."""
+        if not self.cfg.max_step_seconds or self.prefill_token_seconds is None:
+            return budget
+        spare = self.cfg.max_step_seconds - self.decode_step_seconds
+        return min(budget, max(MIN_CHUNK, int(spare / self.prefill_token_seconds)))
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -103,6 +131,8 @@ class Scheduler:
                 continue
             budget -= sr.num_slots
             scheduled.append(sr)
+        if scheduled:  # streams wait on this step: prefill no longer than the time allows
+            budget = self._time_budget(budget)
         # 2. running requests still prefilling, then newly admitted ones
         for req in [r for r in self.running if r.is_prefilling]:
             if budget <= 0:
