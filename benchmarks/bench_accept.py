@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("--arms", default="plain,chain,ngram")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--quantization", default="none", choices=["none", "int4"],
+                    help="every arm's target (CPU; the model is packed once, shared)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     arms = a.arms.split(",")
@@ -67,7 +69,7 @@ def main() -> int:
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
     out = {"benchmark": "accept", **run_header(a.device or "cpu"), "model": a.model,
            "head": a.head, "block_head": a.block_head, "block_size": a.block_size, "k": a.k,
-           "max_tokens": a.max_tokens, "batch": a.batch,
+           "max_tokens": a.max_tokens, "batch": a.batch, "quantization": a.quantization,
            "temperature": a.temperature, "model_shape": model_shape(loaded.config), "sets": {}}
     for name in names:
         prompts = sets[name][: a.num_prompts]
@@ -82,7 +84,7 @@ def main() -> int:
                     "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,
                                         adaptive=False)}[kind]
             engine = LLMEngine(EngineConfig(
-                model=a.model, device=a.device, dtype=a.dtype,
+                model=a.model, device=a.device, dtype=a.dtype, quantization=a.quantization,
                 cache=CacheConfig(kv_cache_tokens=a.batch * (max(map(len, prompts))
                                                              + a.max_tokens + 64)),
                 scheduler=SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=4096),
