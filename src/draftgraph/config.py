@@ -128,9 +128,11 @@ class EngineConfig:
     attention_backend: str | None = None  # None: triton on GPU, torch on CPU
     # "on": every verify row computed exactly as the decode row at its position (GPU: every
     # multi-row step of up to 16 rows through the fused single-row kernels; CPU: verify
-    # attention row by row), so bf16 speculation equals plain decoding at batch 1, at a cost
-    # per step; "auto": on for models of at most 1 GiB of weights
-    exact_rows: str = "off"
+    # attention, projections and logsumexp row by row), so bf16 speculation equals plain
+    # decoding at batch 1, at a cost per step; "auto": on for models of at most 1 GiB of
+    # weights; None: on with quantization "int4" (its verify rows drift from decode rows
+    # otherwise: speculation would not equal int4 plain decoding), else off
+    exact_rows: str | None = None
     # "int4": the projections and LM head read 4-bit weights (CPU only; models/quant.py), the
     # target's and a draft model's; approximate, so off ("none") by default
     quantization: str = "none"
@@ -152,6 +154,8 @@ class EngineConfig:
         self.scheduler.resolve(gpu=self.device.startswith("cuda"))
         _need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, "
               f"got {self.dtype!r}")
+        if self.exact_rows is None:
+            self.exact_rows = "on" if self.quantization == "int4" else "off"
         _need(self.exact_rows in ("auto", "on", "off"),
               f"--exact-rows must be auto, on or off, got {self.exact_rows!r}")
         _need(self.quantization in ("none", "int4"),

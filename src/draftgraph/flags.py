@@ -115,13 +115,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly instead of replaying CUDA graphs (GPU only)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next")
-    e.add_argument("--exact-rows", choices=["auto", "on", "off"], default="off",
+    e.add_argument("--exact-rows", choices=["auto", "on", "off"], default=None,
                    help="compute every verify row exactly as the decode row at its position "
                         "(GPU: steps of up to 16 rows through the fused single-row kernels; "
                         "CPU: verify attention, projections and logsumexp row by row), so "
                         "bf16 speculation equals plain decoding at batch 1; costs time per "
-                        "step (auto: on for models of at "
-                        "most 1 GiB of weights)")
+                        "step (auto: on for models of at most 1 GiB of weights; default: on "
+                        "with --quantization int4, else off)")
     e.add_argument("--quantization", choices=["none", "int4"], default="none",
                    help="int4: the projections and LM head read 4-bit weights in groups of 32 "
                         "(CPU only: 6.4x fewer bytes per projection; approximate, no "
