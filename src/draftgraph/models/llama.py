@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftgraph.attention.backend import AttentionBackend, ForwardBatch
@@ -123,6 +124,21 @@ class LlamaMLP(nn.Module):
     def forward(self, x):
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
+    def split_pays(self, x: torch.Tensor) -> bool:
+        """A CPU prefill chunk (more rows than exact rows take alone, dense weights) multiplies
+        gate and up separately: MKL's two [M, I] products plus silu * up on contiguous halves
+        beat one [M, 2I] product and silu * up on its strided halves (512-token prefill of
+        SmolLM2 on 2 cores: 0.83 against 1.00 s, best of 8, interleaved)."""
+        return not x.is_cuda and x.shape[0] > gemv.EXACT_ROWS_MAX_M and \
+            getattr(self.gate_up_proj.weight, gemv.PACKED_ATTR, None) is None
+
+    def split_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ W_gate^T) * (x @ W_up^T) [M, I], the halves of gate_up's weight as views."""
+        w = self.gate_up_proj.weight
+        inter = w.shape[0] // 2
+        act = F.silu(F.linear(x, w[:inter]))
+        return act.mul_(F.linear(x, w[inter:]))
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo) -> None:
@@ -166,6 +182,8 @@ class LlamaDecoderLayer(nn.Module):
                                                   mlp.gate_up_proj.weight, None, residual)
         else:
             h, residual = self.post_attention_layernorm(h, residual)
+            if mlp.split_pays(h):
+                return mlp.down_proj(mlp.split_activation(h)), residual
             gate_up = gemv.linear(h, mlp.gate_up_proj.weight)
         return mlp.down_proj(gate_up, silu_mul=True), residual
 
