@@ -187,8 +187,11 @@ class TorchBackend(AttentionBackend):
         # NOTE: 4-D [1, H, L, D] inputs take SDPA's fused CPU kernel, 3-D ones its math path:
         # 4-6x slower for a prefill chunk, 5x for a decode row (2 cores). But the fused
         # kernel's rounding of a row depends on the chunk around it (bf16 logprobs differ
-        # with the prefill's chunking), the math path's does not: exact rows stay 3-D
-        lead = () if self.exact_rows else (None,)
+        # with the prefill's chunking), the math path's does not: under exact rows the lone
+        # rows (decode rows, verify rows one by one) stay 3-D; a prefill chunk, which no row
+        # is compared against, takes the fused kernel (3-D made a 4096-token int4 prefill
+        # 3x slower)
+        lead = () if self.exact_rows and n == 1 else (None,)
         kr = k_cache[idx].transpose(0, 1)[lead]  # [(1,) Hkv, S, D]
         vr = v_cache[idx].transpose(0, 1)[lead]
         qr = q.transpose(0, 1)[lead]  # [(1,) Hq, L, D]
