@@ -184,17 +184,13 @@ class TorchBackend(AttentionBackend):
         """Attention of the query rows q [L, Hq, D] (tokens q0.. of the batch) over the keys at
         slots idx, the first at position kv_start."""
         n, s = q.shape[0], idx.shape[0]
-        # NOTE: 4-D [1, H, L, D] inputs take SDPA's fused CPU kernel, 3-D ones its math path:
-        # 4-6x slower for a prefill chunk, 5x for a decode row (2 cores). But the fused
-        # kernel's rounding of a row depends on the chunk around it (bf16 logprobs differ
-        # with the prefill's chunking), the math path's does not: under exact rows the lone
-        # rows (decode rows, verify rows one by one) stay 3-D; a prefill chunk, which no row
-        # is compared against, takes the fused kernel (3-D made a 4096-token int4 prefill
-        # 3x slower)
-        lead = () if self.exact_rows and n == 1 else (None,)
-        kr = k_cache[idx].transpose(0, 1)[lead]  # [(1,) Hkv, S, D]
-        vr = v_cache[idx].transpose(0, 1)[lead]
-        qr = q.transpose(0, 1)[lead]  # [(1,) Hq, L, D]
+        # NOTE: 4-D [1, H, L, D] inputs take SDPA's fused CPU kernel (3-D ones its math path:
+        # 4-6x slower for a prefill chunk, 5x for a decode row on 2 cores). Its rounding of a
+        # row depends on the chunk around it, so exact rows attend a verify row alone: the
+        # same call, on the same keys, as the decode row at its position
+        kr = k_cache[idx].transpose(0, 1)[None]  # [1, Hkv, S, D]
+        vr = v_cache[idx].transpose(0, 1)[None]
+        qr = q.transpose(0, 1)[None]  # [1, Hq, L, D]
         mask, causal = None, False  # a draft block sees its whole list
         if not lists.noncausal and lists.window is None and n == s > 1:
             causal = True  # the request's first chunk: its positions are the list's
@@ -206,4 +202,4 @@ class TorchBackend(AttentionBackend):
                 mask &= qpos - kpos < lists.window
         o = F.scaled_dot_product_attention(qr, kr.to(q.dtype), vr.to(q.dtype), attn_mask=mask,
                                            is_causal=causal, scale=self.scale, enable_gqa=True)
-        return (o[0] if lead else o).transpose(0, 1)
+        return o[0].transpose(0, 1)
