@@ -56,7 +56,7 @@ class LLMEngine:
 
             loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype)
         self.loaded = loaded
-        if config.quantization == "int4":
+        if config.quantization == "int4":  # in place: an engine sharing `loaded` reads int4 too
             from draftgraph.models.quant import quantize_int4_
 
             q = quantize_int4_(loaded.model)
