@@ -270,8 +270,9 @@ class LLMEngine:
         if not scheduled:
             return
         self._admit_controls([sr.req for sr in scheduled])
+        timed = self.config.scheduler.max_step_seconds > 0  # else nothing reads the timings
         decode_rows = sum(1 for sr in scheduled
-                          if sr.num_new_tokens == 1 and not sr.req.is_prefilling)
+                          if sr.num_new_tokens == 1 and not sr.req.is_prefilling) if timed else 0
         for sr, result in zip(scheduled, self._run_isolated(scheduled), strict=True):
             if isinstance(result, Exception):  # this request's rows made the step raise
                 sr.req.error = f"internal error: {result}"
@@ -279,8 +280,9 @@ class LLMEngine:
                 outputs.append(self._output(sr.req, []))
             else:
                 outputs.append(self._append(sr.req, *result, num_fed=sr.num_new_tokens))
-        self.scheduler.observe(sum(sr.num_new_tokens for sr in scheduled) - decode_rows,
-                               decode_rows, time.perf_counter() - t0)
+        if timed:
+            self.scheduler.observe(sum(sr.num_new_tokens for sr in scheduled) - decode_rows,
+                                   decode_rows, time.perf_counter() - t0)
 
     def _admit_controls(self, reqs: list[Request]) -> None:
         """A request with sampling controls that starts its prefill (first scheduled, or

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usable
+from draftgraph.kernels.gemv import EXACT_ROWS_MAX_M
 
 CHUNK = 1024
 CHUNK_WARPS = 2
@@ -123,11 +124,11 @@ def argmax_lse_triton(
     return argmax, lse
 
 
-# Up to this many rows (verify rows of small batches: gemv.EXACT_ROWS_MAX_M) the CPU twin takes
+# Up to this many rows (verify rows of small batches, as exact rows bound them) the CPU twin takes
 # the logsumexp of each row alone: ATen splits a lone long row's reduction across threads but
 # reduces each row of a batch in one thread, so a verify row's lse would round differently
 # from the decode row's at its position (seen on an AMD EPYC; 16 rows: 0.81 against 0.63 ms).
-ROWS_ALONE = 16
+ROWS_ALONE = EXACT_ROWS_MAX_M
 
 
 def argmax_lse_ref(logits: torch.Tensor, *, out: torch.Tensor | None = None,

@@ -80,9 +80,6 @@ class HalfLinear:
         y = F.linear(x.to(torch.float16), self.weight).to(x.dtype)
         return y + bias if bias is not None else y
 
-    def dequantize(self) -> torch.Tensor:
-        return self.weight.float()
-
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
@@ -104,7 +101,7 @@ def quantize_int4_(model: nn.Module) -> dict:
     if any(p.is_cuda for p in model.parameters()):
         raise ValueError("--quantization int4 is a CPU path (torch's CPU int4 matmul); "
                          "on a GPU run --dtype bfloat16")
-    if getattr(model, "tp", None) is not None and model.tp.size > 1:
+    if model.tp.size > 1:
         raise ValueError("--quantization int4 does not run under --tensor-parallel-size > 1")
     weights = []
     for layer in model.layers:
