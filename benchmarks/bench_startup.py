@@ -52,6 +52,11 @@ def main() -> int:
         if m:
             captures.append({"body": m.group(1), "buckets": len(m.group(2).split(",")),
                              "seconds": float(m.group(3)), "mib": int(m.group(4))})
+        m = re.match(r"captured prefill graphs for (\d+) token counts .* in ([\d.]+) s "
+                     r"\((-?\d+) MiB\)", line)
+        if m:
+            captures.append({"body": "prefill", "buckets": int(m.group(1)),
+                             "seconds": float(m.group(2)), "mib": int(m.group(3))})
     vocab = engine.model_config.vocab_size
     prompt = torch.randint(0, vocab, (512,)).tolist()
     t1 = time.perf_counter()

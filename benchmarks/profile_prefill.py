@@ -2,11 +2,14 @@
 GPU time, by kernel and by host-side CUDA call (torch.profiler).
 
     python benchmarks/profile_prefill.py --model random:smollm2-135m --tokens 512,4096 \\
-        --out r.json
+        --arms graphs,eager --out r.json
 
-Per prompt length: TTFT of `LLMEngine.generate(max_tokens=1)` (median of --repeats, after
-warm-up), the engine step alone (the eager extend forward and its sampling tail), GPU busy time
-inside that step, kernel launches from the host, and the top kernels by GPU time.
+Per prompt length and arm: TTFT of `LLMEngine.generate(max_tokens=1)` (median of --repeats,
+after warm-up), the engine step alone (the extend forward and its sampling tail), GPU busy
+time inside that step, kernel launches from the host, and the top kernels by GPU time. Arms
+(`--arms`, one engine each over one loaded model, measured in turn per prompt length):
+`graphs` replays the captured prefill (`--prefill-graph-tokens`, the default), `eager` launches
+every kernel from the host (`--prefill-graph-tokens 0`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from _meta import model_shape, run_header
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
+from draftgraph.models.loader import load_model
 
 LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
@@ -69,30 +73,38 @@ def main() -> int:
     ap.add_argument("--tokens", default="512,4096")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--arms", default="graphs,eager")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     lens = [int(x) for x in args.tokens.split(",")]
-    engine = LLMEngine(EngineConfig(
+    arms = args.arms.split(",")
+    loaded = load_model(args.model, device="cuda", dtype=getattr(torch, args.dtype))
+    engines = {arm: LLMEngine(EngineConfig(
         model=args.model, device="cuda", dtype=args.dtype,
+        prefill_graph_tokens=max(lens) if arm == "graphs" else 0,
         cache=CacheConfig(kv_cache_tokens=max(lens) * 2 + 1024),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max(lens),
-                                  max_model_len=max(lens) + 64)))
+                                  max_model_len=max(lens) + 64)), loaded=loaded)
+        for arm in arms}
+    engine = engines[arms[0]]
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     results = []
     for n in lens:
         prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
-        for _ in range(2):
-            ttft(engine, prompt)  # warm-up: Triton compiles for this length
-        times = [ttft(engine, prompt) for _ in range(args.repeats)]
-        r = {"prompt_tokens": n, "ttft_ms_median": statistics.median(times),
-             "ttft_ms": times, **profile(engine, prompt, args.top)}
-        results.append(r)
-        print(f"{args.model} {n} tokens: TTFT {r['ttft_ms_median']:.2f} ms, profiled step "
-              f"{r['step_wall_ms_profiled']:.2f} ms, GPU {r['gpu_ms']:.2f} ms, "
-              f"{r['kernel_launches']} launches", flush=True)
-        for k in r["top_kernels"][:6]:
-            print(f"    {k['us'] / 1e3:8.3f} ms x{k['count']:4d} {k['kernel'][:90]}", flush=True)
+        for arm, engine in engines.items():
+            for _ in range(2):
+                ttft(engine, prompt)  # warm-up: Triton compiles for this length
+            times = [ttft(engine, prompt) for _ in range(args.repeats)]
+            r = {"arm": arm, "prompt_tokens": n, "ttft_ms_median": statistics.median(times),
+                 "ttft_ms": times, **profile(engine, prompt, args.top)}
+            results.append(r)
+            print(f"{args.model} {arm} {n} tokens: TTFT {r['ttft_ms_median']:.2f} ms, profiled "
+                  f"step {r['step_wall_ms_profiled']:.2f} ms, GPU {r['gpu_ms']:.2f} ms, "
+                  f"{r['kernel_launches']} launches", flush=True)
+            for k in r["top_kernels"][:6]:
+                print(f"    {k['us'] / 1e3:8.3f} ms x{k['count']:4d} {k['kernel'][:90]}",
+                      flush=True)
     out = {"benchmark": "prefill_profile", **run_header(), "model": args.model,
            "model_shape": model_shape(engine.model_config), "dtype": args.dtype,
            "results": results}

@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
-# On the H200 (after benchmarks/serve_gpu_prepare.sh here, run with carry [".whl"]):
-# `bench serve` against `draftgraph serve` on a random-weight preset at concurrency 1-64,
-# with and without n-gram speculation. JSON and PNG land in $OUT.
+# Serving against offline on the H200 (issue 15; after benchmarks/serve_gpu_prepare.sh here,
+# carry [".whl"]): per model, `draftgraph serve` with its default flags and `bench serve` at
+# concurrency 1 / 16 / 64 / 128 (512-token random prompts, 128 output tokens, timed by the
+# streamed token ids), then the same prompts through LLMEngine in process at the same
+# concurrency levels (benchmarks/serve_offline.py). JSON and PNG land in $OUT.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-MODEL=${MODEL:-random:smollm2-135m}
-for arm in ${ARMS:-plain ngram}; do
-  extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
-  python3 -m draftgraph.cli serve "$MODEL" --port 8123 --max-num-seqs 64 $extra \
-    > "/tmp/server_$arm.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 120); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
-  timeout ${BENCH_TIMEOUT:-200} python3 -m draftgraph.cli bench serve --base-url http://127.0.0.1:8123 \
-    --dataset random --random-input-len 512 --random-output-len 128 --ignore-eos \
-    --num-prompts ${NUM_PROMPTS:-128} --max-concurrency ${CONCURRENCY:-1 4 16 32 64} --plot --result-dir "$OUT" \
-    --device-label "NVIDIA H200 ($arm)" 2>&1 | tail -15
-  kill $pid; wait $pid 2>/dev/null
-  tail -5 "/tmp/server_$arm.log"
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+CONC=${CONCURRENCY:-1 16 64 128}
+for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
+  for arm in ${ARMS:-plain}; do
+    extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
+    python3 -m draftgraph.cli serve random:$m --port 8123 $extra \
+      > "/tmp/server_${m}_$arm.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
+    timeout ${BENCH_TIMEOUT:-240} python3 -m draftgraph.cli bench serve \
+      --base-url http://127.0.0.1:8123 --dataset random --random-input-len 512 \
+      --random-output-len 128 --ignore-eos --num-prompts ${NUM_PROMPTS:-128} \
+      --max-concurrency $CONC --plot --result-dir "$OUT" \
+      --device-label "NVIDIA H200 ($arm)" 2>&1 | tail -8
+    kill $pid; wait $pid 2>/dev/null
+    grep -E "captured|KV cache" "/tmp/server_${m}_$arm.log" | tail -4
+  done
+  timeout ${OFFLINE_TIMEOUT:-200} python3 benchmarks/serve_offline.py --model random:$m \
+    --num-prompts ${NUM_PROMPTS:-128} --input-len 512 --output-len 128 \
+    --concurrency "$(echo $CONC | tr ' ' ',')" --out "$OUT/serve_offline_${m}_h200.json" \
+    2>&1 | grep -v -i warn | grep -v "^capturing"
 done
-ls -la "$OUT"
+ls "$OUT"

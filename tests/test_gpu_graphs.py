@@ -259,3 +259,53 @@ def test_async_speculative_steps_give_the_synchronous_tokens_and_logprobs(drafte
     for (ta, la), (tb, lb) in zip(outs[False], outs[True], strict=True):
         assert ta == tb
         assert (la - lb).abs().max().item() < 1e-4
+
+
+def test_prefill_graphs_equal_the_eager_prefill_and_keep_their_buffers():
+    """Extend steps (whole prompts, chunks of long ones, steps mixing them with decode rows)
+    replayed as graphs of bucketed token counts give the eager forward's tokens and logprobs;
+    a step past the largest bucket runs eagerly; the captured buffers never move (fp32)."""
+    from draftgraph.models.heads import random_head
+    from draftgraph.models.loader import load_model
+    from draftgraph.spec.chain_head import ChainHeadDrafter
+
+    loaded = load_model("random:smollm2-135m", device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=g).tolist()
+               for n in (17, 130, 5, 300, 700, 64)]
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=True, ignore_eos=True)
+    runs = {}
+    for tokens, head in ((0, False), (256, False), (256, True)):
+        drafter = ChainHeadDrafter(random_head(loaded.config, "", seed=3, device="cuda"),
+                                   4) if head else None
+        engine = LLMEngine(EngineConfig(
+            model="random:smollm2-135m", device="cuda", dtype="float32", seed=0,
+            prefill_graph_tokens=tokens, cache=CacheConfig(kv_cache_tokens=16384),
+            scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512,
+                                      max_model_len=1024),
+            spec=SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False) if head
+            else SpecConfig()), loaded=loaded, drafter=drafter)
+        graphs, eager = engine.target.extend_graphs, engine.target._hidden
+        counts = {"eager": 0}
+
+        def counted(sb, eager=eager, counts=counts):
+            counts["eager"] += 1
+            return eager(sb)
+
+        engine.target._hidden = counted
+        if tokens:
+            addresses = (graphs.raw.data_ptr(), graphs.hidden_out.data_ptr())
+        outs = engine.generate(prompts, sp)
+        runs[tokens, head] = ([o.token_ids for o in outs], [o.logprobs for o in outs])
+        if tokens:
+            assert graphs.max_tokens == 256 and len(graphs.graphs) == len(graphs.buckets)
+            # two requests at a time: steps of 147 and 252 tokens replay, 305 and 512 do not
+            assert graphs.replays >= 2 and counts["eager"] >= 2
+            assert (graphs.raw.data_ptr(), graphs.hidden_out.data_ptr()) == addresses
+        else:
+            assert graphs is None
+    eager_tokens, eager_lps = runs[0, False]
+    for tokens, lps in runs.values():
+        assert tokens == eager_tokens
+        for a, b in zip(lps, eager_lps, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)

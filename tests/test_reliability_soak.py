@@ -1,11 +1,17 @@
 """A bounded soak on CPU (issue 17): 32 concurrent clients over loopback, streams that
 disconnect at random points, a sprinkling of hostile requests. Afterwards: no 5xx, nothing
 hung, no request running, the KV pool back to idle, and a fixed greedy prompt gives the same
-tokens as before (and so do seeded probes sent in the middle of the storm)."""
+tokens as before (and so do seeded probes sent in the middle of the storm).
+
+The same soak runs larger on a GPU (benchmarks/soak_gpu.sh) through the environment:
+DRAFTGRAPH_SOAK_MODEL (default random:tiny), _DEVICE (cpu), _CONCURRENCY (32), _REQUESTS
+(192); the engine gets half as many request rows as there are clients and a small KV pool
+(1024 slots per 32 clients), so requests queue and get preempted."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import time
@@ -22,9 +28,11 @@ from draftgraph.server.cli import build_server  # noqa: E402
 from draftgraph.server.config import ServerConfig  # noqa: E402
 from draftgraph.server.launcher import ServerThread  # noqa: E402
 
-MODEL = "tiny"
-NUM_REQUESTS = 192
-CONCURRENCY = 32
+MODEL = "tiny"  # the served name
+ENGINE_MODEL = os.environ.get("DRAFTGRAPH_SOAK_MODEL", "random:tiny")
+DEVICE = os.environ.get("DRAFTGRAPH_SOAK_DEVICE", "cpu")
+NUM_REQUESTS = int(os.environ.get("DRAFTGRAPH_SOAK_REQUESTS", "192"))
+CONCURRENCY = int(os.environ.get("DRAFTGRAPH_SOAK_CONCURRENCY", "32"))
 GREEDY = {"model": MODEL, "prompt": [11, 12, 13, 14, 15], "max_tokens": 24, "temperature": 0,
           "ignore_eos": True, "logprobs": 0}
 PROBE = {"model": MODEL, "prompt": [21, 22, 23], "max_tokens": 16, "temperature": 0.8,
@@ -61,10 +69,12 @@ def _tokens(r: httpx.Response) -> list[str]:
 
 
 def test_soak_with_disconnects_and_hostile_requests_leaves_the_server_as_it_was():
-    config = EngineConfig(model="random:tiny", device="cpu",
-                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
+    config = EngineConfig(model=ENGINE_MODEL, device=DEVICE,
+                          scheduler=SchedulerConfig(max_num_seqs=CONCURRENCY // 2,
+                                                    max_num_batched_tokens=256,
                                                     max_model_len=512),
-                          cache=CacheConfig(kv_cache_tokens=1024))  # small: preemptions happen
+                          # small: preemptions happen
+                          cache=CacheConfig(kv_cache_tokens=1024 * max(1, CONCURRENCY // 32)))
     app, async_engine = build_server(config, ServerConfig(served_model_names=[MODEL],
                                                           max_body_bytes=64 * 1024))
     st = ServerThread(app).start()

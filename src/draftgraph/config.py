@@ -125,6 +125,10 @@ class EngineConfig:
     use_graphs: bool = True  # CUDA graphs on GPU; ignored on CPU
     # launch step N + 1 (decode or speculative) before reading step N's tokens (graphs)
     async_scheduling: bool = True
+    # captured prefill: extend steps (prefill chunks, mixed steps) of at most this many tokens
+    # replay CUDA graphs of bucketed token counts instead of launching every kernel from the
+    # host (GPU, with graphs, one rank); 0: every extend step eager
+    prefill_graph_tokens: int = 4096
     attention_backend: str | None = None  # None: triton on GPU, torch on CPU
     # "on": every verify row computed exactly as the decode row at its position (GPU: every
     # multi-row step of up to 16 rows through the fused single-row kernels; CPU: verify
@@ -165,6 +169,9 @@ class EngineConfig:
               "--dtype bfloat16")
         _need(self.attention_backend in (None, "torch", "triton"),
               f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
+        _need(isinstance(self.prefill_graph_tokens, int) and self.prefill_graph_tokens >= 0,
+              f"--prefill-graph-tokens must be an integer >= 0, got "
+              f"{self.prefill_graph_tokens!r}")
         tp = self.tensor_parallel_size
         _need(isinstance(tp, int) and tp >= 1,
               f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")

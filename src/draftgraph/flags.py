@@ -115,6 +115,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly instead of replaying CUDA graphs (GPU only)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next")
+    e.add_argument("--prefill-graph-tokens", type=int, default=4096,
+                   help="extend steps (prefill chunks, mixed steps) of at most this many "
+                        "tokens replay CUDA graphs of bucketed token counts (GPU; 0: eager)")
     e.add_argument("--exact-rows", choices=["auto", "on", "off"], default=None,
                    help="compute every verify row exactly as the decode row at its position "
                         "(GPU: steps of up to 16 rows through the fused single-row kernels; "
@@ -209,6 +212,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         use_graphs=not args.no_graphs,
         async_scheduling=not args.no_async_scheduling,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         attention_backend=args.attention_backend,
         exact_rows=args.exact_rows,
         quantization=args.quantization,

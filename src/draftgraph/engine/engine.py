@@ -117,6 +117,8 @@ class LLMEngine:
         bodies.update({f"{name}+extras": ExtrasFactory(f, 1 + k) for name, f in bodies.items()})
         self.target.init_graphs(bodies, use_graphs=use_graphs, shared_pools={
             name: name.removesuffix("+extras") for name in bodies if name.endswith("+extras")})
+        if use_graphs and config.prefill_graph_tokens and config.tensor_parallel_size == 1:
+            self.target.init_extend_graphs(config.prefill_graph_tokens)
         self.decode_graphs = self.target.graph_sets["decode"]
         self.spec_graphs = self.target.graph_sets.get("spec")
         self.extras_graphs = {gs: self.target.graph_sets[f"{name}+extras"]

@@ -73,8 +73,9 @@ class ModelExecutor:
         self.kv_pool = KVPool(cfg.num_hidden_layers, slots.num_slots, model.num_local_kv_heads,
                               cfg.head_dim, dtype, device)
         kv_capacity = slots.num_slots + max_num_tokens * 2
-        self.meta = MetadataBuffers(max_bs, max_num_tokens, kv_capacity, cfg.sliding_window,
-                                    device)
+        # max_bs + 1 requests: a captured prefill's padding request rides after the live ones
+        self.meta = MetadataBuffers(max_bs + 1, max_num_tokens, kv_capacity,
+                                    cfg.sliding_window, device)
         if exact_rows not in (None, "auto", "on", "off"):
             raise ValueError(f"--exact-rows must be auto, on or off, got {exact_rows!r}")
         exact = exact_rows == "on" or (exact_rows == "auto" and gemv.wants_exact_rows(model))
@@ -89,6 +90,7 @@ class ModelExecutor:
         self.controls: ControlTables | None = None  # sampling controls' per-request tables
         # graph sets by name, in creation order (TP ranks follow them by index)
         self.graph_sets: dict = {}
+        self.extend_graphs = None  # captured prefill (runtime/extend_graphs.py), when made
 
     def capture_hidden(self, layer_ids: tuple[int, ...]) -> HiddenCapture:
         """From now on every forward of this executor (eager, verify) keeps the residual
@@ -124,13 +126,25 @@ class ModelExecutor:
 
     @torch.inference_mode()
     def forward(self, sb: StepBatch) -> torch.Tensor:
-        """Run one eager forward; returns logits [len(logit_indices), vocab] fp32."""
+        """Run one forward, a captured prefill's replay when one fits, else eagerly; returns
+        logits [len(logit_indices), vocab] fp32."""
+        graphs = self.extend_graphs
+        if graphs is not None and graphs.fits(sb):
+            hidden = graphs.run(sb)  # [len(logit_indices), hidden]
+            if not sb.logit_indices:
+                return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+            return self.model.compute_logits(hidden)
         return self._logits(sb, self._hidden(sb))
 
     def _hidden(self, sb: StepBatch) -> torch.Tensor:
         if self.tp_driver is not None:  # TP: ranks > 0 run the same forward
             self.tp_driver.send_forward(sb)
-        fb = self.forward_batch(sb)
+        return self.forward_fb(self.forward_batch(sb))
+
+    def forward_fb(self, fb: ForwardBatch) -> torch.Tensor:
+        """The forward of raw inputs already on the device, graph-safe: metadata, the
+        token-table write, the model (its hidden states captured for a drafter). Returns the
+        final hidden states [num_tokens, hidden]."""
         self.backend.build_metadata(fb)
         self.slots.token_table[fb.req_pool_indices[fb.meta.token_req[: fb.num_tokens]],
                                fb.positions] = fb.input_ids
@@ -186,6 +200,20 @@ class ModelExecutor:
                 gs.pool = self.graph_sets[shared_pools[name]].pool
             gs.capture()
             self.graph_sets[name] = gs
+
+    def init_extend_graphs(self, max_tokens: int, use_graphs: bool = True) -> None:
+        """Captured prefill: extend forwards of up to `max_tokens` tokens (cut to what one
+        forward and the padding request's table row hold) replay graphs of bucketed sizes;
+        without graphs the same padded forward runs eagerly (tests). Not under TP: ranks > 0
+        follow eager forwards only."""
+        from draftgraph.runtime.extend_graphs import ExtendGraphs
+
+        if self.tp_driver is not None:
+            raise ValueError("captured prefill does not run under --tensor-parallel-size > 1")
+        width = self.slots.req_pool.req_to_token.shape[1]
+        cap = min(max_tokens, self.max_num_tokens, width, self.config.max_position_embeddings)
+        self.extend_graphs = ExtendGraphs(self, cap, use_graphs)
+        self.extend_graphs.capture()
 
     def graph_set_by_index(self, index: int):
         return list(self.graph_sets.values())[index]
