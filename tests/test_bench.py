@@ -73,6 +73,30 @@ def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
     assert os.path.getsize(tmp_path / "out.png") > 1000
 
 
+def test_bench_serve_splits_the_load_over_client_processes(server, tmp_path):
+    """Two client processes share the requests and the streams (2 + 2 for concurrency 4):
+    every request completes and is counted once, timed from the first start to the last end."""
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "8",
+               "--max-concurrency", "4", "--client-processes", "2", "--random-input-len", "24",
+               "--random-output-len", "12", "--ignore-eos", "--num-warmups", "1",
+               "--result-dir", str(tmp_path), "--result-file", "out.json"])
+    assert rc == 0
+    run = json.loads((tmp_path / "out.json").read_text())["results"][0]
+    assert run["client_processes"] == 2 and run["max_concurrency"] == 4
+    assert run["completed"] == 8 and run["failed"] == 0
+    assert run["total_output_tokens"] == 8 * 12 and run["total_input_tokens"] == 8 * 24
+    assert run["output_throughput"] == pytest.approx(96 / run["duration_s"])
+    assert run["speculative"]["num_drafts"] > 0  # /metrics read before and after both
+
+
+def test_client_processes_default_to_one_per_16_streams():
+    from draftgraph.bench.serve import client_processes
+
+    assert client_processes(64, 3) == 3 and client_processes(2, 8) == 2
+    assert client_processes(1, None) == 1
+    assert client_processes(64, None) == min(4, max(1, (os.cpu_count() or 1) // 2))
+
+
 def test_bench_compare_against_running_servers(server, tmp_path, capsys):
     rc = main(["bench", "compare", "--a-url", server.base_url, "--b-url", server.base_url,
                "--rounds", "2", "--num-prompts", "3", "--random-input-len", "8",

@@ -54,6 +54,11 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="every request runs to max_tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--num-warmups", type=int, default=2, help="requests sent before timing")
+    p.add_argument("--client-processes", type=int, default=None,
+                   help="processes that send the load, each its share of the requests and "
+                        "streams (default: one per 16 streams, at most half the cores: one "
+                        "Python client process parses about 10k chunks/s and would be the "
+                        "bottleneck of a fast server)")
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset's sampling")
     p.add_argument("--result-dir", "--output-dir", dest="result_dir", default=None,
                    help="where the JSON goes (default: results/ in draftgraph's cache "
@@ -180,7 +185,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for conc in args.max_concurrency:
         run = asyncio.run(run_benchmark(
             base_url, model, requests, conc, args.request_rate, args.ignore_eos, args.endpoint,
-            args.num_warmups, args.api_key, args.temperature, args.seed))
+            args.num_warmups, args.api_key, args.temperature, args.seed,
+            processes=args.client_processes))
         runs.append(run)
         print(format_table([run]).splitlines()[-1] if len(runs) > 1 else format_table([run]),
               flush=True)
@@ -226,7 +232,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                 summary = asyncio.run(run_benchmark(
                     base_url, model, requests, args.max_concurrency, args.request_rate,
                     args.ignore_eos, args.endpoint, args.num_warmups, args.api_key,
-                    args.temperature, args.seed))
+                    args.temperature, args.seed, processes=args.client_processes))
         except Exception as e:
             print(f"error: run {label} failed: {e}", file=sys.stderr)
             return 2

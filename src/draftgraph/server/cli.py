@@ -107,8 +107,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         usage_error(args, str(e))
     apply_process_flags(args)
-    if os.environ.get("DRAFTGRAPH_SWITCH_INTERVAL"):  # EXPERIMENT
-        sys.setswitchinterval(float(os.environ["DRAFTGRAPH_SWITCH_INTERVAL"]))
     try:
         app, _ = build_server(engine_config, server_config)
     except (ValueError, FileNotFoundError, ImportError) as e:
