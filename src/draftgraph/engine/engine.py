@@ -24,6 +24,7 @@ from draftgraph.engine.sampling import SamplingParams
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
 from draftgraph.engine.speculation import SpecPolicy
 from draftgraph.models.loader import missing_tokenizer_reason
+from draftgraph.runtime import host_memory
 from draftgraph.runtime.controls import StepControls
 from draftgraph.runtime.executor import build_target
 from draftgraph.runtime.kv_cache import OutOfKVSlots
@@ -44,6 +45,8 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":  # activations reuse freed heap memory (no page faults)
+            host_memory.keep_freed_memory()
         if config.tensor_parallel_size > 1:  # TP: start ranks 1.. (runtime/tp_worker.py)
             from draftgraph.runtime.tp_worker import start_workers
 
