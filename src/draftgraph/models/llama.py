@@ -136,7 +136,7 @@ class LlamaMLP(nn.Module):
         """silu(x @ W_gate^T) * (x @ W_up^T) [M, I], the halves of gate_up's weight as views."""
         w = self.gate_up_proj.weight
         inter = w.shape[0] // 2
-        act = F.silu(F.linear(x, w[:inter]))
+        act = F.silu(F.linear(x, w[:inter]), inplace=True)  # in place: no second [M, I] buffer
         return act.mul_(F.linear(x, w[inter:]))
 
 
