@@ -109,10 +109,49 @@ def test_a_trained_head_lowers_its_loss_and_raises_its_accept_length(trained):
         assert os.path.getsize(os.path.join(out, name)) > 0
 
 
+def test_acceptance_replayed_from_the_training_forward_is_the_engines(trained):
+    """The trained head's greedy speculation in the engine (k = 4, catch-up after every round,
+    the prefill observed) accepts exactly the drafts that the training loss's levels predict
+    along the same output sequences, walked as the engine walks (`replay_acceptance`): the
+    trainer's held-out `accept_replayed` scores what the engine will run."""
+    from draftgraph.train.chain import replay_acceptance, ttt_loss
+    from draftgraph.train.loop import TargetOracle
+
+    hf, prompts, out, _, _, _, _ = trained
+    head = load_head(os.path.join(out, "head"), tiny_loaded(hf).config)
+    # every prompt prefilled in the first step: no later step mixes a prefill chunk with
+    # decode rows (those rows draft nothing, which a replay along the sequence cannot know)
+    engine = tiny_engine(hf, budget=256, spec=SpecConfig(method="ngram", num_draft_tokens=4,
+                                                         adaptive=False),
+                         drafter=ChainHeadDrafter(head, 4))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0,
+                                                   ignore_eos=True))
+    model = engine.model
+    oracle = TargetOracle(model, head.head_config.hidden_layer_ids, 64, 1, 64, "cpu",
+                          torch.float32, "torch")
+    replayed = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                "accepted_per_pos": [0] * 4}
+    for prompt, o in zip(prompts, outs, strict=True):
+        ids = prompt + o.token_ids
+        streams, logits = oracle([ids])
+        mask = torch.zeros(1, len(ids), dtype=torch.bool)
+        mask[0, len(prompt) - 1 : len(ids) - 1] = True  # the response positions, as trained
+        with torch.no_grad():
+            _, _, preds = ttt_loss(head, model.embed_tokens.weight, model.lm_head_weight,
+                                   streams[None], logits[None], torch.tensor([ids]), mask, 4,
+                                   0.8)
+        for key, v in replay_acceptance(preds[:, 0], ids, len(prompt), 4).items():
+            replayed[key] = ([a + b for a, b in zip(replayed[key], v, strict=True)]
+                             if isinstance(v, list) else replayed[key] + v)
+    s = engine.stats
+    assert s["num_accepted_tokens"] > 0.3 * s["num_drafts"]  # a head that gets drafts accepted
+    assert replayed == {key: s[key] for key in replayed}
+
+
 def test_the_held_out_evaluation_scores_the_head_as_the_loss_does(trained):
     """The history's held-out entries are the training loss and agreement of the head at that
     step on the held-out sequences (here the first three training ones), computed directly."""
-    from draftgraph.train.chain import ttt_loss
+    from draftgraph.train.chain import replay_acceptance, ttt_loss
     from draftgraph.train.loop import TargetOracle
 
     hf, _, out, state, tc, seqs, engine = trained
@@ -139,12 +178,19 @@ def test_the_held_out_evaluation_scores_the_head_as_the_loss_does(trained):
         mask[i, s.prompt_len - 1 : n - 1] = True
         off += n
     with torch.no_grad():
-        loss, agree = ttt_loss(head, model.embed_tokens.weight, model.lm_head_weight, st, lg, tok,
-                               mask, tc.ttt_steps, tc.decay)
+        loss, agree, preds = ttt_loss(head, model.embed_tokens.weight, model.lm_head_weight, st,
+                                      lg, tok, mask, tc.ttt_steps, tc.decay)
     # the trained fp32 head against its bf16 copy: close, not bitwise
     assert abs(loss.item() - evals[-1]["eval"]["loss"]) < 0.05 * evals[-1]["eval"]["loss"] + 0.02
     assert max(abs(a - b) for a, b in zip(agree, evals[-1]["eval"]["agree"],
                                           strict=True)) < 0.1
+    # and the engine's walk along the held-out outputs, from the same predictions
+    walks = [replay_acceptance(preds[:, i], s.ids, s.prompt_len, tc.ttt_steps)
+             for i, s in enumerate(held)]
+    replayed = 1 + sum(w["num_accepted_tokens"] for w in walks) / sum(w["num_drafts"]
+                                                                     for w in walks)
+    assert abs(replayed - evals[-1]["eval"]["accept_replayed"]) < 0.15
+    assert all("accept_replayed" in h for h in state.history)
 
 
 def test_a_run_resumes_from_its_checkpoint(trained):

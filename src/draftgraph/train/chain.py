@@ -126,7 +126,8 @@ def ttt_loss(head: ChainHead, embed_w: torch.Tensor, lm_w: torch.Tensor,
     """streams [B, S, n * H], target_logits [B, S, V], tokens [B, S], loss_mask [B, S] (bool:
     position p's next token is a response token). The LM head and the loss run on the masked
     positions alone. Returns (loss, per-level top-1 agreement with the target's argmax over its
-    whole vocabulary)."""
+    whole vocabulary, the head's greedy drafts [levels, B, S]: target ids at the masked
+    positions, -1 elsewhere, for `replay_acceptance`)."""
     b, s = tokens.shape
     eps = head.config.rms_norm_eps
     rows = loss_mask.flatten().nonzero().squeeze(1)  # [N] the masked (b, p), flattened
@@ -141,6 +142,7 @@ def ttt_loss(head: ChainHead, embed_w: torch.Tensor, lm_w: torch.Tensor,
         del t_logits
     total = torch.zeros((), device=tokens.device)
     weight_sum, agree = 0.0, []
+    preds = torch.full((levels, b * s), -1, dtype=torch.int64, device=tokens.device)
     for j, stream in enumerate(ttt_streams(head, embed_w, streams, tokens, levels)):
         h = stream.reshape(b * s, -1)[rows]  # [N, H]
         logits = F.linear(_rms(h, head.norm.weight, eps), lm_w)  # [N, V']
@@ -155,7 +157,8 @@ def ttt_loss(head: ChainHead, embed_w: torch.Tensor, lm_w: torch.Tensor,
             if head.reduced_vocab:
                 top_q = head.d2t[top_q]
             agree.append(((top_q == top_t) & live).sum().item() / n.item())
-    return total / weight_sum, agree
+            preds[j, rows] = top_q
+    return total / weight_sum, agree, preds.view(levels, b, s)
 
 
 def expected_accept_length(agree: list[float]) -> float:
@@ -166,6 +169,36 @@ def expected_accept_length(agree: list[float]) -> float:
         run *= a
         out += run
     return out
+
+
+def replay_acceptance(preds: torch.Tensor, ids: list[int], prompt_len: int,
+                      k: int) -> dict:
+    """Greedy chain speculation walked along a greedy sequence, as the engine runs it: the
+    first output token comes from the prefill; each round starts at the last emitted token t,
+    drafts d = min(k, tokens left - 1) tokens (none: a plain step), accepts draft j while
+    preds[j, t + j] equals the next token, and emits the accepted drafts and one more.
+    preds [levels >= k, S]: the head's greedy drafts (`ttt_loss`). Returns the engine's statistics:
+    num_drafts (rounds that drafted), num_draft_tokens, num_accepted_tokens and
+    accepted_per_pos [k]. Accept lengths of a target's own greedy outputs measured offline,
+    with no engine: exactly what the engine reports, up to rounding near ties."""
+    p = preds.tolist()
+    stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+             "accepted_per_pos": [0] * k}
+    last, t = len(ids) - 1, prompt_len
+    while t < last:
+        d = min(k, last - t - 1)
+        if d <= 0:
+            t += 1
+            continue
+        a = 0
+        while a < d and p[a][t + a] == ids[t + a + 1]:
+            stats["accepted_per_pos"][a] += 1
+            a += 1
+        stats["num_drafts"] += 1
+        stats["num_draft_tokens"] += d
+        stats["num_accepted_tokens"] += a
+        t += a + 1
+    return stats
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -188,9 +221,16 @@ def train_head(head: ChainHead, target_model, seqs: list[Sequence], cfg: TrainCo
         mask = torch.zeros_like(tok, dtype=torch.bool)
         for i, x in enumerate(batch.seqs):
             mask[i, x.prompt_len - 1 : len(x.ids) - 1] = True
-        loss, agree = ttt_loss(head, embed_w, lm_w, batch.padded("streams"),
-                               batch.padded("logits"), tok, mask, cfg.ttt_steps, cfg.decay)
+        loss, agree, preds = ttt_loss(head, embed_w, lm_w, batch.padded("streams"),
+                                      batch.padded("logits"), tok, mask, cfg.ttt_steps,
+                                      cfg.decay)
+        # the engine's greedy acceptance along these sequences (the target's own outputs)
+        walks = [replay_acceptance(preds[:, i], x.ids, x.prompt_len, cfg.ttt_steps)
+                 for i, x in enumerate(batch.seqs)]
+        rounds = sum(w["num_drafts"] for w in walks)
+        accepted = sum(w["num_accepted_tokens"] for w in walks)
         return loss, {"agree": agree, "accept_estimate": expected_accept_length(agree),
+                      "accept_replayed": 1 + accepted / max(rounds, 1), "rounds": rounds,
                       "tokens": int(mask.sum())}
 
     return train_loop(head, target_model, seqs, cfg, out_dir, device, dtype, backend, loss_fn,

@@ -186,6 +186,7 @@ def evaluate(loss_fn: LossFn, oracle: TargetOracle, eval_batches: list[list[Sequ
     sums: dict = {"loss": 0.0, "accept_estimate": 0.0}
     agree: list[float] = []
     weight = 0.0
+    replayed = None  # (accepted drafts, rounds) when the loss replays the engine's walk
     with torch.no_grad(), autocast:
         for i, bt in enumerate(eval_batches):
             loss, m = loss_fn(_oracle_batch(oracle, bt), -1 - i)
@@ -195,9 +196,16 @@ def evaluate(loss_fn: LossFn, oracle: TargetOracle, eval_batches: list[list[Sequ
             agree = [a + w * b for a, b in zip(agree or [0.0] * len(m["agree"]), m["agree"],
                                                strict=True)]
             weight += w
+            if "accept_replayed" in m:
+                acc, rounds = replayed or (0.0, 0)
+                replayed = (acc + (m["accept_replayed"] - 1) * m["rounds"],
+                            rounds + m["rounds"])
     weight = max(weight, 1e-9)
-    return {"loss": sums["loss"] / weight, "agree": [a / weight for a in agree],
-            "accept_estimate": sums["accept_estimate"] / weight, "weight": int(weight)}
+    out = {"loss": sums["loss"] / weight, "agree": [a / weight for a in agree],
+           "accept_estimate": sums["accept_estimate"] / weight, "weight": int(weight)}
+    if replayed is not None:
+        out["accept_replayed"] = 1 + replayed[0] / max(replayed[1], 1)
+    return out
 
 
 def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopConfig,
@@ -259,14 +267,19 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
     def held_out_eval(rec: dict) -> None:
         nonlocal best
         head.eval()
-        rec["eval"] = evaluate(loss_fn, oracle, eval_batches, autocast)
+        ev = rec["eval"] = evaluate(loss_fn, oracle, eval_batches, autocast)
         head.train()
-        if rec["eval"]["accept_estimate"] > best:
-            best = rec["eval"]["accept_estimate"]
+        # the best head by the engine's own walk along the held-out outputs where the loss
+        # replays it (chain heads), else by the estimate from per-level agreement
+        score = ev.get("accept_replayed", ev["accept_estimate"])
+        if score > best:
+            best = score
             save_head(copy.deepcopy(head).to(torch.bfloat16), os.path.join(out_dir, "best"))
-        bar.write(f"step {rec['step']}: held-out loss {rec['eval']['loss']:.3f}, agree "
-                  f"{[round(a, 3) for a in rec['eval']['agree']]}, accept length estimate "
-                  f"{rec['eval']['accept_estimate']:.3f}")
+        replayed = (f", replayed {ev['accept_replayed']:.3f}" if "accept_replayed" in ev
+                    else "")
+        bar.write(f"step {rec['step']}: held-out loss {ev['loss']:.3f}, agree "
+                  f"{[round(a, 3) for a in ev['agree']]}, accept length estimate "
+                  f"{ev['accept_estimate']:.3f}{replayed}")
 
     while state.step < cfg.steps:
         bt = order[state.step % len(order)]
