@@ -12,7 +12,9 @@ tokens_per_step counts every speculative step, those where a block head's confid
 no draft included (DSpark's accepted length).
 
 An arm `chain@DIR` (or `block@DIR`) drafts with the head directory DIR instead of --head
-(--block-head), so several heads run in one process on the same prompts:
+(--block-head), so several heads run in one process on the same prompts; drafters run k drafts
+every step, `chain+adaptive` (`ngram+adaptive`, ...) with the engine's default adaptive draft
+length instead:
 
     python benchmarks/bench_accept.py --arms plain,chain@runs/a/head,chain@runs/b/head ...
 
@@ -76,13 +78,15 @@ def main() -> int:
         res, plain_tokens = {}, None
         for arm in arms:
             kind, _, head = arm.partition("@")
+            kind, _, mode = kind.partition("+")  # "+adaptive": the engine's default policy
+            adaptive = mode == "adaptive"
             spec = {"plain": SpecConfig(),
                     "chain": SpecConfig(method="chain", draft_head=head or a.head,
-                                        num_draft_tokens=a.k, adaptive=False),
+                                        num_draft_tokens=a.k, adaptive=adaptive),
                     "block": SpecConfig(method="block", draft_head=head or a.block_head,
-                                        block_size=a.block_size, adaptive=False),
+                                        block_size=a.block_size, adaptive=adaptive),
                     "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,
-                                        adaptive=False)}[kind]
+                                        adaptive=adaptive)}[kind]
             engine = LLMEngine(EngineConfig(
                 model=a.model, device=a.device, dtype=a.dtype, quantization=a.quantization,
                 cache=CacheConfig(kv_cache_tokens=a.batch * (max(map(len, prompts))

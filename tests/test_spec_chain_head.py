@@ -16,7 +16,9 @@ from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
 
 from draftgraph.attention.backend import Phase, TorchBackend
 from draftgraph.config import SpecConfig
+from draftgraph.engine.request import Request
 from draftgraph.engine.sampling import SamplingParams
+from draftgraph.engine.speculation import SpecPolicy
 from draftgraph.models.chain_head import HeadConfig
 from draftgraph.models.heads import load_head, random_head, save_head
 from draftgraph.runtime.executor import ModelExecutor
@@ -294,3 +296,26 @@ def test_a_reduced_shared_vocabulary_drafts_the_heads_argmax_within_it(hf, plain
     assert (even.argmax(-1) % 2 == 0).all()
     # step 0 of the first proposal reads the same inputs in both runs: same logits on the subset
     torch.testing.assert_close(even[0, ::2], runs["full"][0, ::2])
+
+
+def test_a_drafter_with_its_own_kv_keeps_its_draft_length_under_the_adaptive_policy():
+    """The default (adaptive) policy shortens an n-gram drafter's drafts after rejections, but
+    a chain head runs all its k steps every step anyway: its draft length stays k, so it never
+    pays for drafts it does not verify."""
+    hf = tiny_hf_model(seed=0)
+    head = random_head(tiny_loaded(hf).config, "", seed=3)  # ~nothing accepted
+    engine = tiny_engine(hf, spec=SpecConfig(method="ngram", num_draft_tokens=K),
+                         drafter=ChainHeadDrafter(head, K))
+    engine.add_request([5, 9, 17, 33, 2, 61], SamplingParams(max_tokens=24, temperature=0,
+                                                             ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    s = engine.stats
+    assert s["num_drafts"] >= 15 and s["num_accepted_tokens"] <= 2
+    assert s["num_draft_tokens"] == K * s["num_drafts"] - sum(range(K))  # k, then the tail cap
+    ngram = SpecPolicy(SpecConfig(method="ngram", num_draft_tokens=K), K)
+    chain = SpecPolicy(SpecConfig(method="chain", num_draft_tokens=K), K, keeps_kv=True)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100), 0, [])
+    for policy in (ngram, chain):
+        policy.record(req, K, 0)
+    assert ngram.max_draft(req) == K // 2 and chain.max_draft(req) == K

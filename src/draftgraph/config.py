@@ -85,7 +85,9 @@ class SpecConfig:
     num_draft_tokens: int = 4  # k drafts per step (chain, n-gram); the block size - 1 (block)
     ngram_min: int = 1
     ngram_max: int = 4
-    adaptive: bool = True  # shrink the draft length when acceptance is low
+    # shrink the draft length when acceptance is low (n-gram; a drafter with its own KV runs
+    # all its draft steps every step anyway, so it keeps k: engine/speculation.py)
+    adaptive: bool = True
     # chain / block: a head directory (--draft-head); chain without one: the shipped head of
     # the model (spec.SHIPPED_HEADS)
     draft_head: str | None = None

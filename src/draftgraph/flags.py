@@ -186,7 +186,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
                    help="longest n-gram matched against the context")
     s.add_argument("--no-adaptive-draft", action="store_true",
-                   help="keep the draft length fixed even when acceptance is low")
+                   help="keep the draft length fixed even when acceptance is low (n-gram; "
+                        "chain, block and draft-model drafters keep it fixed anyway)")
 
 
 def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:

@@ -104,7 +104,8 @@ class LLMEngine:
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                       "accepted_per_pos": [0] * max(k, 1), "prompt_tokens": 0,
                       "generation_tokens": 0}
-        self.policy = SpecPolicy(config.spec, k) if self.drafter is not None else None
+        self.policy = (SpecPolicy(config.spec, k, keeps_kv=self.drafter.keeps_kv)
+                       if self.drafter is not None else None)
         if self.policy is not None:
             self.policy.stats = self.stats
             self.policy.max_model_len = self.max_model_len

@@ -13,8 +13,14 @@ from draftgraph.engine.request import Request
 
 
 class SpecPolicy:
-    def __init__(self, cfg: SpecConfig, k: int) -> None:
+    def __init__(self, cfg: SpecConfig, k: int, keeps_kv: bool = False) -> None:
+        """keeps_kv: the drafter keeps its own KV (a chain or block head, a draft model), so
+        every step runs all its draft forwards whatever the draft length: a shorter draft only
+        gives up accepted tokens, and the draft length stays k (measured on the CPU with the
+        shipped chain head, adaptive against k = 4: 0.66x against 0.97x plain decoding on
+        MT-Bench, 0.94x against 1.36x on HumanEval)."""
         self.cfg = cfg
+        self.adaptive = cfg.adaptive and not keeps_kv
         self.k = k
         self.draft_len: dict[str, int] = {}  # adaptive per-request draft length
         self.idle_steps: dict[str, int] = {}  # steps spent at draft length 0
@@ -56,7 +62,7 @@ class SpecPolicy:
             self.stats["num_accepted_tokens"] += accepted
             for j in range(accepted):
                 self.stats["accepted_per_pos"][j] += 1
-        if self.cfg.adaptive:
+        if self.adaptive:
             d = self.draft_len.get(req.request_id, self.k)
             if accepted == proposed:
                 d = min(self.k, d + 1)
@@ -67,7 +73,7 @@ class SpecPolicy:
     def no_proposal(self, req: Request) -> None:
         """The device proposer found nothing to draft although drafting was allowed: the
         verify step still cost more than a decode, so back off like a rejection."""
-        if self.cfg.adaptive:
+        if self.adaptive:
             self.draft_len[req.request_id] = self.draft_len.get(req.request_id, self.k) // 2
 
     def forget(self, request_id: str) -> None:
