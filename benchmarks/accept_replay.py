@@ -1,4 +1,4 @@
-"""Why a chain head's training-time estimate overshoots the engine's accept length (issue 14).
+"""Why a head's training-time estimate overshoots the engine's accept length (issue 14).
 
     python benchmarks/accept_replay.py --head src/draftgraph/heads/smollm2-135m-chain \\
         --sets benchmarks/data/accept_sets_smollm2_ids.json --num-prompts 10 --out r.json
@@ -8,7 +8,10 @@ first step): the engine's accept length with the head; the same walked offline a
 engine's outputs from the training loss's own predictions (`train.chain.replay_acceptance`,
 as `train-drafter` now scores its held-out set); the estimate from per-level agreement with
 independent levels (`expected_accept_length`, what it scored before); and the level-0
-agreement over every response position against at the positions where rounds begin.
+agreement over every response position against at the positions where rounds begin. A block
+head (`--head` of kind block: block_size - 1 drafts, its own confidence cut) is walked by
+`train.block.replay_blocks` from every position's block instead; its estimate is the mean
+leading matches of blocks anchored anywhere, as `train-drafter --kind block` scored it.
 """
 
 from __future__ import annotations
@@ -23,12 +26,35 @@ from _meta import model_shape, run_header
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.models.heads import load_head
+from draftgraph.models.chain_head import ChainHead
+from draftgraph.models.heads import head_kind, load_head
 from draftgraph.models.loader import load_model
+from draftgraph.train.block import replay_blocks
 from draftgraph.train.chain import expected_accept_length, replay_acceptance, ttt_loss
-from draftgraph.train.loop import TargetOracle
+from draftgraph.train.loop import OracleBatch, Sequence, TargetOracle
 
 K = 4
+
+
+def replay_block_set(engine, head, oracle, prompts, outs, s) -> dict:
+    """The engine's block statistics against `replay_blocks` along its outputs."""
+    model = engine.model
+    walked = {"num_drafts": 0, "num_accepted_tokens": 0, "steps": 0}
+    for prompt, o in zip(prompts, outs, strict=True):
+        ids = list(prompt) + o.token_ids
+        streams, logits = oracle([ids])
+        batch = OracleBatch([Sequence(ids, len(prompt))], streams, logits, [0])
+        w = replay_blocks(head, model.embed_tokens.weight, model.lm_head_weight, batch,
+                          1024)[0]
+        for key in walked:
+            walked[key] += w[key]
+    return {"num_prompts": len(prompts),
+            "engine_accept_length": 1 + s["num_accepted_tokens"] / max(s["num_drafts"], 1),
+            "engine_drafting_rounds": s["num_drafts"],
+            "replayed_accept_length": 1 + walked["num_accepted_tokens"]
+            / max(walked["num_drafts"], 1),
+            "replayed_drafting_rounds": walked["num_drafts"],
+            "replayed_tokens_per_step": 1 + walked["num_accepted_tokens"] / walked["steps"]}
 
 
 def main() -> int:
@@ -43,25 +69,34 @@ def main() -> int:
     loaded = load_model(a.model, device="cpu")
     model = loaded.model
     head = load_head(a.head, model.config)
-    lm_w = head.lm_head_weight(model.lm_head_weight.detach())  # [V', H]
+    lm_w = model.lm_head_weight.detach()  # [V, H]; a chain head's [V', H] rows below
+    if isinstance(head, ChainHead):
+        lm_w = head.lm_head_weight(lm_w)
     with open(a.sets) as f:
         sets = json.load(f)
     out = {"benchmark": "accept_replay", **run_header(), "model": a.model, "head": a.head,
            "k": K, "max_tokens": a.max_tokens, "model_shape": model_shape(loaded.config),
            "sets": {}}
+    block = head_kind(a.head) == "block"
     for name, prompts in sets.items():
         prompts = prompts[: a.num_prompts]
         engine = LLMEngine(EngineConfig(
             model=a.model, device="cpu",
             cache=CacheConfig(kv_cache_tokens=len(prompts) * 1200),
             scheduler=SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=16384),
-            spec=SpecConfig(method="chain", draft_head=a.head, num_draft_tokens=K,
-                            adaptive=False)), loaded=loaded)
+            spec=SpecConfig(method="block", draft_head=a.head, adaptive=False) if block else
+            SpecConfig(method="chain", draft_head=a.head, num_draft_tokens=K,
+                       adaptive=False)), loaded=loaded)
         outs = engine.generate(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0,
                                                        ignore_eos=True))
         s = engine.stats
         oracle = TargetOracle(model, head.head_config.hidden_layer_ids, 2048, 1, 2048, "cpu",
                               torch.float32, "torch")
+        if block:
+            out["sets"][name] = r = replay_block_set(engine, head, oracle, prompts, outs, s)
+            print(name, json.dumps(r), flush=True)
+            del engine
+            continue
         walked = {"num_drafts": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * K}
         agree_sum, positions, start_hits = [0.0] * K, 0, 0
         for prompt, o in zip(prompts, outs, strict=True):

@@ -230,7 +230,7 @@ def trained(hf, data, tmp_path_factory):
     tc = BlockTrainConfig(steps=60, lr=3e-3, batch_tokens=256, warmup=6, checkpoint_every=30,
                           anchors=8)
     state = train_block_head(head, engine.model, seqs, tc, out, "cpu", torch.float32, "torch",
-                             progress=False)
+                             progress=False, eval_seqs=seqs[:2])
     return out, state, tc
 
 
@@ -275,8 +275,43 @@ def test_a_trained_block_head_lowers_its_loss_and_raises_its_accept_length(hf, d
     real1 = _accept_length(hf, shipped, prompts[:3])
     assert real0 < 1.2
     assert real1 > 1.6  # (1.86 measured: the engine's own blocks land after rejections)
+    # the held-out evaluation (at the last step) walks the engine's blocks along its outputs
+    ev = h[-1]["eval"]
+    assert 1.0 < ev["accept_replayed"] <= 5  # block 5: at most 4 drafts and one more
     for name in ("history.json", "loss.png", "checkpoint.pt"):
         assert os.path.getsize(os.path.join(out, name)) > 0
+
+
+@pytest.mark.parametrize("threshold", [0.0, None])  # no cut, and the head's own cut
+def test_acceptance_replayed_from_the_training_forward_is_the_engines(hf, data, trained,
+                                                                      threshold):
+    """The trained block head in the engine (every prompt prefilled in the first step, then
+    one block per step) accepts exactly what `replay_blocks` walks from the training forward
+    along the same outputs; with the confidence cut, the rounds that drafted at all match too
+    (the count of drafts past the first mismatch may differ: the heads then read the drafts,
+    not the true tokens)."""
+    from draftgraph.train.block import replay_blocks
+
+    _, prompts, _ = data
+    out, _, tc = trained
+    head = load_head(os.path.join(out, "head"), tiny_loaded(hf).config)
+    if threshold is not None:
+        head.head_config.confidence_threshold = threshold
+    engine = tiny_engine(hf, budget=256, spec=SpecConfig(method="ngram", adaptive=False),
+                         drafter=BlockHeadDrafter(head))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0,
+                                                   ignore_eos=True))
+    seqs = [Sequence(p + o.token_ids, len(p)) for p, o in zip(prompts, outs, strict=True)]
+    walks = replay_blocks(head, engine.model.embed_tokens.weight, engine.model.lm_head_weight,
+                          _oracle_batch(engine, head, seqs), tc.max_blocks)
+    s = engine.stats
+    assert s["num_accepted_tokens"] > 0.3 * s["num_drafts"]  # drafts get accepted
+    for key in ("num_drafts", "num_accepted_tokens"):
+        assert sum(w[key] for w in walks) == s[key], key
+    per_pos = [sum(c) for c in zip(*(w["accepted_per_pos"] for w in walks), strict=True)]
+    assert per_pos == s["accepted_per_pos"]
+    if threshold == 0.0:
+        assert sum(w["num_draft_tokens"] for w in walks) == s["num_draft_tokens"]
 
 
 def test_a_block_run_resumes_where_it_stopped(hf, data, tmp_path):

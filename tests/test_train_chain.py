@@ -140,9 +140,11 @@ def test_acceptance_replayed_from_the_training_forward_is_the_engines(trained):
             _, _, preds = ttt_loss(head, model.embed_tokens.weight, model.lm_head_weight,
                                    streams[None], logits[None], torch.tensor([ids]), mask, 4,
                                    0.8)
-        for key, v in replay_acceptance(preds[:, 0], ids, len(prompt), 4).items():
-            replayed[key] = ([a + b for a, b in zip(replayed[key], v, strict=True)]
-                             if isinstance(v, list) else replayed[key] + v)
+        walk = replay_acceptance(preds[:, 0], ids, len(prompt), 4)
+        for key, total in replayed.items():
+            v = walk[key]
+            replayed[key] = ([a + b for a, b in zip(total, v, strict=True)]
+                             if isinstance(v, list) else total + v)
     s = engine.stats
     assert s["num_accepted_tokens"] > 0.3 * s["num_drafts"]  # a head that gets drafts accepted
     assert replayed == {key: s[key] for key in replayed}

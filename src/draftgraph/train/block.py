@@ -38,7 +38,15 @@ import torch.nn.functional as F
 
 from draftgraph.kernels.ops import rope_ref
 from draftgraph.models.block_head import BlockHead
-from draftgraph.train.loop import LoopConfig, OracleBatch, Sequence, TrainState, rms, train_loop
+from draftgraph.train.loop import (
+    LoopConfig,
+    OracleBatch,
+    Sequence,
+    TrainState,
+    rms,
+    train_loop,
+    walk_rounds,
+)
 
 
 @dataclass
@@ -213,6 +221,44 @@ def dspark_loss(head: BlockHead, embed_w: torch.Tensor, lm_w: torch.Tensor,
     return loss, metrics
 
 
+@torch.no_grad()
+def replay_blocks(head: BlockHead, embed_w: torch.Tensor, lm_w: torch.Tensor,
+                  batch: OracleBatch, max_blocks: int) -> list[dict]:
+    """Greedy block speculation walked along each sequence of `batch` (the target's own
+    greedy outputs) as the engine runs it (`walk_rounds`): the block anchored at every
+    response position (at most max_blocks blocks per forward), its leading drafts that equal
+    the sequence, and with a confidence head the drafts its cut keeps. Per sequence, the
+    engine's statistics. Exact for acceptance: inside the matched prefix the Markov and
+    confidence heads read the true tokens, which are the drafts (the count of drafts proposed
+    past a mismatch can differ)."""
+    hc = head.head_config
+    g, dev = hc.block_size, embed_w.device
+    tokens, streams = batch.padded("tokens"), batch.padded("streams")
+    s = tokens.shape[1]
+    out = []
+    for i, x in enumerate(batch.seqs):
+        leads, kept = [], []
+        for lo in range(x.prompt_len, len(x.ids) - 1, max_blocks):
+            anchors = torch.arange(lo, min(len(x.ids) - 1, lo + max_blocks), device=dev)[None]
+            hidden = block_forward(head, embed_w, streams[i : i + 1], tokens[i : i + 1],
+                                   anchors, torch.ones_like(anchors, dtype=torch.bool))
+            pos = anchors[:, :, None] + torch.arange(1, g, device=dev)  # [1, A, g - 1]
+            rows = pos < len(x.ids)
+            at = pos.clamp_max(s - 1)
+            labels = tokens[i : i + 1].gather(1, at.view(1, -1)).view_as(at)
+            prev = tokens[i : i + 1].gather(1, (at - 1).view(1, -1)).view_as(at)
+            logits = draft_logits(head, hidden, lm_w, prev)
+            match = (logits.argmax(-1) == labels) & rows
+            leads += match.to(torch.int64).cumprod(-1).sum(-1)[0].tolist()
+            if head.confidence is not None:
+                conf = confidence_logit(head, hidden, prev).sigmoid()
+                keep = (conf >= hc.confidence_threshold) & rows
+                kept += keep.to(torch.int64).cumprod(-1).sum(-1)[0].tolist()
+        out.append(walk_rounds(leads, x.prompt_len, len(x.ids), g - 1,
+                               kept if head.confidence is not None else None))
+    return out
+
+
 def default_mask_token_id(tokenizer, embed_weight: torch.Tensor | None, vocab_size: int) -> int:
     """A reserved special token of the target's tokenizer that chat text never contains, for
     the block's mask rows: among the tokenizer's special tokens, not BOS / EOS / end of turn and
@@ -255,7 +301,14 @@ def train_block_head(head: BlockHead, target_model, seqs: list[Sequence],
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         anchors, valid = sample_anchors(batch.seqs, cfg.anchors, gen, embed_w.device,
                                        cfg.max_blocks)
-        return dspark_loss(head, embed_w, lm_w, batch, anchors, valid, cfg)
+        loss, metrics = dspark_loss(head, embed_w, lm_w, batch, anchors, valid, cfg)
+        if step < 0:  # a held-out batch: the engine's walk along it, every position anchored
+            walks = replay_blocks(head, embed_w, lm_w, batch, cfg.max_blocks)
+            rounds = sum(w["num_drafts"] for w in walks)
+            metrics["accept_replayed"] = 1 + sum(w["num_accepted_tokens"]
+                                                 for w in walks) / max(rounds, 1)
+            metrics["rounds"] = rounds
+        return loss, metrics
 
     return train_loop(head, target_model, seqs, cfg, out_dir, device, dtype, backend, loss_fn,
                       desc="train block head",

@@ -33,6 +33,7 @@ from draftgraph.train.loop import (  # noqa: F401  (re-exported: the trainer's p
     plot_history,
     regenerate,
     train_loop,
+    walk_rounds,
 )
 from draftgraph.train.loop import rms as _rms
 
@@ -173,32 +174,20 @@ def expected_accept_length(agree: list[float]) -> float:
 
 def replay_acceptance(preds: torch.Tensor, ids: list[int], prompt_len: int,
                       k: int) -> dict:
-    """Greedy chain speculation walked along a greedy sequence, as the engine runs it: the
-    first output token comes from the prefill; each round starts at the last emitted token t,
-    drafts d = min(k, tokens left - 1) tokens (none: a plain step), accepts draft j while
-    preds[j, t + j] equals the next token, and emits the accepted drafts and one more.
-    preds [levels >= k, S]: the head's greedy drafts (`ttt_loss`). Returns the engine's statistics:
-    num_drafts (rounds that drafted), num_draft_tokens, num_accepted_tokens and
-    accepted_per_pos [k]. Accept lengths of a target's own greedy outputs measured offline,
-    with no engine: exactly what the engine reports, up to rounding near ties."""
-    p = preds.tolist()
-    stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-             "accepted_per_pos": [0] * k}
-    last, t = len(ids) - 1, prompt_len
-    while t < last:
-        d = min(k, last - t - 1)
-        if d <= 0:
-            t += 1
-            continue
+    """Greedy chain speculation walked along a greedy sequence `ids` as the engine runs it
+    (`walk_rounds`): a round starting at t drafts preds[j, t + j] for j < k, accepted while
+    each equals the next token. preds [levels >= k, S]: the head's greedy drafts
+    (`ttt_loss`). Returns the engine's statistics (num_drafts, num_draft_tokens,
+    num_accepted_tokens, accepted_per_pos, steps): on the target's own greedy outputs, what
+    the engine reports, up to rounding near ties."""
+    p, last = preds.tolist(), len(ids) - 1
+    leads = []
+    for t in range(prompt_len, last):
         a = 0
-        while a < d and p[a][t + a] == ids[t + a + 1]:
-            stats["accepted_per_pos"][a] += 1
+        while a < k and t + a < last and p[a][t + a] == ids[t + a + 1]:
             a += 1
-        stats["num_drafts"] += 1
-        stats["num_draft_tokens"] += d
-        stats["num_accepted_tokens"] += a
-        t += a + 1
-    return stats
+        leads.append(a)
+    return walk_rounds(leads, prompt_len, len(ids), k)
 
 
 # ---- the loop --------------------------------------------------------------------------------

@@ -109,6 +109,37 @@ def frequent_response_tokens(seqs: list[Sequence], n: int, vocab_size: int) -> t
     return counts.topk(n).indices.sort().values
 
 
+def walk_rounds(leads: list[int], prompt_len: int, num_tokens: int, k: int,
+                included: list[int] | None = None) -> dict:
+    """Greedy speculation walked along a target's own greedy sequence of `num_tokens` tokens,
+    as the engine runs it: the first output token comes from the prefill; a step starting at
+    the last emitted position t may draft d = min(k, tokens left - 1), proposes
+    min(d, included[i]) of them (all d without `included`: a block head's confidence cut),
+    accepts min(leads[i], proposed) and emits those and one more (i = t - prompt_len;
+    leads[i]: the drafts from t on that equal the sequence, uncapped). A step that proposes
+    nothing emits one token. Returns the engine's statistics: num_drafts (steps that
+    proposed), num_draft_tokens, num_accepted_tokens, accepted_per_pos [k], and steps (all)."""
+    stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+             "accepted_per_pos": [0] * k, "steps": 0}
+    last, t = num_tokens - 1, prompt_len
+    while t < last:
+        stats["steps"] += 1
+        i = t - prompt_len
+        d = min(k, last - t - 1)
+        proposed = d if included is None else min(d, included[i])
+        if proposed <= 0:
+            t += 1
+            continue
+        a = min(leads[i], proposed)
+        for j in range(a):
+            stats["accepted_per_pos"][j] += 1
+        stats["num_drafts"] += 1
+        stats["num_draft_tokens"] += proposed
+        stats["num_accepted_tokens"] += a
+        t += a + 1
+    return stats
+
+
 # ---- the frozen target ---------------------------------------------------------------------
 
 class TargetOracle:
