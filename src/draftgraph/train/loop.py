@@ -113,11 +113,11 @@ def walk_rounds(leads: list[int], prompt_len: int, num_tokens: int, k: int,
                 included: list[int] | None = None) -> dict:
     """Greedy speculation walked along a target's own greedy sequence of `num_tokens` tokens,
     as the engine runs it: the first output token comes from the prefill; a step starting at
-    the last emitted position t may draft d = min(k, tokens left - 1), proposes
-    min(d, included[i]) of them (all d without `included`: a block head's confidence cut),
-    accepts min(leads[i], proposed) and emits those and one more (i = t - prompt_len;
-    leads[i]: the drafts from t on that equal the sequence, uncapped). A step that proposes
-    nothing emits one token. Returns the engine's statistics: num_drafts (steps that
+    the last emitted position t (i = t - prompt_len) may draft d = min(k, tokens left - 1),
+    proposes min(d, included[i]) of them (included[i]: what a block head's confidence cut
+    keeps; without `included`, all d), accepts min(leads[i], proposed) (leads[i]: the drafts
+    from t on that equal the sequence, uncapped) and emits those and one more. A step that
+    proposes nothing emits one token. Returns the engine's statistics: num_drafts (steps that
     proposed), num_draft_tokens, num_accepted_tokens, accepted_per_pos [k], and steps (all)."""
     stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
              "accepted_per_pos": [0] * k, "steps": 0}
@@ -301,7 +301,7 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
         ev = rec["eval"] = evaluate(loss_fn, oracle, eval_batches, autocast)
         head.train()
         # the best head by the engine's own walk along the held-out outputs where the loss
-        # replays it (chain heads), else by the estimate from per-level agreement
+        # replays it (chain and block heads), else by the estimate from per-level agreement
         score = ev.get("accept_replayed", ev["accept_estimate"])
         if score > best:
             best = score
