@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import re
 import statistics
@@ -194,9 +195,7 @@ CLIENT_STREAMS_PER_PROCESS = 16
 
 def client_processes(max_concurrency: int, asked: int | None) -> int:
     """Client processes for a run: `asked`, else one per CLIENT_STREAMS_PER_PROCESS streams
-    (at most the machine's cores, at least 1)."""
-    import os
-
+    (at most half the machine's cores, at least 1)."""
     if asked is not None:
         return max(1, min(asked, max_concurrency))
     cores = os.cpu_count() or 1

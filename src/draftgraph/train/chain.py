@@ -213,7 +213,9 @@ def train_head(head: ChainHead, target_model, seqs: list[Sequence], cfg: TrainCo
         loss, agree, preds = ttt_loss(head, embed_w, lm_w, batch.padded("streams"),
                                       batch.padded("logits"), tok, mask, cfg.ttt_steps,
                                       cfg.decay)
-        # the engine's greedy acceptance along these sequences (the target's own outputs)
+        # the engine's greedy acceptance along these sequences (the target's own outputs),
+        # walked on the host: one copy of the drafts, not one read per sequence
+        preds = preds.cpu()
         walks = [replay_acceptance(preds[:, i], x.ids, x.prompt_len, cfg.ttt_steps)
                  for i, x in enumerate(batch.seqs)]
         rounds = sum(w["num_drafts"] for w in walks)
