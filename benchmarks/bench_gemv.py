@@ -44,6 +44,15 @@ def model_shapes(name: str) -> dict[str, tuple[str, int, int]]:
     }
 
 
+def default_config(mode: str, m: int, n: int, k: int, dtype) -> G.GemvConfig:
+    """The config the dispatch runs for this shape (since the exact-rows change the single-row
+    one at every M; before it, one per M bucket: kept so older trees can be timed too)."""
+    code = {"plain": 0, "norm": 1, "silu": 2}[mode]
+    if G._config.__code__.co_argcount == 4:
+        return G._config(code, n, k, dtype)
+    return G._config(code, m, n, k, dtype)
+
+
 def graph_us(calls: list, replays: int = 20) -> float:
     """GPU µs per call of `calls` (closures) captured back to back in one CUDA graph."""
     for fn in calls[:2]:
@@ -129,8 +138,7 @@ def bench_shapes(models, ms, dtype) -> list[dict]:
                 ref = op.reference(w)
                 row = {"model": model, "proj": proj, "mode": mode, "M": m, "N": n, "K": k,
                        "weight_MB": op.weight_bytes / 2**20,
-                       "config": G._config({"plain": 0, "norm": 1, "silu": 2}[mode], m, n, k,
-                                           dtype)._asdict()}
+                       "config": default_config(mode, m, n, k, dtype)._asdict()}
                 arms = {
                     "cublas_linear": lambda w, op=op: F.linear(op.x_k, w),
                     "unfused_chain": op.unfused,
@@ -190,7 +198,7 @@ def tune(models, ms, dtype, budget_s: float) -> list[dict]:
                 op = Operands(mode, n, k, m, dtype)
                 ref = op.reference(op.weights[0])
                 cublas = op.time(op.unfused)
-                default = G._config({"plain": 0, "norm": 1, "silu": 2}[mode], m, n, k, dtype)
+                default = default_config(mode, m, n, k, dtype)
                 results = []
                 t0 = time.time()
                 for cfg in [default] + candidate_configs(m, n, k, dtype):
@@ -250,7 +258,7 @@ def tune_qkv_rope(models, dtype, budget_s: float) -> list[dict]:
         ref = G.rmsnorm_qkv_rope_ref(op.x, op.norm_w, EPS, op.weights[0], None, op.residual,
                                      pos, cos_sin, *[t.clone() for t in caches], loc,
                                      c.num_attention_heads, c.num_key_value_heads)[0]
-        default = G.TUNED.get(("qkv_rope", n, k, 1)) or G._config(1, 1, n, k, dtype)
+        default = G.TUNED.get(("qkv_rope", n, k, 1)) or default_config("norm", 1, n, k, dtype)
         results, t0 = [], time.time()
         for cfg in [default] + [c2 for c2 in candidate_configs(1, n, k, dtype)
                                 if c2.block_n >= 2]:
