@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serving against offline on the H200 (issue 15; after benchmarks/serve_gpu_prepare.sh here,
-# carry [".whl"]): per model, `draftgraph serve` with its default flags and `bench serve` at
+# carry [".whl"]): per model and arm (ARMS), `draftgraph serve` and `bench serve` at
 # concurrency 1 / 16 / 64 / 128 (512-token random prompts, 128 output tokens, timed by the
 # streamed token ids), then the same prompts through LLMEngine in process at the same
 # concurrency levels (benchmarks/serve_offline.py). JSON and PNG land in $OUT.
@@ -12,7 +12,10 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_I
 CONC=${CONCURRENCY:-1 16 64 128}
 for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   for arm in ${ARMS:-plain}; do
+    # arms: plain (the defaults: on a GPU the engine in its own process), thread (the engine
+    # on a thread of the server process), ngram
     extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
+    [ $arm = thread ] && extra="--engine-process off"
     python3 -m draftgraph.cli serve random:$m --port 8123 $extra \
       > "/tmp/server_${m}_$arm.log" 2>&1 &
     pid=$!

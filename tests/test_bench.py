@@ -94,7 +94,7 @@ def test_client_processes_default_to_one_per_16_streams():
 
     assert client_processes(64, 3) == 3 and client_processes(2, 8) == 2
     assert client_processes(1, None) == 1
-    assert client_processes(64, None) == min(4, max(1, (os.cpu_count() or 1) // 2))
+    assert client_processes(64, None) == min(8, max(1, (os.cpu_count() or 1) // 2))
 
 
 def test_bench_compare_against_running_servers(server, tmp_path, capsys):

@@ -56,7 +56,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmups", type=int, default=2, help="requests sent before timing")
     p.add_argument("--client-processes", type=int, default=None,
                    help="processes that send the load, each its share of the requests and "
-                        "streams (default: one per 16 streams, at most half the cores: one "
+                        "streams (default: one per 8 streams, at most half the cores: one "
                         "Python client process parses about 10k chunks/s and would be the "
                         "bottleneck of a fast server)")
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset's sampling")

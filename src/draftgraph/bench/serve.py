@@ -189,8 +189,10 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 
 # concurrent streams one client process times without becoming the bottleneck: httpx parses
-# about 10k chunks/s per process, and a 135M model on an H200 streams 27k tokens/s at 64
-CLIENT_STREAMS_PER_PROCESS = 16
+# about 10k chunks/s per process, and a 135M model on an H200 streams 35k tokens/s at 64
+# (a served run at 64 drew 12.9k tok/s from 4 processes, 15.6k from 8;
+# serve_client_sweep_gpu.sh)
+CLIENT_STREAMS_PER_PROCESS = 8
 
 
 def client_processes(max_concurrency: int, asked: int | None) -> int:

@@ -9,6 +9,10 @@ block or fail the others once it is in.
   (`check_fits_kv`) instead of waiting forever at the head of the queue.
 - Sampling parameters that depend on the model are bounded (`bound_params`: top_k is clamped
   to the vocabulary, which the device sampler does anyway; logit_bias keys are token ids).
+
+The engine is read through a few attributes (`tokenizer`, `model_config`, `config`,
+`max_model_len`, `spec_k`, `kv_capacity`, `kv_page_size`, `source`): an `LLMEngine`, or the
+server's `EngineClient` for an engine in another process, which runs the same checks.
 """
 
 from __future__ import annotations
@@ -25,17 +29,13 @@ NORMALISATION_FACTOR = 2
 _max_token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _allocator(engine):
-    return engine.scheduler.allocator
-
-
 def kv_capacity(engine) -> int:
     """KV slots one request may use at most: the whole pool but the reserved dummy page."""
-    return _allocator(engine).usable_slots
+    return engine.kv_capacity
 
 
 def kv_page_size(engine) -> int:
-    return _allocator(engine).page_size
+    return engine.kv_page_size
 
 
 def max_token_chars(tokenizer) -> int:
@@ -120,3 +120,64 @@ def bound_params(engine, params: SamplingParams) -> SamplingParams:
     if params.top_k > vocab:
         params = dataclasses.replace(params, top_k=vocab)
     return params
+
+
+def encode_prompt(engine, prompt: str | list[int] | list[dict], use_chat_template: bool = True,
+                  add_special_tokens: bool | None = None) -> list[int]:
+    """Token ids of a prompt given as text, token ids, or chat messages. Text that cannot fit
+    the context is refused before it is tokenised; tokenising releases the GIL.
+    add_special_tokens: whether the tokenizer adds its own (a BOS, for Llama 3); None: for
+    plain text yes, for a chat template's text no (the template writes them)."""
+    import os
+
+    from draftgraph.engine.errors import EngineError
+    from draftgraph.models.loader import missing_tokenizer_reason
+
+    tokenizer = engine.tokenizer
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        ids = list(prompt)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"prompt token ids must be integers in [0, {vocab}); "
+                              f"got {bad[:3]}")
+    else:
+        if tokenizer is None:
+            source = engine.source
+            reason = (missing_tokenizer_reason(source, loaded=True)
+                      if os.path.exists(source) or source.startswith("random:")
+                      else None) or f"model {engine.config.model} has no tokenizer"
+            raise EngineError(f"{reason}: pass prompts as token ids")
+        templated = isinstance(prompt, list) or (
+            use_chat_template and tokenizer.has_chat_template)
+        special = not templated if add_special_tokens is None else add_special_tokens
+        if isinstance(prompt, list):
+            if not prompt:
+                raise EngineError("messages must not be empty")
+            check_messages(engine, prompt)
+            text = tokenizer.render_chat(prompt, add_generation_prompt=True)
+        else:
+            check_text(engine, prompt, "prompt")
+            text = (tokenizer.render_chat([{"role": "user", "content": prompt}],
+                                          add_generation_prompt=True)
+                    if templated else prompt)
+        ids = encode_text(tokenizer, text, add_special_tokens=special)
+    if not ids:
+        raise EngineError("prompt is empty")
+    if len(ids) >= engine.max_model_len:
+        raise EngineError(f"prompt has {len(ids)} tokens; the model's context is "
+                          f"{engine.max_model_len} (--max-model-len), leaving no room to "
+                          "generate")
+    return ids
+
+
+def admit(engine, prompt, params: SamplingParams,
+          use_chat_template: bool = True) -> tuple[list[int], SamplingParams]:
+    """(token ids, bounded params) of a request that can run, or EngineError /
+    SamplingParamsError saying why not: the checks every request passes before it is queued,
+    by the engine itself or by a server whose engine runs in another process."""
+    ids = encode_prompt(engine, prompt, use_chat_template)
+    params = bound_params(engine, params)
+    check_fits_kv(engine, len(ids), params)
+    return ids, params

@@ -7,7 +7,6 @@ engine thread drains at the start of each `step`. Everything else runs on the en
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -23,7 +22,6 @@ from draftgraph.engine.request import Request, RequestOutput, Status
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
 from draftgraph.engine.speculation import SpecPolicy
-from draftgraph.models.loader import missing_tokenizer_reason
 from draftgraph.runtime import host_memory
 from draftgraph.runtime.controls import StepControls
 from draftgraph.runtime.executor import build_target
@@ -68,6 +66,7 @@ class LLMEngine:
         self.model = self.loaded.model
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        self.source = self.loaded.source  # the resolved model path or random: preset
         sched_cfg = config.scheduler
         model_ctx = self.model_config.max_position_embeddings
         self.max_model_len = min(sched_cfg.max_model_len or min(model_ctx, 8192), model_ctx)
@@ -142,48 +141,11 @@ class LLMEngine:
     def encode_prompt(self, prompt: str | list[int] | list[dict],
                       use_chat_template: bool = True,
                       add_special_tokens: bool | None = None) -> list[int]:
-        """Token ids of a prompt given as text, token ids, or chat messages. Text that cannot
-        fit the context is refused before it is tokenised; tokenising releases the GIL.
-        add_special_tokens: whether the tokenizer adds its own (a BOS, for Llama 3); None:
-        for plain text yes, for a chat template's text no (the template writes them)."""
+        """Token ids of a prompt given as text, token ids, or chat messages
+        (`admission.encode_prompt`)."""
         from draftgraph.engine import admission
 
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                   or not 0 <= t < vocab]
-            if bad:
-                raise EngineError(f"prompt token ids must be integers in [0, {vocab}); "
-                                  f"got {bad[:3]}")
-        else:
-            if self.tokenizer is None:
-                source = self.loaded.source
-                reason = (missing_tokenizer_reason(source, loaded=True)
-                          if os.path.exists(source) or source.startswith("random:")
-                          else None) or f"model {self.config.model} has no tokenizer"
-                raise EngineError(f"{reason}: pass prompts as token ids")
-            templated = isinstance(prompt, list) or (
-                use_chat_template and self.tokenizer.has_chat_template)
-            special = not templated if add_special_tokens is None else add_special_tokens
-            if isinstance(prompt, list):
-                if not prompt:
-                    raise EngineError("messages must not be empty")
-                admission.check_messages(self, prompt)
-                text = self.tokenizer.render_chat(prompt, add_generation_prompt=True)
-            else:
-                admission.check_text(self, prompt, "prompt")
-                text = (self.tokenizer.render_chat([{"role": "user", "content": prompt}],
-                                                   add_generation_prompt=True)
-                        if templated else prompt)
-            ids = admission.encode_text(self.tokenizer, text, add_special_tokens=special)
-        if not ids:
-            raise EngineError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise EngineError(f"prompt has {len(ids)} tokens; the model's context is "
-                              f"{self.max_model_len} (--max-model-len), leaving no room to "
-                              "generate")
-        return ids
+        return admission.encode_prompt(self, prompt, use_chat_template, add_special_tokens)
 
     def add_request(self, prompt: str | list[int] | list[dict],
                     params: SamplingParams | None = None, request_id: str | None = None,
@@ -192,10 +154,8 @@ class LLMEngine:
         never run (see engine/admission.py)."""
         from draftgraph.engine import admission
 
-        params = params or SamplingParams()
-        ids = self.encode_prompt(prompt, use_chat_template)
-        params = admission.bound_params(self, params)
-        admission.check_fits_kv(self, len(ids), params)
+        ids, params = admission.admit(self, prompt, params or SamplingParams(),
+                                      use_chat_template)
         sched = self.config.scheduler
         with self._lock:
             adds = sum(1 for kind, _ in self._inbox if kind == "add")
@@ -690,6 +650,21 @@ class LLMEngine:
 
     def num_free_kv_slots(self) -> int:
         return self.slots.allocator.num_free_slots
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV slots one request may use at most: the whole pool but the reserved dummy page."""
+        return self.slots.allocator.usable_slots
+
+    @property
+    def kv_page_size(self) -> int:
+        return self.slots.allocator.page_size
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def kv_usage(self) -> float:
         a = self.slots.allocator

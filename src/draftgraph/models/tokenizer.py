@@ -125,6 +125,13 @@ class SavedFastTokenizer:
         self._compiled = _compile_chat_template(template) if template else None
         self._template = template
 
+    def __getstate__(self) -> dict:  # pickled without the compiled template (recompiled)
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.chat_template = state["_template"]
+
     def _id(self, tok: str | None) -> int | None:
         return None if tok is None else self.backend_tokenizer.token_to_id(tok)
 

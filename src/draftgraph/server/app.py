@@ -610,7 +610,8 @@ def _drain_on_signals(server: OpenAIServer) -> None:
 
 def build_app(async_engine: AsyncEngine, config: ServerConfig,
               metrics: ServerMetrics | None = None) -> FastAPI:
-    """The app; its lifespan starts and stops the engine thread."""
+    """The app; its lifespan starts and stops the engine thread (or the engine process's
+    reader)."""
     metrics = metrics or ServerMetrics(async_engine.engine, config.served_model_names[0])
     if async_engine.observer is None:
         async_engine.observer = metrics.observe_output
@@ -620,7 +621,9 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
     async def lifespan(app: FastAPI):
         async_engine.start(asyncio.get_running_loop())
         _drain_on_signals(server)
-        logger.info("serving %s on the engine thread", config.served_model_names[0])
+        logger.info("serving %s (%s)", config.served_model_names[0],
+                    "engine in its own process" if hasattr(async_engine.engine, "process")
+                    else "engine on a thread")
         try:
             yield
         finally:

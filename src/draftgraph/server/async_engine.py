@@ -54,6 +54,32 @@ def merge_outputs(first: RequestOutput, later: list[RequestOutput]) -> RequestOu
     )
 
 
+def run_steps(engine, stop: threading.Event, wake: threading.Event,
+              emit: Callable[[list[RequestOutput]], None],
+              failed: Callable[[str], None]) -> None:
+    """The engine loop: `engine.step()` while requests are unfinished, each step's outputs
+    that carry anything handed to `emit`; asleep on `wake` when idle (whoever queues a
+    request or an abort sets it after queueing, so nothing is missed) until `stop`. A step
+    that raises is logged and reported to `failed`, and the loop goes on."""
+    while not stop.is_set():
+        wake.clear()
+        if not engine.has_unfinished():
+            wake.wait(1.0)
+            continue
+        try:
+            outputs = engine.step()
+        except Exception:  # the loop must survive anything a step throws
+            logger.exception("engine step failed; failing the in-flight requests")
+            failed("internal error in the engine step")
+            time.sleep(0.01)
+            continue
+        outputs = [o for o in outputs if o.new_token_ids or o.finished or o.delta_text]
+        if outputs:
+            emit(outputs)
+        elif engine.has_unfinished():
+            wake.wait(0.002)  # nothing schedulable yet: do not spin
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread is not running (server shutting down)."""
 
@@ -101,26 +127,12 @@ class AsyncEngine:
 
     # ---- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            self._wake.clear()
-            if not engine.has_unfinished():
-                # add_request / abort enqueue before they set the event, so nothing is missed
-                self._wake.wait(1.0)
-                continue
-            try:
-                outputs = engine.step()
-            except Exception:  # the loop must survive anything a step throws
-                self.num_step_errors += 1
-                logger.exception("engine step failed; failing the in-flight requests")
-                self._call_in_loop(self._fail_all, "internal error in the engine step")
-                time.sleep(0.01)
-                continue
-            outputs = [o for o in outputs if o.new_token_ids or o.finished or o.delta_text]
-            if outputs:
-                self._call_in_loop(self._dispatch, outputs)
-            elif engine.has_unfinished():
-                self._wake.wait(0.002)  # nothing schedulable yet: do not spin
+        def failed(message: str) -> None:
+            self.num_step_errors += 1
+            self._call_in_loop(self._fail_all, message)
+
+        run_steps(self.engine, self._stop, self._wake,
+                  lambda outputs: self._call_in_loop(self._dispatch, outputs), failed)
 
     def _call_in_loop(self, fn, *args) -> None:
         try:

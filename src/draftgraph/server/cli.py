@@ -48,6 +48,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies are answered 413")
     h.add_argument("--body-read-timeout", type=float, default=ServerConfig.body_read_timeout_s,
                    help="seconds to receive a request body before a 408")
+    h.add_argument("--engine-process", choices=["auto", "on", "off"], default="auto",
+                   help="run the engine loop in its own process, so streaming responses never "
+                        "hold the GIL the engine's steps need (auto: on a GPU; off: a thread "
+                        "of the server process)")
     h.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
                    help="seconds running requests may take to finish after SIGTERM before "
                         "their streams end with an error event")
@@ -75,18 +79,33 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_server(engine_config, server_config, loaded=None):
-    """(app, async_engine) for an engine config; loads the model."""
-    from draftgraph.engine.engine import LLMEngine
+def build_server(engine_config, server_config, loaded=None, engine_process: bool = False):
+    """(app, async_engine) for an engine config; loads the model (in a process of its own
+    with engine_process: server/engine_process.py)."""
     from draftgraph.server.app import build_app
-    from draftgraph.server.async_engine import AsyncEngine
 
-    engine = LLMEngine(engine_config, loaded=loaded)
-    async_engine = AsyncEngine(engine)
+    if engine_process:
+        from draftgraph.server.engine_process import EngineClient, ProcessAsyncEngine
+
+        if loaded is not None:
+            raise ValueError("an engine process loads its model itself: pass no loaded model")
+        async_engine = ProcessAsyncEngine(EngineClient.start(engine_config))
+    else:
+        from draftgraph.engine.engine import LLMEngine
+        from draftgraph.server.async_engine import AsyncEngine
+
+        async_engine = AsyncEngine(LLMEngine(engine_config, loaded=loaded))
     return build_app(async_engine, server_config), async_engine
 
 
+def wants_engine_process(choice: str, device: str) -> bool:
+    """--engine-process: auto is on for a GPU engine (measured there), off on the CPU, where
+    the engine's threads already take every core."""
+    return choice == "on" or (choice == "auto" and device.startswith("cuda"))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from draftgraph.engine.errors import EngineError
     from draftgraph.server.config import ServerConfig
 
     try:
@@ -108,8 +127,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         usage_error(args, str(e))
     apply_process_flags(args)
     try:
-        app, _ = build_server(engine_config, server_config)
-    except (ValueError, FileNotFoundError, ImportError) as e:
+        app, _ = build_server(engine_config, server_config, engine_process=wants_engine_process(
+            args.engine_process, engine_config.device))
+    except (ValueError, FileNotFoundError, ImportError, EngineError) as e:
         sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2

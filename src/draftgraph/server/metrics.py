@@ -52,9 +52,9 @@ class _EngineCollector:
         e = self.engine
         stats = dict(e.stats)
         yield self._gauge("num_requests_running", "Requests being decoded.",
-                          len(e.scheduler.running))
+                          e.num_running())
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                          len(e.scheduler.waiting))
+                          e.num_waiting())
         usage = e.kv_usage()
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV slots in use (1 = full).", usage)
         yield self._gauge("gpu_cache_usage_perc", "Alias of kv_cache_usage_perc.", usage)
