@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Serving against offline on the H200 (issue 15; after benchmarks/serve_gpu_prepare.sh here,
 # carry [".whl"]): per model and arm (ARMS), `draftgraph serve` and `bench serve` at
-# concurrency 1 / 16 / 64 / 128 (512-token random prompts, 128 output tokens, timed by the
+# concurrency 1 / 16 / 64 / 128 (512 random 512-token prompts, 128 output tokens: at 64 and
+# above a run of 128 prompts lasted about a second, too short to time; timed by the
 # streamed token ids), then the same prompts through LLMEngine in process at the same
 # concurrency levels (benchmarks/serve_offline.py). JSON and PNG land in $OUT.
 set -uo pipefail
@@ -22,14 +23,14 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
     for _ in $(seq 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
     timeout ${BENCH_TIMEOUT:-240} python3 -m draftgraph.cli bench serve \
       --base-url http://127.0.0.1:8123 --dataset random --random-input-len 512 \
-      --random-output-len 128 --ignore-eos --num-prompts ${NUM_PROMPTS:-128} \
+      --random-output-len 128 --ignore-eos --num-prompts ${NUM_PROMPTS:-512} \
       --max-concurrency $CONC --plot --result-dir "$OUT" \
       --device-label "NVIDIA H200 ($arm)" 2>&1 | tail -8
     kill $pid; wait $pid 2>/dev/null
     grep -E "captured|KV cache" "/tmp/server_${m}_$arm.log" | tail -4
   done
   timeout ${OFFLINE_TIMEOUT:-200} python3 benchmarks/serve_offline.py --model random:$m \
-    --num-prompts ${NUM_PROMPTS:-128} --input-len 512 --output-len 128 \
+    --num-prompts ${NUM_PROMPTS:-512} --input-len 512 --output-len 128 \
     --concurrency "$(echo $CONC | tr ' ' ',')" --out "$OUT/serve_offline_${m}_h200.json" \
     2>&1 | grep -v -i warn | grep -v "^capturing"
 done

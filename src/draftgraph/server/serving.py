@@ -288,8 +288,12 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
                       "param": None if param is None else clean_text(str(param)), "code": code}}
 
 
+# one encoder for every chunk: json.dumps builds a new one per call when given separators
+_compact_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    payload = data if isinstance(data, str) else _compact_json(data)
     return f"data: {payload}\n\n"
 
 
