@@ -175,7 +175,15 @@ def test_a_model_that_cannot_load_is_reported_before_serving():
 
 
 def test_a_dead_engine_process_ends_every_stream_with_an_error(default_model):
-    ae = ProcessAsyncEngine(EngineClient.start(_config()))
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # --threads 1: the engine process runs with it too
+    try:
+        ae = ProcessAsyncEngine(EngineClient.start(_config()))
+    finally:
+        torch.set_num_threads(threads)
+    assert ae.engine.num_threads == 1
     with ServerThread(build_app(ae, ServerConfig(served_model_names=[MODEL]))) as st:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "temperature": 0,
                 "stream": True, "ignore_eos": True}

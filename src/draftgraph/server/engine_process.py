@@ -66,10 +66,13 @@ def from_wire(t: tuple, prompt_token_ids: list[int]) -> RequestOutput:
 
 def _facts(engine) -> dict:
     """What the server process reads of the engine (EngineClient's attributes)."""
+    import torch
+
     return {"config": engine.config, "model_config": engine.model_config,
             "max_model_len": engine.max_model_len, "spec_k": engine.spec_k,
             "kv_capacity": engine.kv_capacity, "kv_page_size": engine.kv_page_size,
-            "tokenizer": engine.tokenizer, "source": engine.source}
+            "tokenizer": engine.tokenizer, "source": engine.source,
+            "num_threads": torch.get_num_threads()}
 
 
 def _snapshot(engine) -> tuple:
@@ -129,10 +132,13 @@ class _Sender:
         self.thread.join(10)
 
 
-def _engine_main(config, commands, results, log_level: int) -> None:
+def _engine_main(config, commands, results, log_level: int, num_threads: int) -> None:
     """The engine process: build the engine, say it is ready (or why it failed), then step."""
+    import torch
+
     from draftgraph.engine.engine import LLMEngine
 
+    torch.set_num_threads(num_threads)  # the server process's (--threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("draftgraph").setLevel(log_level)
@@ -197,6 +203,7 @@ class EngineClient:
         self.kv_page_size = facts["kv_page_size"]
         self.tokenizer = facts["tokenizer"]
         self.source = facts["source"]
+        self.num_threads = facts["num_threads"]  # torch's, in the engine process
         self.stats: dict = {}
         self._counts = (0, 0, self.kv_capacity)  # running, waiting, free KV slots
         self._prompts: dict[str, list[int]] = {}  # requests in flight: their prompt ids
@@ -206,13 +213,17 @@ class EngineClient:
     @classmethod
     def start(cls, config, log_level: int = logging.INFO,
               timeout_s: float | None = None) -> EngineClient:
-        """Spawn the engine process and wait until its engine is built; EngineError with the
+        """Spawn the engine process (torch's thread count and the environment, so the weight
+        cache switch, go with it) and wait until its engine is built; EngineError with the
         engine's own message when it could not be."""
         ctx = mp.get_context("spawn")  # CUDA cannot be initialised in a forked child
         commands_recv, commands = ctx.Pipe(duplex=False)
         results, results_send = ctx.Pipe(duplex=False)
+        import torch
+
         process = ctx.Process(target=_engine_main, name="draftgraph-engine",
-                              args=(config, commands_recv, results_send, log_level))
+                              args=(config, commands_recv, results_send, log_level,
+                                    torch.get_num_threads()))
         process.start()
         commands_recv.close()
         results_send.close()
