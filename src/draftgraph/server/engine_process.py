@@ -36,6 +36,8 @@ import threading
 import time
 from collections import deque
 
+import torch
+
 from draftgraph.engine.errors import EngineError, QueueFullError
 from draftgraph.engine.request import RequestOutput
 from draftgraph.engine.sampling import SamplingParams
@@ -66,8 +68,6 @@ def from_wire(t: tuple, prompt_token_ids: list[int]) -> RequestOutput:
 
 def _facts(engine) -> dict:
     """What the server process reads of the engine (EngineClient's attributes)."""
-    import torch
-
     return {"config": engine.config, "model_config": engine.model_config,
             "max_model_len": engine.max_model_len, "spec_k": engine.spec_k,
             "kv_capacity": engine.kv_capacity, "kv_page_size": engine.kv_page_size,
@@ -134,8 +134,6 @@ class _Sender:
 
 def _engine_main(config, commands, results, log_level: int, num_threads: int) -> None:
     """The engine process: build the engine, say it is ready (or why it failed), then step."""
-    import torch
-
     from draftgraph.engine.engine import LLMEngine
 
     torch.set_num_threads(num_threads)  # the server process's (--threads)
@@ -219,8 +217,6 @@ class EngineClient:
         ctx = mp.get_context("spawn")  # CUDA cannot be initialised in a forked child
         commands_recv, commands = ctx.Pipe(duplex=False)
         results, results_send = ctx.Pipe(duplex=False)
-        import torch
-
         process = ctx.Process(target=_engine_main, name="draftgraph-engine",
                               args=(config, commands_recv, results_send, log_level,
                                     torch.get_num_threads()))
