@@ -44,6 +44,12 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
 
+    @classmethod
+    def failed(cls, request_id: str, message: str) -> RequestOutput:
+        """The final output of a request that ended with an error and no tokens."""
+        return cls(request_id=request_id, prompt_token_ids=[], token_ids=[], new_token_ids=[],
+                   text="", delta_text="", finished=True, finish_reason="error", error=message)
+
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

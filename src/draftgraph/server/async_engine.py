@@ -171,9 +171,7 @@ class AsyncEngine:
         for request_id, queue in list(self._streams.items()):
             logger.error("request %s failed: %s", request_id, message)
             self.engine.abort(request_id)
-            queue.put_nowait(RequestOutput(
-                request_id=request_id, prompt_token_ids=[], token_ids=[], new_token_ids=[],
-                text="", delta_text="", finished=True, finish_reason="error", error=message))
+            queue.put_nowait(RequestOutput.failed(request_id, message))
         self._streams.clear()
         self._wake.set()
 

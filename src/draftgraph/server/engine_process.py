@@ -99,9 +99,6 @@ class _Sender:
         self.pending.append(item)
         self.ready.set()
 
-    def send_now(self, msg) -> None:
-        self.results.send(msg)
-
     def _run(self) -> None:
         outputs: dict[str, list[RequestOutput]] = {}  # request id -> its outputs, in order
         snapshot = None
@@ -118,12 +115,12 @@ class _Sender:
                 self._flush(outputs, snapshot)
                 if item[0] == "stop":
                     return
-                self.send_now(item)  # "failed": after the outputs queued before it
+                self.results.send(item)  # "failed": after the outputs queued before it
             self._flush(outputs, snapshot)
 
     def _flush(self, outputs: dict, snapshot) -> None:
         if outputs:
-            self.send_now(("out", [to_wire(merge_outputs(outs[0], outs[1:]))
+            self.results.send(("out", [to_wire(merge_outputs(outs[0], outs[1:]))
                                    for outs in outputs.values()], snapshot))
             outputs.clear()
 
@@ -161,10 +158,8 @@ def _engine_main(config, commands, results, log_level: int, num_threads: int) ->
                     engine.add_request(ids, params, request_id=request_id,
                                        use_chat_template=False)
                 except Exception as e:  # noqa: BLE001 - the client checked; end this one only
-                    sender.put(("out", [RequestOutput(
-                        request_id=request_id, prompt_token_ids=[], token_ids=[],
-                        new_token_ids=[], text="", delta_text="", finished=True,
-                        finish_reason="error", error=str(e))], _snapshot(engine)))
+                    sender.put(("out", [RequestOutput.failed(request_id, str(e))],
+                                _snapshot(engine)))
             elif msg[0] == "abort":
                 engine.abort(msg[1])
             else:  # "shutdown"
