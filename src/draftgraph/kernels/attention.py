@@ -204,7 +204,7 @@ def _decode_split_kernel(
             tl.store(counter, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs"])
 def _extend_kernel(
     q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices, kv_start, positions, bs,
     sm_scale_log2, window,

@@ -61,7 +61,7 @@ def _positions_and_slots_kernel(
         tl.store(req_to_token + req * r2t_stride + pos, loc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs"])
 def _kv_count_scan_kernel(
     seq_lens, extend_lens, kv_indptr, kv_start, bs, window,
     SLIDING: tl.constexpr, SCAN_BLOCK: tl.constexpr,
@@ -85,7 +85,7 @@ def _kv_count_scan_kernel(
         total += tl.sum(counts, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs"])
 def _scan_inplace_kernel(indptr, bs, SCAN_BLOCK: tl.constexpr):
     # Single program: counts in indptr[1 : bs + 1] become their inclusive scan; indptr[0] = 0.
     total = _zero_i64()

@@ -39,7 +39,7 @@ class AheadInputs:
     seq_limit: torch.Tensor  # [bs] int64: min(prompt + max_tokens, max_model_len) tokens
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs"])
 def _record_last_tokens_kernel(ids, prev, prev_accept, table, rows, seq_lens, slots, slots_out,
                                max_draft, seq_limit, bs, table_stride, num_prev, prev_stride,
                                slots_stride, T: tl.constexpr, SPEC: tl.constexpr,
