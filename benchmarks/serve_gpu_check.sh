@@ -27,7 +27,7 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
       --max-concurrency $CONC --plot --result-dir "$OUT" \
       --device-label "NVIDIA H200 ($arm)" 2>&1 | tail -8
     kill $pid; wait $pid 2>/dev/null
-    grep -E "captured|KV cache" "/tmp/server_${m}_$arm.log" | tail -4
+    grep -E "captured|KV cache|engine loop" "/tmp/server_${m}_$arm.log" | tail -5
   done
   timeout ${OFFLINE_TIMEOUT:-200} python3 benchmarks/serve_offline.py --model random:$m \
     --num-prompts ${NUM_PROMPTS:-512} --input-len 512 --output-len 128 \

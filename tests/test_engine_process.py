@@ -201,3 +201,35 @@ def test_a_dead_engine_process_ends_every_stream_with_an_error(default_model):
         r = httpx.post(st.base_url + "/v1/completions", timeout=30, json={
             "model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503
+
+
+def test_engine_loop_accounts_its_steps():
+    """run_steps counts the steps it ran and the time in them and in emitting their outputs."""
+    from draftgraph.server.async_engine import run_steps
+
+    class Fake:
+        def __init__(self):
+            self.left = 3
+
+        def has_unfinished(self):
+            return self.left > 0
+
+        def step(self):
+            self.left -= 1
+            time.sleep(0.01)
+            return [RequestOutput(request_id="r", prompt_token_ids=[], token_ids=[],
+                                  new_token_ids=[1], text="", delta_text="", finished=False,
+                                  finish_reason=None)]
+
+    stop, wake, emitted = threading.Event(), threading.Event(), []
+
+    def emit(outputs):
+        emitted.append(outputs)
+        time.sleep(0.005)
+        if len(emitted) == 3:
+            stop.set()
+
+    times = run_steps(Fake(), stop, wake, emit, lambda message: None)
+    assert times.steps == 3 and len(emitted) == 3
+    assert 0.03 <= times.step_s < 1.0 and 0.015 <= times.emit_s < 1.0
+    assert "3 steps" in times.summary()

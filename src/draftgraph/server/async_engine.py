@@ -54,17 +54,39 @@ def merge_outputs(first: RequestOutput, later: list[RequestOutput]) -> RequestOu
     )
 
 
+class LoopTimes:
+    """Where the engine loop's time went: steps, seconds in `engine.step()` and in `emit`
+    (handing the outputs on), and seconds asleep with nothing to do."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.step_s = 0.0
+        self.emit_s = 0.0
+        self.idle_s = 0.0
+
+    def summary(self) -> str:
+        per = 1e3 / max(self.steps, 1)
+        return (f"engine loop: {self.steps} steps, {self.step_s:.2f} s in steps "
+                f"({self.step_s * per:.3f} ms each), {self.emit_s:.2f} s emitting "
+                f"({self.emit_s * per:.3f} ms each), {self.idle_s:.1f} s idle")
+
+
 def run_steps(engine, stop: threading.Event, wake: threading.Event,
               emit: Callable[[list[RequestOutput]], None],
-              failed: Callable[[str], None]) -> None:
+              failed: Callable[[str], None], times: LoopTimes | None = None) -> LoopTimes:
     """The engine loop: `engine.step()` while requests are unfinished, each step's outputs
     that carry anything handed to `emit`; asleep on `wake` when idle (whoever queues a
     request or an abort sets it after queueing, so nothing is missed) until `stop`. A step
-    that raises is logged and reported to `failed`, and the loop goes on."""
+    that raises is logged and reported to `failed`, and the loop goes on. Returns `times`
+    (or a new LoopTimes), filled in as it went."""
+    times = times or LoopTimes()
+    clock = time.perf_counter
     while not stop.is_set():
         wake.clear()
+        t0 = clock()
         if not engine.has_unfinished():
             wake.wait(1.0)
+            times.idle_s += clock() - t0
             continue
         try:
             outputs = engine.step()
@@ -73,11 +95,17 @@ def run_steps(engine, stop: threading.Event, wake: threading.Event,
             failed("internal error in the engine step")
             time.sleep(0.01)
             continue
+        t1 = clock()
+        times.steps += 1
+        times.step_s += t1 - t0
         outputs = [o for o in outputs if o.new_token_ids or o.finished or o.delta_text]
         if outputs:
             emit(outputs)
+            times.emit_s += clock() - t1
         elif engine.has_unfinished():
             wake.wait(0.002)  # nothing schedulable yet: do not spin
+            times.idle_s += clock() - t1
+    return times
 
 
 class EngineDeadError(RuntimeError):
@@ -131,8 +159,9 @@ class AsyncEngine:
             self.num_step_errors += 1
             self._call_in_loop(self._fail_all, message)
 
-        run_steps(self.engine, self._stop, self._wake,
-                  lambda outputs: self._call_in_loop(self._dispatch, outputs), failed)
+        times = run_steps(self.engine, self._stop, self._wake,
+                          lambda outputs: self._call_in_loop(self._dispatch, outputs), failed)
+        logger.info(times.summary())
 
     def _call_in_loop(self, fn, *args) -> None:
         try:

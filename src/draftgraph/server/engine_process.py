@@ -169,9 +169,10 @@ def _engine_main(config, commands, results, log_level: int, num_threads: int) ->
         wake.set()
 
     threading.Thread(target=receive, name="draftgraph-commands", daemon=True).start()
-    run_steps(engine, stop, wake,
-              lambda outputs: sender.put(("out", outputs, _snapshot(engine))),
-              lambda message: sender.put(("failed", message)))
+    times = run_steps(engine, stop, wake,
+                      lambda outputs: sender.put(("out", outputs, _snapshot(engine))),
+                      lambda message: sender.put(("failed", message)))
+    logger.info(times.summary())
     sender.close()
     engine.shutdown()
 
