@@ -8,6 +8,8 @@ import asyncio
 import json
 import math
 import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -87,6 +89,19 @@ def test_bench_serve_splits_the_load_over_client_processes(server, tmp_path):
     assert run["total_output_tokens"] == 8 * 12 and run["total_input_tokens"] == 8 * 24
     assert run["output_throughput"] == pytest.approx(96 / run["duration_s"])
     assert run["speculative"]["num_drafts"] > 0  # /metrics read before and after both
+    # the processes wait for each other before sending (a barrier, not a fixed start time)
+    assert 0.0 <= run["client_start_spread_s"] < 0.5
+
+
+def test_the_bench_client_does_not_import_torch():
+    """A client process imports the bench client alone: not torch (2-3 s of import a
+    process, which had started client processes late and stretched a run's duration)."""
+    code = ("import sys, draftgraph.bench.serve, draftgraph; "
+            "print('torch' in sys.modules, draftgraph.__all__[:2])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[0] == "False"
 
 
 def test_client_processes_default_to_one_per_16_streams():

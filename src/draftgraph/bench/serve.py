@@ -206,11 +206,10 @@ def client_processes(max_concurrency: int, asked: int | None) -> int:
 
 async def _send_all(base_url: str, model: str, requests: list[BenchRequest],
                     max_concurrency: int, request_rate: float, ignore_eos: bool, endpoint: str,
-                    api_key: str | None, temperature: float, seed: int,
-                    start_at: float | None = None) -> tuple[list[RequestResult], float, float]:
+                    api_key: str | None, temperature: float,
+                    seed: int) -> tuple[list[RequestResult], float, float]:
     """The requests at most `max_concurrency` at a time (Poisson arrivals at `request_rate`),
-    beginning at wall-clock time `start_at` (now when None); (results, start, end) in
-    time.time()."""
+    beginning now; (results, start, end) in time.time()."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=max_concurrency + 4,
                           max_keepalive_connections=max_concurrency + 4)
@@ -222,8 +221,6 @@ async def _send_all(base_url: str, model: str, requests: list[BenchRequest],
                 return await send_request(client, base_url, endpoint, model, req, ignore_eos,
                                           api_key, temperature)
 
-        if start_at is not None:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
         start = time.time()
         tasks = []
         for req in requests:
@@ -234,8 +231,52 @@ async def _send_all(base_url: str, model: str, requests: list[BenchRequest],
         return list(results), start, time.time()
 
 
-def _client_process(kwargs: dict) -> tuple[list[RequestResult], float, float]:
-    return asyncio.run(_send_all(**kwargs))
+def _client_process(index: int, kwargs: dict, ready, results) -> None:
+    """One client process: imported and connected-ready, it waits at `ready` (a barrier of
+    every client process) so that all start together, then sends its share and puts (its
+    index, its results, start, end) on `results`."""
+    try:
+        ready.wait(timeout=300)
+        out = asyncio.run(_send_all(**kwargs))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((index, None, repr(e), 0.0))
+        return
+    results.put((index, *out))
+
+
+def _run_client_processes(shards: list[dict]) -> list[tuple[list[RequestResult], float, float]]:
+    """Run each shard in a spawned process of its own; all begin sending at one instant (a
+    barrier they reach after their imports: a start at a fixed time let a slow import, e.g.
+    of torch, start one process late and stretch the run's duration)."""
+    import multiprocessing
+    import queue as queue_mod
+
+    ctx = multiprocessing.get_context("spawn")
+    ready, results = ctx.Barrier(len(shards)), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(i, shard, ready, results),
+                         daemon=True) for i, shard in enumerate(shards)]
+    for proc in procs:
+        proc.start()
+    parts: dict[int, tuple] = {}
+    try:
+        while len(parts) < len(procs):
+            try:
+                i, res, start, end = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a bench client process exited with code "
+                                       f"{dead[0].exitcode}") from None
+                continue
+            if res is None:
+                raise RuntimeError(f"a bench client process failed: {start}")
+            parts[i] = (res, start, end)
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    return [parts[i] for i in range(len(procs))]
 
 
 async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
@@ -264,25 +305,21 @@ async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
                                               max_concurrency=max_concurrency,
                                               request_rate=request_rate, seed=seed, **common)
     else:
-        import concurrent.futures
-        import multiprocessing
-
-        start_at = time.time() + 2.0  # after every process has started and imported
         shards = [dict(requests=requests[i::num],
                        max_concurrency=max_concurrency // num + (i < max_concurrency % num),
-                       request_rate=request_rate / num, seed=seed + i, start_at=start_at,
-                       **common) for i in range(num)]
-        ctx = multiprocessing.get_context("spawn")
-        loop = asyncio.get_running_loop()
-        with concurrent.futures.ProcessPoolExecutor(num, mp_context=ctx) as pool:
-            parts = await asyncio.gather(*[loop.run_in_executor(pool, _client_process, shard)
-                                           for shard in shards])
+                       request_rate=request_rate / num, seed=seed + i, **common)
+                  for i in range(num)]
+        parts = await asyncio.get_running_loop().run_in_executor(
+            None, _run_client_processes, shards)
         results = [r for part, _, _ in parts for r in part]
         start, end = min(p[1] for p in parts), max(p[2] for p in parts)
+        spread = max(p[1] for p in parts) - start
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
         after = await fetch_metrics(client, base_url)
     summary = {"max_concurrency": max_concurrency, "request_rate": request_rate,
-               "num_prompts": len(requests), "client_processes": num}
+               "num_prompts": len(requests), "client_processes": num,
+               # seconds between the first and the last client process's start
+               "client_start_spread_s": spread if num > 1 else 0.0}
     summary.update(summarize(results, end - start))
     summary["speculative"] = spec_summary(before, after)
     return summary
