@@ -112,12 +112,15 @@ def test_async_speculative_steps_equal_sync_ones_greedy(hf):
 
 def test_async_speculative_steps_equal_sync_ones_seeded_sampling(hf):
     """Fixed draft lengths: the device caps an ahead step's drafts by the room left exactly
-    as the host caps a synchronous one, so seeded rejection sampling draws the same tokens."""
+    as the host caps a synchronous one, so seeded sampling draws the same tokens (the
+    oracle drafts plain seeded sampling's output, wrong at every fifth position)."""
     prompts = _prompts(4)
-    futures = _futures(hf, prompts)
-    params = [SamplingParams(max_tokens=n, temperature=0.02, seed=3 + n, ignore_eos=True,
+    params = [SamplingParams(max_tokens=n, temperature=0.8, seed=3 + n, ignore_eos=True,
                              logprobs=True) for n in (20, 13, 26, 7)]
+    plain = _run(tiny_engine(hf, max_num_seqs=8, budget=64), prompts, params)
+    futures = {f"r{i}": p + plain[f"r{i}"][0] for i, p in enumerate(prompts)}
     ref = _run(_engine(hf, False, drafter=RowOracle(K)), prompts, params, futures)
+    assert {k: v[0] for k, v in ref.items()} == {k: v[0] for k, v in plain.items()}
     engine = _engine(hf, True, drafter=RowOracle(K))
     got = _run(engine, prompts, params, futures)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
@@ -125,6 +128,26 @@ def test_async_speculative_steps_equal_sync_ones_seeded_sampling(hf):
         torch.testing.assert_close(torch.tensor(got[k][1]), torch.tensor(ref[k][1]))
     assert engine.spec_graphs.refs > 5
     assert engine.stats["num_accepted_tokens"] > 5  # rows shifted by accepted drafts
+
+
+def test_async_adaptive_drafts_with_seeded_sampling_equal_sync_and_plain(hf):
+    """The adaptive policy sets an ahead step's draft lengths before the step it follows is
+    read, so async and sync steps draft different counts; point-mass drafts are verified
+    against plain decoding's own draws, so both emit plain seeded sampling's tokens."""
+    prompts = _prompts(4)
+    params = [SamplingParams(max_tokens=n, temperature=0.9, seed=5 + n, ignore_eos=True)
+              for n in (30, 17, 26, 9)]
+    plain = _run(tiny_engine(hf, max_num_seqs=8, budget=64), prompts, params)
+    futures = {f"r{i}": p + plain[f"r{i}"][0] for i, p in enumerate(prompts)}
+    sync = _engine(hf, False, spec=ADAPTIVE, drafter=RowOracle(K))
+    ref = _run(sync, prompts, params, futures)
+    engine = _engine(hf, True, spec=ADAPTIVE, drafter=RowOracle(K))
+    got = _run(engine, prompts, params, futures)
+    tokens = {k: v[0] for k, v in plain.items()}
+    assert {k: v[0] for k, v in ref.items()} == tokens
+    assert {k: v[0] for k, v in got.items()} == tokens
+    assert engine.spec_graphs.refs > 5 and engine.stats["num_accepted_tokens"] > 5
+    assert engine.stats["num_draft_tokens"] != sync.stats["num_draft_tokens"]
 
 
 def test_async_speculative_steps_survive_an_abort_and_a_late_arrival(hf):

@@ -73,6 +73,26 @@ def test_stop_token_inside_an_accepted_run_discards_the_rest(hf, prompts):
     assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
 
 
+@pytest.mark.parametrize("top", [{}, {"top_p": 0.9, "top_k": 20}])
+def test_point_mass_drafts_with_seeded_sampling_emit_plain_decodings_tokens(hf, prompts, top):
+    """Point-mass drafts are verified against the very draw plain decoding makes at each
+    position, so seeded sampling with speculation emits plain seeded sampling's tokens: an
+    oracle drafting that output, wrong at every third position (drafts accepted and
+    rejected), and n-gram drafts, alone and batched."""
+    params = [SamplingParams(max_tokens=32, temperature=0.8, seed=40 + i, ignore_eos=True,
+                             **top) for i in range(len(prompts))]
+    plain = tiny_engine(hf).generate(prompts, params)
+    ref = plain[1].token_ids
+    future = prompts[1] + [(t + 1) % 128 if i % 3 == 2 else t for i, t in enumerate(ref)]
+    engine = _oracle_engine(hf, future)
+    assert engine.generate([prompts[1]], params[1])[0].token_ids == ref
+    m = engine.stats
+    assert m["num_accepted_tokens"] > 5  # drafts accepted ...
+    assert m["num_draft_tokens"] - m["num_accepted_tokens"] > 5  # ... and rejected
+    batched = tiny_engine(hf, spec=NGRAM, budget=32).generate(prompts, params)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
+
+
 def test_seeded_sampling_with_speculation_reproduces_itself(hf, prompts):
     sp = SamplingParams(max_tokens=24, temperature=0.7, seed=11, ignore_eos=True)
     a = tiny_engine(hf, spec=NGRAM).generate([prompts[2]], sp)[0].token_ids

@@ -195,13 +195,36 @@ def test_rejection_sample_first_token_follows_target(point_mass, draft_token) ->
     assert _tv(out[:, 0], P0) < TV_THRESHOLD
 
 
+def _coupled_always_accept(draft_tokens, num_draft_tokens, target_probs, seeds, positions):
+    bonus = target_probs.argmax(dim=-1).gather(1, num_draft_tokens[:, None]).squeeze(1)
+    return verify._emit(draft_tokens, num_draft_tokens, bonus), num_draft_tokens + 1
+
+
+def _coupled_unconditioned_redraw(draft_tokens, num_draft_tokens, target_probs, seeds,
+                                  positions):
+    """Accepts like the coupled rule but emits, at the first mismatch, a fresh draw that is
+    not conditioned on differing from the draft (over-weights the rejected token)."""
+    out, lens = _COUPLED(draft_tokens, num_draft_tokens, target_probs, seeds, positions)
+    row = (lens - 1)[:, None, None].expand(-1, 1, target_probs.shape[-1])
+    fresh = verify.sample_from_probs(target_probs.gather(1, row).squeeze(1), seeds + 1,
+                                     positions + lens - 1)
+    return out.scatter(1, (lens - 1)[:, None], fresh[:, None]), lens
+
+
+_COUPLED = verify._coupled_accept
+
+
 @pytest.mark.parametrize("point_mass,draft_token", [(False, None), (True, None), (True, 0)])
-@pytest.mark.parametrize("broken", [("_accept_probs", _always_accept),
-                                    ("_residual_probs", _never_resample_residual)],
-                         ids=["always_accept", "never_resample_residual"])
+@pytest.mark.parametrize("broken", ["always_accept", "wrong_residual"])
 def test_rejection_sample_statistical_test_catches_broken_samplers(
         monkeypatch, broken, point_mass, draft_token) -> None:
-    monkeypatch.setattr(verify, *broken)
+    if point_mass:  # point-mass drafts take the coupled rule
+        monkeypatch.setattr(verify, "_coupled_accept", _coupled_always_accept
+                            if broken == "always_accept" else _coupled_unconditioned_redraw)
+    else:
+        monkeypatch.setattr(verify, *(("_accept_probs", _always_accept)
+                                      if broken == "always_accept"
+                                      else ("_residual_probs", _never_resample_residual)))
     out, _ = _spec_round(point_mass, draft_token)
     assert _tv(out[:, 0], P0) > 2 * TV_THRESHOLD
 

@@ -107,6 +107,19 @@ def _residual_probs(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.
     return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_row)
 
 
+def _coupled_accept(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
+                    target_probs: torch.Tensor, seeds: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Point-mass drafts against plain sampling's own draws (see `rejection_sample`):
+    (output_tokens [bs, k + 1], accept_lens [bs])."""
+    bs, k = draft_tokens.shape
+    T = k + 1
+    at = positions[:, None] + torch.arange(T, device=positions.device)[None, :]  # [bs, T]
+    drawn = sample_from_probs(target_probs.reshape(bs * T, -1), seeds.repeat_interleave(T),
+                              at.reshape(-1), STREAM_SAMPLE).view(bs, T)
+    return greedy_accept_from_argmax(draft_tokens, num_draft_tokens, drawn)
+
+
 def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
                      draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                      seeds: torch.Tensor, positions: torch.Tensor,
@@ -122,16 +135,33 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
     greedy_mask [bs] bool, rows with temperature 0: these get exactly greedy_accept's result;
     target_argmax [bs, k + 1] int64, the target's argmax when the caller has it already.
 
-    Draft i is accepted with probability min(1, p_target(x) / p_draft(x)), the uniform drawn at
-    position positions + i on STREAM_ACCEPT. At the first rejection the token is drawn from
-    normalize(max(0, p_target - p_draft)) on STREAM_RESIDUAL; when all active drafts are
-    accepted the bonus token is drawn from target_probs[:, num_draft_tokens] on STREAM_SAMPLE.
+    Point-mass drafts (draft_probs None) are coupled to plain sampling: at every position the
+    token plain decoding would draw (`sample_from_probs` on STREAM_SAMPLE at that position) is
+    drawn, draft i is accepted iff it equals that draw, and the first draw that differs (or
+    the bonus draw) is emitted. P(accept x) = p_target(x) and a rejected position emits a
+    draw conditioned on not being x, i.e. the residual normalize(max(0, p_target - onehot(x))):
+    the rule of Leviathan et al. for a point mass, with the same acceptance, and the emitted
+    tokens are the very tokens plain decoding draws with the same seed, whatever the drafts.
+    Otherwise draft i is accepted with probability min(1, p_target(x) / p_draft(x)), the
+    uniform drawn at position positions + i on STREAM_ACCEPT. At the first rejection the token
+    is drawn from normalize(max(0, p_target - p_draft)) on STREAM_RESIDUAL; when all active
+    drafts are accepted the bonus token is drawn from target_probs[:, num_draft_tokens] on
+    STREAM_SAMPLE.
     Returns (output_tokens [bs, k + 1] int64, -1 past accept_lens; accept_lens [bs] int64).
     """
     bs, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
     device = draft_tokens.device
     slots = torch.arange(k, device=device)
+    if target_argmax is None:
+        target_argmax = target_probs.argmax(dim=-1)
+    greedy_tokens, greedy_lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
+                                                           target_argmax)
+    if draft_probs is None:
+        output_tokens, accept_lens = _coupled_accept(draft_tokens, num_draft_tokens,
+                                                     target_probs, seeds, positions)
+        output_tokens = torch.where(greedy_mask[:, None], greedy_tokens, output_tokens)
+        return output_tokens, torch.where(greedy_mask, greedy_lens, accept_lens)
 
     # acceptance of each draft: u < min(1, p/q), u at the draft's own position
     draft_positions = positions[:, None] + slots[None, :]  # [bs, k] int64
@@ -163,10 +193,6 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
 
     output_tokens = _emit(draft_tokens, num_accepted, final_token)
     accept_lens = num_accepted + 1
-    if target_argmax is None:
-        target_argmax = target_probs.argmax(dim=-1)
-    greedy_tokens, greedy_lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
-                                                           target_argmax)
     output_tokens = torch.where(greedy_mask[:, None], greedy_tokens, output_tokens)
     accept_lens = torch.where(greedy_mask, greedy_lens, accept_lens)
     return output_tokens, accept_lens
