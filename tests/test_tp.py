@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from conftest import save_tiny_hf_checkpoint, tiny_llama_config
+from test_async_scheduling import count_refs
 
 from draftgraph.attention.backend import Phase
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -152,25 +153,33 @@ def _prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     return engine.target.forward(sb)
 
 
-def _run(model: str, tp: int, prompts: list, max_tokens: int, spec: SpecConfig | None = None):
-    """(prefill logits of prompts[0], greedy token ids per prompt, worker exit codes)."""
+def _run(model: str, tp: int, prompts: list, max_tokens: int, spec: SpecConfig | None = None,
+         params: SamplingParams | None = None, async_on: bool = False):
+    """(prefill logits of prompts[0], token ids per prompt (greedy unless `params`), worker
+    exit codes)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each TP rank; spinning OpenMP threads stall a busy CI box
     try:
-        return _run_engine(model, tp, prompts, max_tokens, spec)
+        return _run_engine(model, tp, prompts, max_tokens, spec, params, async_on)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_engine(model, tp, prompts, max_tokens, spec):
+def _run_engine(model, tp, prompts, max_tokens, spec, params=None, async_on=False):
     engine = _engine(model, tp, spec)
+    # on CPU off by default (eagerly nothing overlaps); the bodies run as they would replay
+    engine.async_scheduling = async_on
+    for graphs in engine.target.graph_sets.values():
+        count_refs(graphs)
     procs = list(tp_worker._STATE["procs"])
     try:
         assert len(procs) == tp - 1 and current_tp().size == tp
         ids = prompts[0] if isinstance(prompts[0], list) else engine.encode_prompt(prompts[0])
         logits = _prefill_logits(engine, ids)
-        outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                       ignore_eos=True))
+        outs = engine.generate(prompts, params or SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        refs = sum(g.refs for g in engine.target.graph_sets.values())
+        assert (refs > 0) == async_on  # steps really were launched ahead
     finally:
         engine.shutdown()
     assert current_tp().size == 1
@@ -205,6 +214,22 @@ def test_tp2_equals_tp1_on_a_tiny_checkpoint_with_speculative_decoding(tiny_hf_d
         # verify steps (1 + drafts per request) run on both ranks too
         _, spec_tokens, exitcodes = _run(path, 2, prompts, 24, spec)
         assert spec_tokens == ref_tokens and exitcodes == [0]
+
+
+def test_tp2_with_async_scheduling_equals_tp1(default_gguf_path):
+    """Async scheduling under TP: rank 0 launches step N + 1 before reading step N, its last
+    tokens staged as references that ranks > 0 resolve from their own output buffers; plain
+    steps (greedy) and n-gram steps (seeded sampling) give TP = 1's synchronous tokens."""
+    pytest.importorskip("gguf")
+    prompts = ["Explain speculative decoding in two sentences.", "1, 2, 3, 4, 5, 6, 7, 8,"]
+    for spec, temperature in ((None, 0.0), (SpecConfig(method="ngram", num_draft_tokens=3),
+                                            1.0)):
+        params = SamplingParams(max_tokens=20, temperature=temperature, seed=7,
+                                ignore_eos=True)
+        _, ref, _ = _run(default_gguf_path, 1, prompts, 20, spec, params)
+        _, got, exitcodes = _run(default_gguf_path, 2, prompts, 20, spec, params,
+                                 async_on=True)
+        assert got == ref and exitcodes == [0]
 
 
 def test_tp2_equals_tp1_on_the_default_model_with_uneven_heads(default_gguf_path):

@@ -128,11 +128,11 @@ class LLMEngine:
                               for name, gs in self.target.graph_sets.items()
                               if not name.endswith("+extras")}
         # async scheduling: requests of a launched replay whose tokens are not read yet.
-        # NOTE: with graphs only (eagerly nothing overlaps), and off under TP until it has run
-        # on GPUs (the ranks > 0 would resolve the token references from their own, identical,
-        # output buffers)
-        self.async_scheduling = (config.async_scheduling and use_graphs
-                                 and config.tensor_parallel_size == 1)
+        # NOTE: with graphs only (eagerly nothing overlaps). Under TP, ranks > 0 replay the same
+        # staged references and resolve them from their own output buffers, which hold the
+        # same tokens: the logits are all-gathered, sampling is a pure function of (seed,
+        # position), drafts of the token table (tested on CPU over gloo)
+        self.async_scheduling = config.async_scheduling and use_graphs
         self._inflight: list[Request] | None = None
         self._inflight_graphs = None  # the graph set of that replay
         self._inflight_draft: list[int] | None = None  # its max_draft per request
