@@ -10,6 +10,7 @@ import pytest
 
 CHILD = r"""
 import resource, sys, torch
+import draftgraph.engine.engine  # what an engine's process has imported (its heap's start)
 from draftgraph.runtime.host_memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory() and keep_freed_memory()  # idempotent
