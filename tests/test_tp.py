@@ -154,18 +154,20 @@ def _prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 
 def _run(model: str, tp: int, prompts: list, max_tokens: int, spec: SpecConfig | None = None,
-         params: SamplingParams | None = None, async_on: bool = False):
+         params: SamplingParams | None = None, async_on: bool = False,
+         stats: dict | None = None):
     """(prefill logits of prompts[0], token ids per prompt (greedy unless `params`), worker
     exit codes)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each TP rank; spinning OpenMP threads stall a busy CI box
     try:
-        return _run_engine(model, tp, prompts, max_tokens, spec, params, async_on)
+        return _run_engine(model, tp, prompts, max_tokens, spec, params, async_on, stats)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_engine(model, tp, prompts, max_tokens, spec, params=None, async_on=False):
+def _run_engine(model, tp, prompts, max_tokens, spec, params=None, async_on=False,
+                stats=None):
     engine = _engine(model, tp, spec)
     # on CPU off by default (eagerly nothing overlaps); the bodies run as they would replay
     engine.async_scheduling = async_on
@@ -178,6 +180,8 @@ def _run_engine(model, tp, prompts, max_tokens, spec, params=None, async_on=Fals
         logits = _prefill_logits(engine, ids)
         outs = engine.generate(prompts, params or SamplingParams(
             max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        if stats is not None:
+            stats.update(engine.stats)
         refs = sum(g.refs for g in engine.target.graph_sets.values())
         assert (refs > 0) == async_on  # steps really were launched ahead
     finally:
@@ -230,6 +234,24 @@ def test_tp2_with_async_scheduling_equals_tp1(default_gguf_path):
         _, got, exitcodes = _run(default_gguf_path, 2, prompts, 20, spec, params,
                                  async_on=True)
         assert got == ref and exitcodes == [0]
+
+
+def test_chain_and_block_heads_under_tp2_equal_tp1(default_gguf_path):
+    """The shipped chain and block heads, replicated on both ranks (their LM head gathered
+    from the target's vocabulary shards once, their KV written on every rank after every
+    eager forward), with async scheduling: TP = 2 gives TP = 1's greedy tokens, with drafts
+    accepted on both."""
+    pytest.importorskip("gguf")
+    prompts = ["Explain speculative decoding in two sentences.", "def fib(n):"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for method in ("chain", "block"):
+        spec = SpecConfig(method=method, num_draft_tokens=4)
+        ref_stats, stats = {}, {}
+        _, ref, _ = _run("default", 1, prompts, 24, spec, params, stats=ref_stats)
+        _, got, exitcodes = _run("default", 2, prompts, 24, spec, params, async_on=True,
+                                 stats=stats)
+        assert got == ref and exitcodes == [0], method
+        assert stats["num_accepted_tokens"] == ref_stats["num_accepted_tokens"] > 5, method
 
 
 def test_tp2_equals_tp1_on_the_default_model_with_uneven_heads(default_gguf_path):

@@ -232,7 +232,7 @@ async def _send_all(base_url: str, model: str, requests: list[BenchRequest],
 
 
 def _client_process(index: int, kwargs: dict, ready, results) -> None:
-    """One client process: imported and connected-ready, it waits at `ready` (a barrier of
+    """One client process: once imported, it waits at `ready` (a barrier of
     every client process) so that all start together, then sends its share and puts (its
     index, its results, start, end) on `results`."""
     try:

@@ -13,7 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftgraph.distributed.parallel import TPInfo, all_gather_last_dim, all_reduce
+from draftgraph.distributed.parallel import (
+    TPInfo,
+    _all_gather_single,
+    all_gather_last_dim,
+    all_reduce,
+)
 from draftgraph.distributed.sharding import vocab_shard
 from draftgraph.kernels import gemv
 
@@ -53,6 +58,17 @@ class VocabParallelEmbedding(nn.Embedding):
         mine = (local >= 0) & (local < self.num_real_rows)  # [num_tokens] bool
         x = F.embedding(torch.where(mine, local, 0), self.weight)
         return all_reduce(x * mine[:, None].to(x.dtype), self.tp)
+
+
+def gather_vocab_rows(weight: torch.Tensor, vocab_size: int, tp: TPInfo) -> torch.Tensor:
+    """The whole [vocab_size, hidden] table on every rank from each rank's padded row shard
+    (a collective: every rank calls it at the same point); the weight itself without TP."""
+    if tp.size == 1:
+        return weight
+    with torch.no_grad():
+        out = weight.new_empty(tp.size * weight.shape[0], weight.shape[1])
+        _all_gather_single(out, weight.detach().contiguous(), group=tp.group)
+    return out[:vocab_size]
 
 
 def parallel_lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,

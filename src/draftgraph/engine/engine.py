@@ -76,7 +76,7 @@ class LLMEngine:
         self.drafter = drafter if drafter is not None else make_drafter(
             config.spec, self.device, config.torch_dtype, self.model_config, config.model,
             quantization=config.quantization)
-        if self.drafter is not None and self.drafter.keeps_kv and \
+        if self.drafter is not None and not self.drafter.runs_under_tp and \
                 config.tensor_parallel_size > 1:
             raise EngineError(f"--speculative {self.drafter.name} does not run under "
                               "--tensor-parallel-size > 1 yet")
@@ -313,9 +313,8 @@ class LLMEngine:
         if prompt_rows:
             logits = self._forward_scoring_prompts(sb, prompt_rows)
         else:
-            logits = self.target.forward(sb)  # always runs: prefill chunks write KV
-        if self.drafter is not None and self.drafter.keeps_kv:
-            self.drafter.observe(sb)  # the drafter's KV for the same tokens
+            # always runs: prefill chunks write KV (a drafter that keeps KV writes its own)
+            logits = self.target.forward(sb)
         return self._sample(rows, logits)
 
     def _forward_scoring_prompts(self, sb: StepBatch,

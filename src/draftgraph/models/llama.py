@@ -26,6 +26,7 @@ from draftgraph.attention.backend import AttentionBackend, ForwardBatch
 from draftgraph.distributed.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
+    gather_vocab_rows,
     parallel_lm_head,
 )
 from draftgraph.distributed.parallel import TPInfo, current_tp
@@ -236,6 +237,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def full_lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the whole LM head on every rank (under TP the ranks' vocabulary
+        shards gathered: a collective, for a drafter's replicated LM head at bind time)."""
+        return gather_vocab_rows(self.lm_head_weight, self.config.vocab_size, self.tp)
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, backend: AttentionBackend,
                 final_norm: bool = True, capture: HiddenCapture | None = None):

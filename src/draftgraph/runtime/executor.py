@@ -87,6 +87,7 @@ class ModelExecutor:
         self.backend.exact_rows = exact  # TorchBackend: verify attention row by row
         self.tp_driver = None  # rank 0 of a TP group: sends each step to ranks > 0
         self.capture: HiddenCapture | None = None  # hidden states a drafter reads
+        self.observers: list = []  # drafters that keep KV: `observe` each eager forward
         self.controls: ControlTables | None = None  # sampling controls' per-request tables
         # graph sets by name, in creation order (TP ranks follow them by index)
         self.graph_sets: dict = {}
@@ -132,9 +133,19 @@ class ModelExecutor:
         if graphs is not None and graphs.fits(sb):
             hidden = graphs.run(sb)  # [len(logit_indices), hidden]
             if not sb.logit_indices:
-                return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-            return self.model.compute_logits(hidden)
-        return self._logits(sb, self._hidden(sb))
+                logits = hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+            else:
+                logits = self.model.compute_logits(hidden)
+        else:
+            logits = self._logits(sb, self._hidden(sb))
+        self._observe(sb)
+        return logits
+
+    def _observe(self, sb: StepBatch) -> None:
+        """The drafters that keep KV write theirs for the tokens just forwarded (on every TP
+        rank: ranks > 0 follow `forward`, so their collectives line up)."""
+        for drafter in self.observers:
+            drafter.observe(sb)
 
     def _hidden(self, sb: StepBatch) -> torch.Tensor:
         if self.tp_driver is not None:  # TP: ranks > 0 run the same forward
@@ -168,6 +179,7 @@ class ModelExecutor:
         top logprobs)), lists of len(indices) (top lists of top_n each)."""
         hidden = self._hidden(sb)
         logits = self._logits(sb, hidden)
+        self._observe(sb)
         idx = torch.tensor(indices, dtype=torch.int64, device=self.device)  # [n]
         nxt = torch.tensor(next_ids, dtype=torch.int64, device=self.device)  # [n]
         parts = []

@@ -125,6 +125,7 @@ def follow(executor, tp: TPInfo) -> None:
         if kind == SHUTDOWN:
             return
         if kind == FORWARD:
+            # (the drafters that keep KV observe it inside, as on rank 0)
             executor.forward(StepBatch.from_lanes([a, b, c, d], msg[HEADER : HEADER + n]))
         elif kind == REPLAY:
             graphs = executor.graph_set_by_index(d)

@@ -79,6 +79,7 @@ class BlockHeadDrafter(StagedDrafter):
                 * torch.tensor([], dtype=dtype).element_size())
 
     def bind(self, target: ModelExecutor) -> None:
+        self.modules_to(target.device)  # a TP rank > 0 received it on the CPU
         head, hc = self.head, self.head.head_config
         hc.validate_for(target.config)
         self.target_model = target.model
@@ -87,6 +88,8 @@ class BlockHeadDrafter(StagedDrafter):
                                       target.device, target.dtype, target.backend.name)
         self.executor.meta.add_block_lists(hc.window, self.block_size)
         self.capture = target.capture_hidden(tuple(hc.hidden_layer_ids))
+        # the target's whole LM head (under TP gathered once: the head is replicated)
+        self.lm_head = self.target_model.full_lm_head_weight()
         m, g, dev = target.max_bs, self.block_size, target.device
         # the block's raw inputs: [last token, mask, ..., mask] per request, its slots
         self.block_ids = torch.full((m, g), hc.mask_token_id, dtype=torch.int64,
@@ -120,8 +123,7 @@ class BlockHeadDrafter(StagedDrafter):
         head, bs, k = self.head, fb.bs, self.k
         hidden = head(self.target_model.embed_tokens(fb.input_ids), fb, self.executor.backend)
         rows = hidden.view(bs, self.block_size, -1)[:, 1:]  # [bs, k, H]: drafts 1..k
-        logits = head.logits(rows.reshape(bs * k, -1),
-                             self.target_model.lm_head_weight).view(bs, k, -1)
+        logits = head.logits(rows.reshape(bs * k, -1), self.lm_head).view(bs, k, -1)
         markov = head.markov_in is not None
         probs, prev = [], ctx.last_tokens
         if ctx.greedy and not markov:  # every draft at once

@@ -54,6 +54,7 @@ class ChainHeadDrafter(ChainDrafter):
                 * torch.tensor([], dtype=dtype).element_size())
 
     def bind(self, target: ModelExecutor) -> None:
+        self.modules_to(target.device)  # a TP rank > 0 received it on the CPU
         head = self.head
         head.head_config.validate_for(target.config)
         self.target_model = target.model
@@ -62,7 +63,8 @@ class ChainHeadDrafter(ChainDrafter):
         self.capture = target.capture_hidden(tuple(head.head_config.hidden_layer_ids))
         # [V', H] the head's LM head (the target's rows d2t, gathered once, when it shares a
         # reduced vocabulary)
-        self.lm_head = head.lm_head_weight(self.target_model.lm_head_weight).contiguous()
+        # (the target's whole LM head: under TP the head is replicated, its logits too)
+        self.lm_head = head.lm_head_weight(self.target_model.full_lm_head_weight()).contiguous()
         m, k, dev, dt = target.max_bs, self.k, target.device, target.dtype
         h = head.config.hidden_size
         rows = target.slots.token_table.shape[0]

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 class DraftModelDrafter(ChainDrafter):
     name = "draft"
+    runs_under_tp = False  # its model would need sharding like the target's: not built
 
     def __init__(self, model, k: int) -> None:
         super().__init__(k)

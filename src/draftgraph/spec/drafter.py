@@ -22,6 +22,7 @@ and implements
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,9 @@ class Drafter:
     name = "drafter"
     needs_hidden_states = False
     keeps_kv = False
+    # whether it runs under tensor parallelism: every rank runs the same drafter on the same
+    # (replicated) inputs, TP rank 0 sending it to the others with the step bodies
+    runs_under_tp = True
     bound_to = None  # the target executor `bind` was called with (once)
 
     def __init__(self, k: int) -> None:
@@ -80,6 +84,22 @@ class Drafter:
     def bind(self, target) -> None:
         """Allocate persistent buffers (`target`: the target's ModelExecutor, whose slot
         space, batch size and device to share); called once, before any capture."""
+
+    def __getstate__(self) -> dict:
+        """Pickled for TP ranks > 0 (with the step bodies, before `bind`): its modules travel
+        on the CPU (a CUDA tensor would unpickle onto the sender's GPU); a drafter's `bind`
+        moves them to its rank's device (`modules_to`)."""
+        state = self.__dict__.copy()
+        for key, value in state.items():
+            if isinstance(value, torch.nn.Module):
+                state[key] = copy.deepcopy(value).cpu()
+        return state
+
+    def modules_to(self, device: torch.device) -> None:
+        """Its modules onto `device` (a no-op where they are already)."""
+        for value in self.__dict__.values():
+            if isinstance(value, torch.nn.Module):
+                value.to(device)
 
     def propose(self, ctx: DraftContext) -> Proposal:
         raise NotImplementedError

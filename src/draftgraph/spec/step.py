@@ -110,6 +110,8 @@ class StepBody:
         if first_body:
             drafter.bind(target)
             drafter.bound_to = target
+            if drafter.keeps_kv:  # its KV follows every eager target forward
+                target.observers.append(drafter)
         # a staged drafter's steps run in one piece when its backend builds their metadata in
         # the graph; otherwise one captured graph per step, metadata rebuilt eagerly between
         self.fused_draft = False
