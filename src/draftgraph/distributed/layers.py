@@ -15,8 +15,8 @@ from torch import nn
 
 from draftgraph.distributed.parallel import (
     TPInfo,
-    _all_gather_single,
     all_gather_last_dim,
+    all_gather_rows,
     all_reduce,
 )
 from draftgraph.distributed.sharding import vocab_shard
@@ -66,9 +66,7 @@ def gather_vocab_rows(weight: torch.Tensor, vocab_size: int, tp: TPInfo) -> torc
     if tp.size == 1:
         return weight
     with torch.no_grad():
-        out = weight.new_empty(tp.size * weight.shape[0], weight.shape[1])
-        _all_gather_single(out, weight.detach().contiguous(), group=tp.group)
-    return out[:vocab_size]
+        return all_gather_rows(weight.detach(), tp)[:vocab_size]
 
 
 def parallel_lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,

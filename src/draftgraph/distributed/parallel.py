@@ -83,12 +83,20 @@ def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     return x
 
 
-def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
-    """[n, d] on each rank -> [n, size * d], rank r's columns at r * d."""
+def all_gather_rows(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """[n, d] on each rank -> [size * n, d], rank r's rows at r * n."""
     if tp.size == 1:
         return x
     out = x.new_empty(tp.size * x.shape[0], x.shape[1])
     _all_gather_single(out, x.contiguous(), group=tp.group)
+    return out
+
+
+def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """[n, d] on each rank -> [n, size * d], rank r's columns at r * d."""
+    if tp.size == 1:
+        return x
+    out = all_gather_rows(x, tp)
     return out.view(tp.size, x.shape[0], x.shape[1]).permute(1, 0, 2).reshape(x.shape[0], -1)
 
 
