@@ -65,6 +65,10 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--exact-rows", default="off", choices=["auto", "on", "off"],
                     help="every multi-row step's rows computed as lone decode rows")
+    ap.add_argument("--deterministic", action="store_true", help="batch-invariant mode")
+    ap.add_argument("--invariance-trials", type=int, default=0,
+                    help="then: the first prompt alone vs among 31 others of the set, "
+                         "arriving 0-7 steps after them, this many times (plain engine)")
     ap.add_argument("--speculative", default="ngram",
                     choices=["ngram", "chain", "draft", "block"])
     ap.add_argument("--draft-head", default=[None], nargs="+",
@@ -83,6 +87,7 @@ def main() -> int:
     def engine(spec: SpecConfig) -> LLMEngine:
         return LLMEngine(EngineConfig(
             model=args.model, device=args.device, dtype=args.dtype, exact_rows=args.exact_rows,
+            deterministic=args.deterministic,
             cache=CacheConfig(kv_cache_tokens=args.batch * (1024 + args.max_tokens)),
             scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=1024),
             spec=spec))
@@ -112,6 +117,12 @@ def main() -> int:
         a, ta = run(plain, prompts, raw, args.max_tokens)
         for spec, report in zip(arms, reports, strict=True):
             compare(spec, report, name, prompts, raw, a, ta, args.max_tokens)
+    if args.invariance_trials:
+        name, (prompts, raw) = next(iter(sets.items()))
+        reports[0]["invariance"] = invariance_trials(plain, prompts, raw, args.max_tokens,
+                                                     args.invariance_trials)
+        print(f"invariance: {reports[0]['invariance']['identical']} / "
+              f"{args.invariance_trials} trials identical", flush=True)
     device = (torch.cuda.get_device_name() if plain.device.type == "cuda"
               else f"CPU ({torch.get_num_threads()} threads)")
     out = {
@@ -123,6 +134,8 @@ def main() -> int:
         "draft_model": args.draft_model,
         "k": args.k,
         "max_tokens": args.max_tokens,
+        "deterministic": args.deterministic,
+        "batch": args.batch,
     }
     if len(arms) == 1:
         out.update(draft_head=heads[0], confidence_threshold=thresholds[0], results=reports[0])
@@ -132,6 +145,47 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0
+
+
+def invariance_trials(engine: LLMEngine, prompts: list, raw: bool, max_tokens: int,
+                      trials: int) -> dict:
+    """Batch invariance: prompt 0 alone, then `trials` times among 31 other prompts of the
+    set (random ones, of other lengths) that arrive 0-7 steps before it, so its prefill and
+    decode share steps with others' prefill chunks and decode rows; greedy tokens and
+    logprobs compared with the lone run."""
+    import random
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=True)
+
+    def add(rid, p):
+        engine.add_request(p, sp, request_id=rid, use_chat_template=not raw)
+
+    def drain(outs):
+        while engine.has_unfinished():
+            outs.update({o.request_id: (o.token_ids, o.logprobs) for o in engine.step()
+                         if o.finished})
+        return outs
+
+    add("target", prompts[0])
+    alone = drain({})["target"]
+    rng = random.Random(0)
+    identical, first_diff = 0, []
+    for t in range(trials):
+        others = rng.sample(range(1, len(prompts)), min(31, len(prompts) - 1))
+        for i in others:
+            add(f"t{t}_{i}", prompts[i])
+        outs: dict = {}
+        for _ in range(rng.randrange(8)):
+            outs.update({o.request_id: (o.token_ids, o.logprobs) for o in engine.step()
+                         if o.finished})
+        add("target", prompts[0])
+        got = drain(outs)["target"]
+        identical += got == alone
+        if got != alone:
+            pairs = enumerate(zip(got[0], alone[0], strict=False))
+            first_diff.append(next((j for j, (a, b) in pairs if a != b),
+                                   min(len(got[0]), len(alone[0]))))
+    return {"trials": trials, "identical": identical, "first_token_diff": first_diff}
 
 
 def compare(spec: LLMEngine, report: dict, name: str, prompts: list, raw: bool, a: list,

@@ -276,3 +276,88 @@ def test_decode_num_splits_is_a_power_of_two_within_scratch():
             n = attn.decode_num_splits(bs, 3, max_splits)
             assert n & (n - 1) == 0 and 1 <= n <= max_splits
     assert attn.decode_num_splits(1, 3, 16) == 16  # batch 1 spreads the row over the GPU
+
+
+# ---- the batch-invariant plan (`--deterministic`): fixed split length ----------------------
+
+
+def invariant_decode(q, args, slots, programs, split_len, block_n=16, token_rows=None):
+    """decode_attention under a fixed split length, twice on the same scratch (a replay)."""
+    scratch = decode_scratch(q.shape[0], slots)
+    cfg = attn.DecodeConfig(block_n, 1, 4, 2, split_len)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        attn.decode_attention(q, *args, SCALE, out, **scratch, num_splits=programs, config=cfg,
+                              token_rows=token_rows)
+        assert (scratch["kv_counters"] == 0).all(), "the combining program must reset its counter"
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    return outs[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_invariant_plan_matches_reference_and_ignores_the_program_count(dtype, window):
+    """Splits of 32 keys (150 keys: 5 splits, over 8 slots) shared by 1, 2, 4 or 8 programs:
+    values as the twin's, bits the same for every program count (the batch size's part of
+    the plan), and the same for a row run alone as in its batch. The old plan (split length
+    following num_splits) does change the bits with the program count."""
+    seq_lens = [1, 9, 150, 0 + 1]
+    bs = len(seq_lens)
+    q, k_cache, v_cache, bufs, lists = setup(seq_lens, [1] * bs, window, dtype, seed=7)
+    args = (k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start, bufs.positions,
+            lists.window)
+    outs = [invariant_decode(q, args, 8, p, 32) for p in (1, 2, 4, 8)]
+    expect = reference(q, k_cache, v_cache, bufs, lists, bs)
+    torch.testing.assert_close(outs[0].float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    # row 2 alone (a batch of one, at index 0) is bitwise its row in the batch
+    ip, idx = lists.kv_indptr, lists.kv_indices
+    alone_args = (k_cache, v_cache, torch.stack([ip[2] - ip[2], ip[3] - ip[2]]),
+                  idx[ip[2] : ip[3]], lists.kv_start[2:3], bufs.positions[2:3], lists.window)
+    alone = invariant_decode(q[2:3].contiguous(), alone_args, 8, 4, 32)
+    assert torch.equal(alone[0], outs[0][2])
+    if dtype == torch.float32 and window is None:
+        old = [decode_twice(q, args, decode_scratch(bs, p), p, 16) for p in (2, 8)]
+        assert not torch.equal(old[0][2], old[1][2]), "the old plan's bits follow num_splits"
+
+
+def test_invariant_plan_verify_rows_are_decode_rows():
+    """Verify rows (token rows) under the fixed split length: bitwise the decode rows at
+    their positions, the decode batch run with another program count."""
+    seq_lens, extend_lens = [9, 150, 66], [5, 1, 3]
+    bs = len(seq_lens)
+    q, k_cache, v_cache, bufs, lists = setup(seq_lens, extend_lens, None, torch.float16, seed=6)
+    t = q.shape[0]
+    args = (k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start, bufs.positions,
+            lists.window)
+    out = invariant_decode(q, args, 8, 2, 32, token_rows=(bufs.token_req, bufs.qo_indptr, bs))
+    pos, req = bufs.positions[:t].tolist(), bufs.token_req[:t].tolist()
+    meta = MetadataBuffers(t, t, 4096, None, DEVICE)
+    req_to_token = torch.zeros(bs, 200, dtype=torch.int64, device=DEVICE)
+    for r in range(bs):
+        lo, hi = lists.kv_indptr[r].item(), lists.kv_indptr[r + 1].item()
+        req_to_token[r, : hi - lo] = lists.kv_indices[lo:hi]
+    build_metadata(torch.tensor(req, device=DEVICE), torch.tensor(pos, device=DEVICE) + 1,
+                   torch.ones(t, dtype=torch.int64, device=DEVICE),
+                   torch.stack([req_to_token[r, p] for r, p in zip(req, pos, strict=True)]),
+                   req_to_token, meta)
+    dl = meta.lists["full"]
+    alone = invariant_decode(q, (k_cache, v_cache, dl.kv_indptr, dl.kv_indices, dl.kv_start,
+                                 meta.positions, None), 8, 8, 32)
+    assert torch.equal(out, alone)
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, bufs, lists,
+                                                      bs).float(), atol=3e-3, rtol=3e-3)
+
+
+def test_invariant_plan_shapes():
+    assert attn.invariant_split_len(8192) == 256
+    assert attn.invariant_split_len(100) == attn.INVARIANT_BLOCK_N
+    assert attn.invariant_split_len(8192, 32, 64) * 32 >= 8192
+    programs, cfg = attn.invariant_decode_plan(1, 3, 8192)
+    assert cfg.split_len == 256 and programs == 32
+    # the batch size changes the programs, never the tiles or the split length
+    programs64, cfg64 = attn.invariant_decode_plan(64, 3, 8192)
+    assert cfg64 == cfg and programs64 < programs

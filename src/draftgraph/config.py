@@ -139,6 +139,12 @@ class EngineConfig:
     # weights; None: on with quantization "int4" (its verify rows drift from decode rows
     # otherwise: speculation would not equal int4 plain decoding), else off
     exact_rows: str | None = None
+    # batch invariance: a request's tokens do not depend on its batch-mates, the batch size
+    # or the step's shape (GPU: every projection through the batch-invariant matmul, decode
+    # attention in fixed-length splits, decode rows never in a prefill step's forward;
+    # CPU: exact rows). Verify rows are then decode rows at every batch size: bf16
+    # speculation equals plain decoding. Costs time (benchmarks/NOTES.md), hence off.
+    deterministic: bool = False
     # "int4": the projections and LM head read 4-bit weights (CPU only; models/quant.py), the
     # target's and a draft model's; approximate, so off ("none") by default
     quantization: str = "none"

@@ -125,6 +125,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "bf16 speculation equals plain decoding at batch 1; costs time per "
                         "step (auto: on for models of at most 1 GiB of weights; default: on "
                         "with --quantization int4, else off)")
+    e.add_argument("--deterministic", action="store_true",
+                   help="batch invariance: a request's tokens do not depend on what it is "
+                        "batched with (GPU: batch-invariant matmul and decode attention "
+                        "plan; CPU: implies --exact-rows on), so bf16 speculation equals "
+                        "plain decoding at any batch size; costs time per step")
     e.add_argument("--quantization", choices=["none", "int4"], default="none",
                    help="int4: the projections and LM head read 4-bit weights in groups of 32 "
                         "(CPU only: 6.4x fewer bytes per projection; approximate, no "
@@ -216,6 +221,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_graph_tokens=args.prefill_graph_tokens,
         attention_backend=args.attention_backend,
         exact_rows=args.exact_rows,
+        deterministic=args.deterministic,
         quantization=args.quantization,
         seed=args.engine_seed,
         tensor_parallel_size=args.tensor_parallel_size,

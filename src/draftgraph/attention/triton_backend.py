@@ -54,6 +54,7 @@ class TritonBackend(AttentionBackend):
         max_kv_splits: int = 32,
         max_num_tokens: int | None = None,
         device: torch.device | str | None = None,
+        invariant: bool = False,
     ) -> None:
         super().__init__(kv_pool, req_to_token, sliding_window, scale)
         k0 = kv_pool.k_buffers[0]
@@ -63,6 +64,10 @@ class TritonBackend(AttentionBackend):
         self.max_num_tokens = max_num_tokens
         self.device = torch.device(device) if device is not None else k0.device
         self.num_q_heads = num_q_heads
+        # batch-invariant decode plan (`--deterministic`): a fixed split length over the
+        # longest list a request can have, a slot per split for every row
+        self.invariant = invariant
+        self.max_len = req_to_token.shape[1]
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         self.kv_counters: torch.Tensor | None = None
@@ -74,9 +79,12 @@ class TritonBackend(AttentionBackend):
         # flat: each batch size views [bs, Hq, its splits, D] from the front
         self.num_q_heads = num_q_heads
         rpr, cap = self.MAX_VERIFY_ROWS, self.max_num_tokens
-        rows = attn_kernels.decode_scratch_rows(self.max_bs, num_q_heads, self.num_kv_heads,
-                                                self.head_dim, self.max_kv_splits, rpr, cap)
         max_rows = min(self.max_bs * rpr, cap or self.max_bs * rpr)
+        if self.invariant:
+            rows = max_rows * attn_kernels.INVARIANT_MAX_SPLITS
+        else:
+            rows = attn_kernels.decode_scratch_rows(self.max_bs, num_q_heads, self.num_kv_heads,
+                                                    self.head_dim, self.max_kv_splits, rpr, cap)
         self.mid_o = torch.empty(rows * num_q_heads * self.head_dim, dtype=torch.float32,
                                  device=self.device)  # [bs * S * Hq * D]
         self.mid_lse = torch.empty(rows * num_q_heads, dtype=torch.float32,
@@ -126,9 +134,15 @@ class TritonBackend(AttentionBackend):
                                        "decode forward) before capturing a decode graph")
                 self._alloc_scratch(q.shape[1])
             hq = q.shape[1]
-            num_splits, cfg = attn_kernels.decode_plan(bs, hq, self.num_kv_heads,
-                                                       self.head_dim, self.max_kv_splits)
-            if (bs > self.max_bs or rows * num_splits * hq > self.mid_lse.numel()
+            if self.invariant:
+                num_splits, cfg = attn_kernels.invariant_decode_plan(bs, self.num_kv_heads,
+                                                                     self.max_len)
+                slots = attn_kernels.INVARIANT_MAX_SPLITS
+            else:
+                num_splits, cfg = attn_kernels.decode_plan(bs, hq, self.num_kv_heads,
+                                                           self.head_dim, self.max_kv_splits)
+                slots = num_splits
+            if (bs > self.max_bs or rows * slots * hq > self.mid_lse.numel()
                     or rows * self.num_kv_heads > self.kv_counters.numel()):
                 raise ValueError(
                     f"decode batch of {rows} rows ({bs} requests) x {hq} query heads does not "
@@ -136,15 +150,14 @@ class TritonBackend(AttentionBackend):
                     f"build TritonBackend with max_bs=, num_q_heads= and max_num_tokens= "
                     f"large enough"
                 )
-            n = rows * hq * num_splits
+            n = rows * hq * slots
             token_rows = ((fb.meta.token_req, fb.meta.qo_indptr, bs)
                           if fb.phase is Phase.VERIFY else None)
             attn_kernels.decode_attention(
                 q, k_cache, v_cache, lists.kv_indptr, lists.kv_indices, lists.kv_start,
                 fb.positions, lists.window, self.scale, out,
-                mid_o=self.mid_o[: n * self.head_dim].view(rows, hq, num_splits,
-                                                           self.head_dim),
-                mid_lse=self.mid_lse[:n].view(rows, hq, num_splits),
+                mid_o=self.mid_o[: n * self.head_dim].view(rows, hq, slots, self.head_dim),
+                mid_lse=self.mid_lse[:n].view(rows, hq, slots),
                 kv_counters=self.kv_counters, num_splits=num_splits, config=cfg,
                 token_rows=token_rows,
             )

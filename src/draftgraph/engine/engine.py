@@ -90,7 +90,7 @@ class LLMEngine:
             backend=backend, extra_tokens_per_req=k,
             extra_kv_bytes_per_token=(self.drafter.kv_bytes_per_token(config.torch_dtype)
                                       if self.drafter is not None else 0),
-            exact_rows=config.exact_rows)
+            exact_rows=config.exact_rows, deterministic=config.deterministic)
         self.spec_k = k
         self.scheduler = Scheduler(sched_cfg, self.slots.allocator, self.slots.req_pool)
         self.requests: dict[str, Request] = {}
@@ -284,11 +284,19 @@ class LLMEngine:
                                                                  list]]:
         """One step over the scheduled work; returns the tokens each request gains, their
         logprobs and their top-N alternatives ([] when not asked)."""
-        if all(sr.num_new_tokens == 1 and not sr.req.is_prefilling for sr in scheduled) \
-                and self.decode_graphs.bucket_for(len(scheduled)) is not None:
+        decoding = [sr.num_new_tokens == 1 and not sr.req.is_prefilling for sr in scheduled]
+        if all(decoding) and self.decode_graphs.bucket_for(len(scheduled)) is not None:
             return self._replay(scheduled)
-        # a step with prefill chunks: one eager forward, decode rows draft nothing
-        sb = StepBatch(Phase.EXTEND, [], [], [], [], [], [])
+        if self.config.deterministic and any(decoding) and not all(decoding):
+            # batch invariance: a decode row never rides in a prefill step (its attention
+            # would take the extend kernel there, the decode kernel elsewhere): two forwards
+            done = {d: iter(self._run([sr for sr, di in zip(scheduled, decoding, strict=True)
+                                       if di == d])) for d in (True, False)}
+            return [next(done[d]) for d in decoding]
+        # a step with prefill chunks: one eager forward, decode rows draft nothing (in
+        # deterministic mode a decode-only eager step takes the decode phase, as replays do)
+        phase = Phase.DECODE if self.config.deterministic and all(decoding) else Phase.EXTEND
+        sb = StepBatch(phase, [], [], [], [], [], [])
         rows: list[tuple[ScheduledRequest, int]] = []  # (request, number of logit rows)
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, rows)
         for sr in scheduled:

@@ -83,36 +83,73 @@ def _attend_tile(
 
 @triton.jit
 def _combine_splits(
-    mid_o, mid_lse, o, r, hkv,
+    mid_o, mid_lse, o, r, hkv, live,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Output of the GROUP query heads of KV head hkv from all splits' partials: weights
-    # exp2(lse - max lse); a split that saw no key has lse = -inf and weight 0, a head that
-    # saw no key at all gets zeros. Loads are .cg (L2, not L1): other programs wrote these.
+    # Output of the GROUP query heads of KV head hkv from the partials of splits 0 .. live - 1:
+    # weights exp2(lse - max lse); a split that saw no key has lse = -inf and weight 0, a head
+    # that saw no key at all gets zeros. CHUNK splits at a time, in order, each chunk's weights
+    # rescaled to the running max (as an online softmax); with one chunk (MAX_SPLITS <= CHUNK)
+    # that is exactly one weighted sum. A given `live` always adds the same values in the
+    # same order, so the output depends only on the row's own splits (batch invariance).
+    # Loads are .cg (L2, not L1): other programs wrote these.
     offs_g = tl.arange(0, BLOCK_G)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     head = hkv * GROUP + offs_g
-    lse = tl.load(mid_lse + r * stride_ml_b + head[:, None] * stride_ml_h + offs_s[None, :],
-                  mask=g_mask[:, None], other=float("-inf"),
-                  cache_modifier=".cg")  # [BLOCK_G, NUM_SPLITS]
-    # not masked by liveness, so it is issued together with the lse load: every split wrote
-    # its partial in this launch (zeros when it saw no key), and its weight is 0 then
-    part = tl.load(mid_o + r * stride_mo_b + head[:, None, None] * stride_mo_h
-                   + offs_s[None, :, None] * stride_mo_s + offs_d[None, None, :],
-                   mask=g_mask[:, None, None] & d_mask[None, None, :], other=0.0,
-                   cache_modifier=".cg")  # [BLOCK_G, NUM_SPLITS, BLOCK_D]
-    live = lse > float("-inf")
-    m = tl.max(tl.where(live, lse, -1.0e30), axis=1)
-    w = tl.where(live, tl.exp2(lse - m[:, None]), 0.0)
-    total = tl.sum(w, axis=1)
-    out = tl.sum(part * w[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+    m = tl.zeros([BLOCK_G], dtype=tl.float32) + -1.0e30
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for c0 in tl.static_range(0, MAX_SPLITS, CHUNK):
+        if c0 < live:
+            s_mask = (c0 + offs_c) < live
+            lse = tl.load(mid_lse + r * stride_ml_b + head[:, None] * stride_ml_h + c0
+                          + offs_c[None, :], mask=g_mask[:, None] & s_mask[None, :],
+                          other=float("-inf"), cache_modifier=".cg")  # [BLOCK_G, CHUNK]
+            # issued together with the lse load: every live split wrote its partial in this
+            # launch (zeros when it saw no key), and its weight is 0 then
+            part = tl.load(mid_o + r * stride_mo_b + head[:, None, None] * stride_mo_h
+                           + (c0 + offs_c)[None, :, None] * stride_mo_s + offs_d[None, None, :],
+                           mask=g_mask[:, None, None] & s_mask[None, :, None]
+                           & d_mask[None, None, :], other=0.0,
+                           cache_modifier=".cg")  # [BLOCK_G, CHUNK, BLOCK_D]
+            seen = lse > float("-inf")
+            m_new = tl.maximum(m, tl.max(tl.where(seen, lse, -1.0e30), axis=1))
+            alpha = tl.exp2(m - m_new)
+            w = tl.where(seen, tl.exp2(lse - m_new[:, None]), 0.0)
+            total = total * alpha + tl.sum(w, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
+            m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(o + r * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(o.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _attend_split(
+    q_tile, qpos, h_mask, k_cache, v_cache, kv_indices_row, kv_first, lo, hi, hkv,
+    stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2, window,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # keys lo .. hi of a row's list in BLOCK_N tiles: (normalised output, log2-sum-exp, seen)
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + -1.0e30
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q_tile, qpos, h_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices_row, kv_first,
+            hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2, window,
+            HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION, False,
+        )
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    return out, lse, seen
 
 
 @triton.jit
@@ -124,11 +161,16 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MIN_TILES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
+    MIN_TILES: tl.constexpr, TOKEN_ROWS: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
 ):
     # TOKEN_ROWS: a program row is a query token of a multi-token request (verify), which
     # attends over the part of its request's list that a decode row at its position would
-    # own (the same list, splits and tiles: the decode row's arithmetic)
+    # own (the same list, splits and tiles: the decode row's arithmetic).
+    # SPLIT_LEN == 0: NUM_SPLITS splits per row, of a length that follows the row's keys.
+    # SPLIT_LEN > 0 (batch-invariant plan): splits of SPLIT_LEN keys, as many as the row needs
+    # (<= MAX_SPLITS), program `split` taking splits split, split + NUM_SPLITS, ...: a row's
+    # splits then depend on its own length only, never on the batch's program count.
     r = tl.program_id(0).to(tl.int64)
     hkv = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,12 +191,6 @@ def _decode_split_kernel(
         row0 += first - kv_first
         kv_len = tl.minimum(kv_len - (first - kv_first), pos + 1 - first)
         kv_first = first
-    # each split takes a BLOCK_N-aligned chunk of at least MIN_TILES tiles; short rows leave
-    # the later splits empty (they only report an empty partial)
-    split_len = (kv_len + NUM_SPLITS * BLOCK_N - 1) // (NUM_SPLITS * BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, MIN_TILES * BLOCK_N)
-    lo = split * split_len
-    hi = tl.minimum(kv_len, lo + split_len)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -165,43 +201,55 @@ def _decode_split_kernel(
                      mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     q_tile = q_tile.to(k_cache.dtype.element_ty)  # [BLOCK_H, BLOCK_D]
     qpos = tl.zeros([BLOCK_H], dtype=tl.int64) + tl.load(positions + r)
-
-    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + -1.0e30
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q_tile, qpos, h_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0, kv_first,
-            hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2, window,
-            HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION, False,
-        )
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
     mask = h_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(o + r * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o.dtype.element_ty), mask=mask)
+    mo_row = mid_o + r * stride_mo_b + head[:, None] * stride_mo_h + offs_d[None, :]
+    ml_row = mid_lse + r * stride_ml_b + head * stride_ml_h
+
+    if SPLIT_LEN == 0:
+        # each split takes a BLOCK_N-aligned chunk of at least MIN_TILES tiles; short rows
+        # leave the later splits empty (they only report an empty partial)
+        split_len = (kv_len + NUM_SPLITS * BLOCK_N - 1) // (NUM_SPLITS * BLOCK_N) * BLOCK_N
+        split_len = tl.maximum(split_len, MIN_TILES * BLOCK_N)
+        lo = split * split_len
+        out, lse, seen = _attend_split(
+            q_tile, qpos, h_mask, k_cache, v_cache, kv_indices + row0, kv_first, lo,
+            tl.minimum(kv_len, lo + split_len), hkv, stride_ks, stride_kh, stride_vs, stride_vh,
+            sm_scale_log2, window, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
+        )
+        if NUM_SPLITS == 1:
+            tl.store(o + r * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(o.dtype.element_ty), mask=mask)
+            return
+        tl.store(mo_row + split * stride_mo_s, out, mask=mask)
+        tl.store(ml_row + split, lse, mask=h_mask)
+        live = NUM_SPLITS
     else:
-        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(mid_o + r * stride_mo_b + head[:, None] * stride_mo_h + split * stride_mo_s
-                 + offs_d[None, :], out, mask=mask)
-        tl.store(mid_lse + r * stride_ml_b + head * stride_ml_h + split, lse, mask=h_mask)
-        # NOTE: the last of the NUM_SPLITS programs of (r, hkv) to arrive combines. The CTA
-        # barrier orders every thread's partial stores before the one (scalar, one-thread)
-        # atomic, whose release at gpu scope publishes them; the last program's acquire on the
-        # same counter, broadcast to its threads through a barrier, makes every split's stores
-        # visible to its loads. It resets the counter with a plain store: the other programs
-        # have all counted already, and the next launch starts after this one ends.
-        tl.debug_barrier()
-        counter = kv_counters + r * tl.num_programs(1) + hkv
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            _combine_splits(
-                mid_o, mid_lse, o, r, hkv, stride_mo_b, stride_mo_h, stride_mo_s,
-                stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-                GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_G, BLOCK_D,
+        live = tl.cdiv(kv_len, SPLIT_LEN)
+        for s in range(split, live, NUM_SPLITS):
+            out, lse, seen = _attend_split(
+                q_tile, qpos, h_mask, k_cache, v_cache, kv_indices + row0, kv_first,
+                s * SPLIT_LEN, tl.minimum(kv_len, (s + 1) * SPLIT_LEN), hkv, stride_ks,
+                stride_kh, stride_vs, stride_vh, sm_scale_log2, window, HEAD_DIM, BLOCK_H,
+                BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
             )
-            tl.store(counter, 0)
+            tl.store(mo_row + s * stride_mo_s, out, mask=mask)
+            tl.store(ml_row + s, lse, mask=h_mask)
+    # NOTE: the last of the NUM_SPLITS programs of (r, hkv) to arrive combines. The CTA
+    # barrier orders every thread's partial stores before the one (scalar, one-thread)
+    # atomic, whose release at gpu scope publishes them; the last program's acquire on the
+    # same counter, broadcast to its threads through a barrier, makes every split's stores
+    # visible to its loads. It resets the counter with a plain store: the other programs
+    # have all counted already, and the next launch starts after this one ends.
+    tl.debug_barrier()
+    counter = kv_counters + r * tl.num_programs(1) + hkv
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == NUM_SPLITS - 1:
+        _combine_splits(
+            mid_o, mid_lse, o, r, hkv, live, stride_mo_b, stride_mo_h, stride_mo_s,
+            stride_ml_b, stride_ml_h, stride_ot, stride_oh,
+            GROUP, HEAD_DIM, MAX_SPLITS, CHUNK, BLOCK_G, BLOCK_D,
+        )
+        tl.store(counter, 0)
 
 
 @triton.jit(do_not_specialize=["bs"])
@@ -303,6 +351,9 @@ class DecodeConfig(NamedTuple):
     min_tiles: int = 1  # fewest tiles per split: short rows use fewer splits
     num_warps: int = 4
     num_stages: int = 2
+    # keys per split: 0 = a row's keys over num_splits splits (the split follows the batch
+    # size's plan); > 0 = fixed, a row taking as many splits as its keys need (batch-invariant)
+    split_len: int = 0
 
 
 def decode_num_splits(bs: int, num_kv_heads: int, max_splits: int = 32,
@@ -337,6 +388,30 @@ def decode_plan(bs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
         return min(splits, cap), cfg
     splits = decode_num_splits(bs, num_kv_heads, max_splits)
     return splits, DecodeConfig(block_n=32 if splits >= 16 else 64 if splits > 4 else 128)
+
+
+# The batch-invariant plan (`--deterministic`): one tile size and one split length for every
+# batch size, so a row's arithmetic depends on its own keys only. The split length is the
+# engine's longest list over INVARIANT_MAX_SPLITS, in whole tiles; the batch size still picks
+# how many programs share a row's splits (scheduling only).
+INVARIANT_BLOCK_N = 64
+INVARIANT_MAX_SPLITS = 32
+
+
+def invariant_split_len(max_len: int, max_splits: int = INVARIANT_MAX_SPLITS,
+                        block_n: int = INVARIANT_BLOCK_N) -> int:
+    """Keys per split such that max_splits splits cover max_len keys, in whole tiles."""
+    return block_n * max(1, cdiv(cdiv(max_len, max_splits), block_n))
+
+
+def invariant_decode_plan(bs: int, num_kv_heads: int, max_len: int,
+                          max_splits: int = INVARIANT_MAX_SPLITS) -> tuple[int, DecodeConfig]:
+    """(programs per row, config) of the batch-invariant plan for a batch of bs rows whose
+    lists hold at most max_len keys: scratch of max_splits splits per row."""
+    split_len = invariant_split_len(max_len, max_splits)
+    programs = min(decode_num_splits(bs, num_kv_heads, max_splits),
+                   next_pow2(cdiv(max_len, split_len)))
+    return programs, DecodeConfig(INVARIANT_BLOCK_N, 1, 4, 2, split_len)
 
 
 def decode_scratch_rows(max_bs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -382,7 +457,12 @@ def decode_attention(
     With num_splits > 1 (a power of two), mid_o [>= bs, Hq, >= num_splits, D] fp32,
     mid_lse [>= bs, Hq, >= num_splits] fp32 and kv_counters [>= bs * Hkv] int32 are
     caller-owned scratch. kv_counters must be all zero before the first call; every call
-    leaves it all zero again."""
+    leaves it all zero again.
+
+    With config.split_len > 0 (the batch-invariant plan) a row's keys go in splits of that
+    length, num_splits programs sharing them; the scratch (needed then at any num_splits) has
+    a slot per split, mid_o [>= bs, Hq, S, D] and mid_lse [>= bs, Hq, S] with S * split_len
+    >= the longest list."""
     bs = q.shape[0]
     num_q_heads, num_kv_heads, head_dim = _check(q, k_cache)
     if bs == 0:
@@ -390,7 +470,7 @@ def decode_attention(
     group = num_q_heads // num_kv_heads
     cfg = config or DecodeConfig()
     assert num_splits == next_pow2(num_splits), "num_splits must be a power of two"
-    if num_splits > 1:
+    if num_splits > 1 or cfg.split_len:
         assert mid_o is not None and mid_lse is not None and kv_counters is not None, (
             "split-KV decode (num_splits > 1) needs scratch: mid_o, mid_lse and kv_counters"
         )
@@ -399,7 +479,9 @@ def decode_attention(
             f"{kv_counters.dtype} with {kv_counters.numel()}"
         )
         mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
+        max_splits = mid_o.shape[2] if cfg.split_len else num_splits
     else:
+        max_splits = 1
         mid_o, mid_lse, kv_counters = out, out, out  # unused
         mo_strides, ml_strides = (0, 0, 0), (0, 0)
     _decode_split_kernel[(bs, num_kv_heads, num_splits)](
@@ -412,7 +494,8 @@ def decode_attention(
         BLOCK_H=max(16, next_pow2(group)), BLOCK_G=next_pow2(group), BLOCK_N=cfg.block_n,
         BLOCK_D=next_pow2(head_dim), SLIDING=window is not None,
         DOT_PRECISION=_precision(q.dtype), MIN_TILES=cfg.min_tiles,
-        TOKEN_ROWS=token_rows is not None,
+        TOKEN_ROWS=token_rows is not None, SPLIT_LEN=cfg.split_len, MAX_SPLITS=max_splits,
+        CHUNK=min(next_pow2(max_splits), 32),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from draftgraph.kernels import matmul
 from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usable
 
 # Rows up to which the fused kernels run. Measured on the H200 (benchmarks/results/gemv_h200.json):
@@ -118,8 +119,9 @@ def _config(mode: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
 def pays(m: int, weight: torch.Tensor) -> bool:
     """Whether rows [m, K] times `weight` take the fused kernels: on CUDA, m <= GEMV_MAX_M
     (measured to beat norm/activation + cuBLAS for every weight), or m <= the weight's
-    exact-rows bound (`mark_exact_rows`)."""
-    return weight.is_cuda and 0 < m <= max(GEMV_MAX_M, getattr(weight, EXACT_ROWS_ATTR, 0))
+    exact-rows bound (`mark_exact_rows`); never for a batch-invariant weight."""
+    return (weight.is_cuda and not getattr(weight, INVARIANT_ATTR, False)
+            and 0 < m <= max(GEMV_MAX_M, getattr(weight, EXACT_ROWS_ATTR, 0)))
 
 
 # Exact rows (`--exact-rows on`): multi-row steps of up to EXACT_ROWS_MAX_M rows (verify rows,
@@ -139,6 +141,19 @@ def mark_exact_rows(module: torch.nn.Module, max_m: int = EXACT_ROWS_MAX_M) -> N
     decode-kernel attention of verify rows)."""
     for p in module.parameters():
         setattr(p, EXACT_ROWS_ATTR, max_m)
+
+
+# Batch invariance (`--deterministic`): on CUDA every product with a marked weight, at every M,
+# runs the batch-invariant matmul (kernels/matmul.py) after the plain norm / activation
+# kernels, which are row-wise already: a row's bits then depend on nothing but the row, so a
+# verify row is the decode row at its position and a request's tokens do not depend on its
+# batch-mates. On the CPU the mark does nothing (exact rows cover verify = decode there).
+INVARIANT_ATTR = "_draftgraph_invariant"
+
+
+def mark_invariant(module: torch.nn.Module, on: bool = True) -> None:
+    for p in module.parameters():
+        setattr(p, INVARIANT_ATTR, on)
 
 
 def wants_exact_rows(module: torch.nn.Module) -> bool:
@@ -609,6 +624,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     from the lone row (MKL/oneDNN pick other kernels by M, and which ones depends on the CPU),
     so a verify row equals the decode row at its position only this way. It costs a weight
     read per row, hence opt-in."""
+    if x.is_cuda and getattr(weight, INVARIANT_ATTR, False):
+        return matmul.dot_linear(x, weight, bias)
     mm = getattr(weight, PACKED_ATTR, None) or F.linear
     m = x.numel() // max(x.shape[-1], 1)
     if x.is_cuda or not 1 < m <= getattr(weight, EXACT_ROWS_ATTR, 0):
@@ -625,6 +642,8 @@ def _linear(x, weight, bias, out_dtype) -> torch.Tensor:
     if not x.is_cuda:
         return F.linear(x.to(out_dtype), weight.to(out_dtype),
                         bias.to(out_dtype) if bias is not None else None)
+    if getattr(weight, INVARIANT_ATTR, False):
+        return matmul.dot_linear(x, weight, bias, out_dtype=out_dtype)
     y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y + bias if bias is not None else y

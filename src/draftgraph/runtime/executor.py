@@ -31,9 +31,10 @@ SCORE_ROWS = 256  # prompt rows scored per LM-head pass (forward_scoring)
 
 def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_cfg,
                  max_bs: int, device: torch.device, num_q_heads: int | None = None,
-                 max_num_tokens: int | None = None):
+                 max_num_tokens: int | None = None, invariant: bool = False):
     """`num_q_heads`: the query heads this rank attends over (default: all of the model's);
-    `max_num_tokens`: the most tokens of one forward (bounds the verify rows' scratch)."""
+    `max_num_tokens`: the most tokens of one forward (bounds the verify rows' scratch);
+    `invariant`: the batch-invariant decode plan (Triton; `--deterministic`)."""
     scale = model_cfg.head_dim ** -0.5
     if name == "torch":
         return TorchBackend(kv_pool, req_to_token, model_cfg.sliding_window, scale)
@@ -43,7 +44,8 @@ def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_c
         return TritonBackend(kv_pool, req_to_token, model_cfg.sliding_window, scale,
                              max_bs=max_bs,
                              num_q_heads=num_q_heads or model_cfg.num_attention_heads,
-                             max_num_tokens=max_num_tokens, device=device)
+                             max_num_tokens=max_num_tokens, device=device,
+                             invariant=invariant)
     raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
 
 
@@ -56,12 +58,15 @@ def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
 class ModelExecutor:
     def __init__(self, model: LlamaForCausalLM, slots: SlotSpace, max_bs: int,
                  max_num_tokens: int, device: torch.device, dtype: torch.dtype,
-                 backend: str, exact_rows: str | None = None) -> None:
+                 backend: str, exact_rows: str | None = None,
+                 deterministic: bool = False) -> None:
         """exact_rows: whether multi-row steps (verify rows, small batches) compute every row
         exactly as a decode row (kernels/gemv.py): "on", "off", "auto" (on for models of at
         most gemv.EXACT_ROWS_MAX_BYTES of weights), or None: leave the model's weights as they
         are marked (a drafter's executor, whose model may share the target's weights: a draft
-        model `self`, the target's LM head)."""
+        model `self`, the target's LM head). deterministic: batch invariance, every row's
+        result independent of its batch-mates and of M (GPU: the batch-invariant matmul and
+        decode plan; CPU: exact rows, which it implies)."""
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -78,12 +83,15 @@ class ModelExecutor:
                                     cfg.sliding_window, device)
         if exact_rows not in (None, "auto", "on", "off"):
             raise ValueError(f"--exact-rows must be auto, on or off, got {exact_rows!r}")
-        exact = exact_rows == "on" or (exact_rows == "auto" and gemv.wants_exact_rows(model))
-        if exact_rows is not None:
+        exact = deterministic or exact_rows == "on" or (exact_rows == "auto"
+                                                        and gemv.wants_exact_rows(model))
+        if exact_rows is not None or deterministic:
             gemv.mark_exact_rows(model, gemv.EXACT_ROWS_MAX_M if exact else 0)
+            gemv.mark_invariant(model, deterministic)
+        self.deterministic = deterministic
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads,
-                                    max_num_tokens=max_num_tokens)
+                                    max_num_tokens=max_num_tokens, invariant=deterministic)
         self.backend.exact_rows = exact  # TorchBackend: verify attention row by row
         self.tp_driver = None  # rank 0 of a TP group: sends each step to ranks > 0
         self.capture: HiddenCapture | None = None  # hidden states a drafter reads
@@ -234,15 +242,16 @@ class ModelExecutor:
 def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
                  sched_cfg: SchedulerConfig, max_model_len: int, device: torch.device,
                  dtype: torch.dtype, backend: str, extra_tokens_per_req: int = 0,
-                 extra_kv_bytes_per_token: int = 0,
-                 exact_rows: str = "off") -> tuple[SlotSpace, ModelExecutor]:
+                 extra_kv_bytes_per_token: int = 0, exact_rows: str = "off",
+                 deterministic: bool = False) -> tuple[SlotSpace, ModelExecutor]:
     """The engine's slot space and the target's executor.
 
     extra_tokens_per_req: draft tokens a step may feed per request (a verify step feeds
     1 + k); extra_kv_bytes_per_token: the drafters' KV per slot, so the pool fits them too."""
     kwargs = dict(cache_cfg=cache_cfg, sched_cfg=sched_cfg, max_model_len=max_model_len,
                   dtype=dtype, backend=backend, extra_tokens_per_req=extra_tokens_per_req,
-                  extra_kv_bytes_per_token=extra_kv_bytes_per_token, exact_rows=exact_rows)
+                  extra_kv_bytes_per_token=extra_kv_bytes_per_token, exact_rows=exact_rows,
+                  deterministic=deterministic)
     driver = tp_driver(model.tp, kwargs)  # TP rank 0: ranks > 0 call this with the same
     max_num_tokens = max(sched_cfg.max_num_batched_tokens,
                          sched_cfg.max_num_seqs * (1 + extra_tokens_per_req))
@@ -253,7 +262,7 @@ def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
     slots = SlotSpace(num_slots, cache_cfg.page_size, sched_cfg.max_num_seqs,
                       max_model_len + cache_cfg.page_size + extra_tokens_per_req, device)
     target = ModelExecutor(model, slots, sched_cfg.max_num_seqs, max_num_tokens, device, dtype,
-                           backend, exact_rows)
+                           backend, exact_rows, deterministic)
     target.tp_driver = driver
     logger.info("KV cache: %d slots (%.1f MiB), page size %d, backend %s",
                 slots.allocator.usable_slots, target.kv_pool.bytes() / 2**20,

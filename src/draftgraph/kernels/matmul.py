@@ -1,0 +1,186 @@
+"""Batch-invariant matmul for `--deterministic`: y = x @ W^T (+ bias) (+ residual) in which a
+row's result depends only on that row and the weight: not on M, not on where the row sits in
+the batch, not on its batch-mates.
+
+    dot_linear(x, W, bias, residual, out_dtype)     x [M, K], W [N, K] -> y [M, N]
+
+How: ONE config per weight shape (N, K), never chosen by M (`dot_config`). A program owns a
+[BLOCK_M, BLOCK_N] tile of the output and walks K with tensor cores (tl.dot accumulating into
+its fp32 tile), rows past M masked to zero, so every row takes the same instructions in the
+same order whatever M is. Long K splits into `split_k` chunks of a fixed length (more
+programs streaming the weight at small M); each chunk's fp32 partial goes to scratch and a
+second kernel adds the chunks in order 0, 1, ..., then bias and residual, and rounds once.
+cuBLAS is what this replaces on that path: it picks kernels (and split-K) by M, so a row of
+a 5-row verify step and the same row decoded alone differ in their last bits.
+
+Every M takes this kernel, prefill included (a prompt's KV then does not depend on what was
+prefilled with it). Its price against cuBLAS and the fused single-row kernels is measured in
+benchmarks/NOTES.md ("Deterministic mode").
+
+NOTE: block sizes come from `DOT_TUNED` / `dot_config`, never from run-time autotuning: the
+kernel is captured in CUDA graphs, and a row's bits depend on the config.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from draftgraph.kernels._triton import cdiv, tl, triton
+
+
+class DotConfig(NamedTuple):
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int = 1  # K chunks of fixed length, each a program; added in a fixed order
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (N, K) -> config, from `python benchmarks/bench_matmul.py --tune` on an H200. Shapes not
+# listed take `dot_config`'s heuristic.
+DOT_TUNED: dict[tuple[int, int], DotConfig] = {}
+
+# programs the heuristic aims for at M <= block_m: about two per SM of an H200 (132 SMs); a
+# constant, not the device's SM count, so a shape's config (and its bits) is the same anywhere
+TARGET_PROGRAMS = 264
+
+
+def dot_config(n: int, k: int) -> DotConfig:
+    """A shape's config: the tuned entry, else 64 x 64 output tiles (32 columns where the
+    grid would be small) and enough K chunks of at least 1024 to give about TARGET_PROGRAMS
+    programs at M <= 64."""
+    if (n, k) in DOT_TUNED:
+        return DOT_TUNED[(n, k)]
+    bn = 64 if cdiv(n, 64) >= TARGET_PROGRAMS // 2 else 32
+    split = max(1, min(cdiv(TARGET_PROGRAMS, cdiv(n, bn)), k // 1024, 16))
+    return DotConfig(64, bn, 64, split)
+
+
+def _k_split(k: int, cfg: DotConfig) -> int:
+    """Length of one K chunk: a multiple of block_k (every chunk starts on a tile)."""
+    return cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+
+
+@triton.jit(do_not_specialize=["M"])  # M varies step to step: one compiled kernel for all
+def _dot_kernel(
+    x, w, y, part, bias, res, M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_ym, stride_rm,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Row blocks are the fastest grid axis: the programs that share a weight tile run
+    # together, and all but the first read it from L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rm < M
+    mask_n = rn < N
+    # tail columns re-read row N - 1 (their stores are masked): no N mask on weight loads
+    w_rows = w + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None], other=0.0)
+            b = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
+        else:
+            mask_k = rk < k_hi
+            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            acc += tl.load(res + rm.to(tl.int64)[:, None] * stride_rm + rn[None, :],
+                           mask=mask, other=0.0).to(tl.float32)
+        tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                 acc.to(y.dtype.element_ty), mask=mask)
+    else:  # this chunk's partial: part [SPLIT, M, N] fp32
+        tl.store(part + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _combine_kernel(part, y, bias, res, M, N, stride_ym, stride_rm, HAS_BIAS: tl.constexpr,
+                    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    # y = part[0] + part[1] + ... + part[SPLIT - 1] (+ bias) (+ residual), in that order
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    size = M.to(tl.int64) * N
+    mask = offs < size
+    row = offs // N
+    col = offs % N
+    acc = tl.load(part + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part + s * size + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        acc += tl.load(res + row * stride_rm + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + row * stride_ym + col, acc.to(y.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
+               config: DotConfig | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N]), summed in
+    fp32 and rounded once to out_dtype (default x.dtype); each row as it would be alone."""
+    n, k = weight.shape
+    if x.dtype != weight.dtype:
+        raise ValueError(f"dot_linear: activations are {x.dtype} but the weight is "
+                         f"{weight.dtype}; cast one so both match (the model dtype)")
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return y.view(*x.shape[:-1], n)
+    res = _rows(residual, n) if residual is not None else None
+    cfg = config or dot_config(n, k)
+    k_split = _k_split(k, cfg)
+    split = cdiv(k, k_split)  # chunks that hold keys (a tiny K may need fewer than split_k)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    dummy = y
+    _dot_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)](
+        x2, weight, y, part, bias if bias is not None else dummy,
+        res if res is not None else dummy, m, n, k, k_split,
+        x2.stride(0), weight.stride(0), y.stride(0), res.stride(0) if res is not None else 0,
+        HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split,
+        EVEN_K=k_split * split == k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _combine_kernel[(cdiv(m * n, block),)](
+            part, y, bias if bias is not None else dummy, res if res is not None else dummy,
+            m, n, y.stride(0), res.stride(0) if res is not None else 0,
+            HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split, BLOCK=block,
+            num_warps=4,
+        )
+    return y.view(*x.shape[:-1], n)
+
+
+def dot_linear_ref(x, weight, bias=None, residual=None, *, out_dtype=None) -> torch.Tensor:
+    """The twin: the same sum in fp32, rounded once."""
+    y = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(out_dtype or x.dtype)
