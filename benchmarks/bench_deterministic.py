@@ -130,7 +130,7 @@ def engine() -> None:
     from draftgraph.engine.engine import LLMEngine
     from draftgraph.models.loader import load_model
 
-    ctx, steps = 512, 60
+    ctx, steps = 512, 40
     for model in sys.argv[2:] or list(MODELS):
         target = load_model(f"random:{model}", device="cuda", dtype=torch.bfloat16)
         out = {"benchmark": "deterministic_cost", **run_header(), "model": f"random:{model}",

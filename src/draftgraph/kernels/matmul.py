@@ -40,9 +40,31 @@ class DotConfig(NamedTuple):
     num_stages: int = 3
 
 
-# (N, K) -> config, from `python benchmarks/bench_matmul.py --tune` on an H200. Shapes not
-# listed take `dot_config`'s heuristic.
-DOT_TUNED: dict[tuple[int, int], DotConfig] = {}
+# (N, K) -> config: the fastest of 64-row configs at M = 1 and 5 in a sweep on an H200
+# (`python benchmarks/bench_deterministic.py kernels`, benchmarks/results/dot_sweep_h200.json;
+# us per call at M = 1 / 5 in CUDA graphs, cuBLAS's and the fused single-row kernel's in
+# brackets). 16-row tiles were as fast at M <= 5 but 2-6x slower at M = 512 (prefill), which
+# takes the same config. Shapes not listed take `dot_config`'s heuristic.
+DOT_TUNED: dict[tuple[int, int], DotConfig] = {
+    # SmolLM2-135M
+    (960, 576): DotConfig(64, 32, 64, 1, 4, 4),  # qkv: 3.0 / 3.0 (3.6 / 3.5, 2.3)
+    (576, 576): DotConfig(64, 32, 64, 1, 4, 4),  # o: 3.1 / 3.1 (3.4 / 3.4, 2.1)
+    (3072, 576): DotConfig(64, 32, 64, 1, 4, 4),  # gate_up: 3.2 / 3.2 (3.5 / 3.4, 2.9)
+    (576, 1536): DotConfig(64, 32, 64, 4, 4, 4),  # down: 4.0 / 4.0 (4.9 / 4.7, 2.5)
+    (49152, 576): DotConfig(64, 64, 64, 1, 4, 4),  # LM head: 17.5 / 18.1 (16.6 / 16.8, 25.0)
+    # Llama-3.2-1B
+    (3072, 2048): DotConfig(64, 32, 64, 1, 4, 4),  # qkv: 6.2 / 6.3 (5.5 / 5.4, 3.9)
+    (2048, 2048): DotConfig(64, 64, 64, 4, 4, 4),  # o: 5.0 / 5.1 (5.2 / 5.2, 3.3)
+    (16384, 2048): DotConfig(64, 64, 128, 1, 4, 3),  # gate_up: 19.0 / 19.0 (18.3 / 18.4, 18.7)
+    (2048, 8192): DotConfig(64, 64, 128, 4, 4, 3),  # down: 9.3 / 9.3 (11.1 / 9.8, 12.6)
+    (128256, 2048): DotConfig(64, 64, 128, 1, 4, 3),  # LM head: 127 / 129 (128 / 128, 121)
+    # Llama-3.1-8B
+    (6144, 4096): DotConfig(64, 64, 64, 4, 4, 4),  # qkv: 13.9 / 14.3 (14.6 / 13.4, 14.1)
+    (4096, 4096): DotConfig(64, 64, 128, 4, 4, 3),  # o: 8.8 / 8.8 (10.3 / 9.6, 7.9)
+    (28672, 4096): DotConfig(64, 64, 128, 1, 4, 3),  # gate_up: 59.7 / 60.5 (56.7 / 57.5, 56.0)
+    (4096, 14336): DotConfig(64, 64, 128, 4, 4, 3),  # down: 31.8 / 32.2 (32.5 / 32.7, 31.4)
+    (128256, 4096): DotConfig(64, 64, 64, 1, 4, 3),  # LM head: 244 / 246 (247 / 248, 240)
+}
 
 # programs the heuristic aims for at M <= block_m: about two per SM of an H200 (132 SMs); a
 # constant, not the device's SM count, so a shape's config (and its bits) is the same anywhere
@@ -50,14 +72,14 @@ TARGET_PROGRAMS = 264
 
 
 def dot_config(n: int, k: int) -> DotConfig:
-    """A shape's config: the tuned entry, else 64 x 64 output tiles (32 columns where the
-    grid would be small) and enough K chunks of at least 1024 to give about TARGET_PROGRAMS
-    programs at M <= 64."""
+    """A shape's config: the tuned entry, else what the sweep favoured: 64 x 64 output tiles
+    (32 columns for a narrow weight), 128-wide K steps for long rows, and K chunks of at
+    least 1024 up to about TARGET_PROGRAMS programs at M <= 64."""
     if (n, k) in DOT_TUNED:
         return DOT_TUNED[(n, k)]
-    bn = 64 if cdiv(n, 64) >= TARGET_PROGRAMS // 2 else 32
-    split = max(1, min(cdiv(TARGET_PROGRAMS, cdiv(n, bn)), k // 1024, 16))
-    return DotConfig(64, bn, 64, split)
+    bn = 64 if n >= 2048 else 32
+    split = max(1, min(cdiv(TARGET_PROGRAMS, cdiv(n, bn)), k // 1024, 4))
+    return DotConfig(64, bn, 128 if k >= 2048 else 64, split, 4, 3 if k >= 2048 else 4)
 
 
 def _k_split(k: int, cfg: DotConfig) -> int:
