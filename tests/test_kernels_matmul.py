@@ -96,3 +96,54 @@ def test_heuristic_config_ignores_m():
     assert MM.dot_config(4096, 14336).split_k > 1
     assert MM.dot_config(128256, 4096).split_k == 1
     assert MM._k_split(14336, MM.dot_config(4096, 14336)) % 64 == 0
+
+
+def test_split_k_last_program_combines_as_the_second_kernel_does():
+    """Split-K's partials added by the last program of each tile to arrive (counters back to
+    zero after every launch, so a graph replay needs no reset) or by a second kernel: the
+    same sum, to the bit."""
+    x = randn(20, K, dtype=torch.float16, seed=8)
+    w = randn(N, K, dtype=torch.float16, seed=1, scale=K ** -0.5)
+    bias, res = randn(N, dtype=torch.float16, seed=2), randn(20, N, dtype=torch.float16, seed=3)
+    last = [MM.dot_linear(x, w, bias, res, config=CFGS["split_k"]) for _ in range(2)]
+    assert not MM._COUNTERS[x.device].any(), "the combining program resets its counter"
+    second = MM.dot_linear(x, w, bias, res, config=CFGS["split_k"], last_combines=False)
+    assert torch.equal(last[0], second) and torch.equal(last[1], second)
+
+
+@pytest.mark.parametrize("cfg", sorted(CFGS))
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue_matches_twin_and_rows_are_alone(cfg, with_residual):
+    from draftgraph.kernels.gemv import rmsnorm_gemv_ref
+
+    dtype = torch.float16
+    x = randn(20, K, dtype=dtype, seed=9)
+    res = randn(20, K, dtype=dtype, seed=10) if with_residual else None
+    nw = (torch.rand(K, generator=torch.Generator().manual_seed(11)) + 0.5).to(DEVICE, dtype)
+    w = randn(N, K, dtype=dtype, seed=1, scale=K ** -0.5)
+    bias = randn(N, dtype=dtype, seed=2)
+    y, new_res = MM.dot_rmsnorm_linear(x, nw, 1e-5, w, bias, res, config=CFGS[cfg])
+    y_ref, res_ref = rmsnorm_gemv_ref(x, nw, 1e-5, w, bias, res)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=3e-3, rtol=3e-3)
+    assert torch.equal(new_res, res_ref)  # h = x + residual, rounded as the model rounds it
+    for i in (0, 17):
+        yi, ri = MM.dot_rmsnorm_linear(x[i : i + 1], nw, 1e-5, w, bias,
+                                       res[i : i + 1] if res is not None else None,
+                                       config=CFGS[cfg])
+        assert torch.equal(yi[0], y[i]) and torch.equal(ri[0], new_res[i])
+
+
+@pytest.mark.parametrize("cfg", sorted(CFGS))
+def test_silu_prologue_matches_twin_and_rows_are_alone(cfg):
+    from draftgraph.kernels.gemv import silu_mul_gemv_ref
+
+    dtype = torch.float16
+    gate_up = randn(20, 2 * K, dtype=dtype, seed=12)
+    w = randn(N, K, dtype=dtype, seed=1, scale=K ** -0.5)
+    res = randn(20, N, dtype=dtype, seed=3)
+    y = MM.dot_silu_mul_linear(gate_up, w, res, config=CFGS[cfg])
+    torch.testing.assert_close(y.float(), silu_mul_gemv_ref(gate_up, w, res).float(),
+                               atol=3e-3, rtol=3e-3)
+    for i in (0, 17):
+        assert torch.equal(MM.dot_silu_mul_linear(gate_up[i : i + 1], w, res[i : i + 1],
+                                                  config=CFGS[cfg])[0], y[i])
