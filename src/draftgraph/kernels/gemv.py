@@ -41,7 +41,6 @@ import torch.nn.functional as F
 
 from draftgraph.kernels import matmul
 from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usable
-from draftgraph.kernels.prologue import _NORM, _PLAIN, _SILU, _act_tile, _rms_prologue, norm_block
 
 # Rows up to which the fused kernels run. Measured on the H200 (benchmarks/results/gemv_h200.json):
 # at M = 1 the fused chain of a SmolLM2-135M step takes 458 us against 680 us unfused; at M = 8
@@ -50,6 +49,7 @@ from draftgraph.kernels.prologue import _NORM, _PLAIN, _SILU, _act_tile, _rms_pr
 # gate_up (57.3 vs 64.1 us) and LM head (237.7 vs 253.1 us).
 GEMV_MAX_M = 1
 
+_PLAIN, _NORM, _SILU = 0, 1, 2
 _MODE_NAMES = {_PLAIN: "plain", _NORM: "norm", _SILU: "silu"}
 
 
@@ -156,17 +156,69 @@ def mark_invariant(module: torch.nn.Module, on: bool = True) -> None:
         setattr(p, INVARIANT_ATTR, on)
 
 
-def invariant(weight: torch.Tensor) -> bool:
-    """Whether products with `weight` take the batch-invariant matmul (CUDA, marked)."""
-    return weight.is_cuda and getattr(weight, INVARIANT_ATTR, False)
-
-
 def wants_exact_rows(module: torch.nn.Module) -> bool:
     """"auto": exact rows for a model whose weights are at most EXACT_ROWS_MAX_BYTES."""
     return sum(p.numel() * p.element_size() for p in module.parameters()) <= EXACT_ROWS_MAX_BYTES
 
 
 # ---- kernel ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_prologue(x_rows, res_in, res_out, rm, mask_m, pid_n, K, eps, stride_rim, stride_rom,
+                  HAS_RES_IN: tl.constexpr, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    # 1 / rms of each row of h = x (+ res_in); every program recomputes it (x is tiny and
+    # L2-resident), program 0 of each row block writes h to res_out. NORM_BLOCK is wide (the
+    # whole row where registers allow): each step of this loop is an L2 round trip that the
+    # weight stream waits behind.
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    writes_res = mask_m & ((tl.zeros([BLOCK_M], dtype=tl.int32) + pid_n) == 0)
+    for k0 in range(0, K, NORM_BLOCK):
+        rk = k0 + tl.arange(0, NORM_BLOCK)
+        mask_x = mask_m[:, None] & (rk[None, :] < K)
+        h = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        if HAS_RES_IN:
+            r = tl.load(res_in + rm.to(tl.int64)[:, None] * stride_rim + rk[None, :],
+                        mask=mask_x, other=0.0).to(tl.float32)
+            h = (h + r).to(res_out.dtype.element_ty)  # rounded like x + residual
+            tl.store(res_out + rm.to(tl.int64)[:, None] * stride_rom + rk[None, :], h,
+                     mask=writes_res[:, None] & (rk[None, :] < K))
+            h = h.to(tl.float32)
+        sumsq += tl.sum(h * h, axis=1)
+    return 1.0 / tl.sqrt(sumsq / K + eps)
+
+
+@triton.jit
+def _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k, rstd, stride_rim,
+                 act_dtype: tl.constexpr, HAS_RES_IN: tl.constexpr):
+    # activation tile [BLOCK_M, BLOCK_K] = rmsnorm(x (+ res_in)) * norm_w, rounded to act_dtype
+    a = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+    if HAS_RES_IN:
+        r = tl.load(res_in + rm.to(tl.int64)[:, None] * stride_rim + rk[None, :],
+                    mask=mask_x, other=0.0).to(tl.float32)
+        a = (a + r).to(res_out.dtype.element_ty).to(tl.float32)
+    nw = tl.load(norm_w + rk, mask=mask_k, other=0.0).to(tl.float32)
+    return (a * rstd[:, None] * nw[None, :]).to(act_dtype)
+
+
+@triton.jit
+def _act_tile(x, res_in, res_out, norm_w, rm, mask_m, rk, mask_k, rstd, K, stride_xm,
+              stride_rim, act_dtype: tl.constexpr, MODE: tl.constexpr,
+              HAS_RES_IN: tl.constexpr):
+    # the activation tile [rows, BLOCK_K] of rows rm (mask_m: the live ones) that feeds the
+    # matmul, rounded to the model dtype
+    x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
+    mask_x = mask_m[:, None] & mask_k[None, :]
+    if MODE == 2:
+        g = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * u).to(act_dtype)
+    elif MODE == 1:
+        a = _normed_tile(x_rows, res_in, res_out, norm_w, rm, rk, mask_x, mask_k, rstd,
+                         stride_rim, act_dtype, HAS_RES_IN)
+    else:
+        a = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0)
+    return a
 
 
 @triton.jit
@@ -389,6 +441,11 @@ def rows_per_program(cfg: GemvConfig, m: int, budget: int | None = None) -> int:
     return max(1, min(8, m, (budget or ROWS_REG_BUDGET) // per_row))
 
 
+def norm_block(k: int, block_m: int, block_k: int) -> int:
+    """Width of the RMS prologue's loads: the whole row up to 4096 fp32 values per program."""
+    return min(max(16, next_pow2(k)), max(block_k, 4096 // block_m))
+
+
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     t2 = t.reshape(-1, width)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -603,8 +660,6 @@ def gemv(x, weight, bias=None, residual=None, *, out_dtype=None) -> torch.Tensor
     (default x.dtype; fp32: the accumulator unrounded, e.g. a row-parallel partial sum)."""
     if _fused(x, weight, weight.shape[1]):
         return gemv_triton(x, weight, bias, residual, out=_out(x, weight.shape[0], out_dtype))
-    if invariant(weight):
-        return matmul.dot_linear(x, weight, bias, residual, out_dtype=out_dtype)
     y = _linear(x, weight, bias, out_dtype)
     return y + residual if residual is not None else y
 
@@ -615,8 +670,6 @@ def rmsnorm_gemv(x, norm_weight, eps, weight, bias=None,
     (+ bias). new_residual is h (x itself when residual is None)."""
     if _fused(x, weight, weight.shape[1]):
         return rmsnorm_gemv_triton(x, norm_weight, eps, weight, bias, residual)
-    if invariant(weight):
-        return matmul.dot_rmsnorm_linear(x, norm_weight, eps, weight, bias, residual)
     from draftgraph.kernels import ops
 
     normed, new_residual = ops.rms_norm(x, norm_weight, eps, residual)
@@ -629,8 +682,6 @@ def silu_mul_gemv(gate_up, weight, residual=None, *, out_dtype=None) -> torch.Te
     if _fused(gate_up, weight, 2 * weight.shape[1]):
         return silu_mul_gemv_triton(gate_up, weight, residual,
                                     out=_out(gate_up, weight.shape[0], out_dtype))
-    if invariant(weight):
-        return matmul.dot_silu_mul_linear(gate_up, weight, residual, out_dtype=out_dtype)
     from draftgraph.kernels import ops
 
     return gemv(ops.silu_and_mul(gate_up), weight, residual=residual, out_dtype=out_dtype)

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from draftgraph.kernels._triton import cdiv, tl, triton
-from draftgraph.kernels.prologue import _NORM, _PLAIN, _SILU, _act_tile, _rms_prologue, norm_block
 
 
 class DotConfig(NamedTuple):
@@ -90,17 +89,12 @@ def _k_split(k: int, cfg: DotConfig) -> int:
 
 @triton.jit(do_not_specialize=["M"])  # M varies step to step: one compiled kernel for all
 def _dot_kernel(
-    x, res_in, norm_w, w, y, res_out, part, counters, bias, res, M, N, K, K_SPLIT, eps,
-    stride_xm, stride_rim, stride_rom, stride_wn, stride_ym, stride_rm,
-    MODE: tl.constexpr, HAS_RES_IN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, LAST_COMBINES: tl.constexpr,
+    x, w, y, part, bias, res, M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_ym, stride_rm,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    # The activation tile comes from the fused kernels' row-wise prologue (kernels/gemv.py):
-    # MODE 0: a = x. MODE 1: h = x (+ res_in), a = rmsnorm(h) * norm_w (the programs of
-    # column block 0, chunk 0 write h to res_out). MODE 2: x = [gate | up] of width 2K,
-    # a = silu(gate) * up. Rounded to the weight's dtype, then tensor cores.
     # Row blocks are the fastest grid axis: the programs that share a weight tile run
     # together, and all but the first read it from L2.
     pid_m = tl.program_id(0)
@@ -112,96 +106,51 @@ def _dot_kernel(
     mask_n = rn < N
     # tail columns re-read row N - 1 (their stores are masked): no N mask on weight loads
     w_rows = w + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
-    act_dtype = w.dtype.element_ty
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if MODE == 1:
-        rstd = _rms_prologue(x + rm.to(tl.int64)[:, None] * stride_xm, res_in, res_out, rm,
-                             mask_m, pid_n + pid_k, K, eps, stride_rim, stride_rom, HAS_RES_IN,
-                             BLOCK_M, NORM_BLOCK)
+    x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        mask_k = rk < k_hi
-        a = _act_tile(x, res_in, res_out, norm_w, rm, mask_m, rk, mask_k, rstd, K, stride_xm,
-                      stride_rim, act_dtype, MODE, HAS_RES_IN)
-        b = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        acc = tl.dot(a.to(act_dtype), tl.trans(b), acc, input_precision=PRECISION)
+        if EVEN_K:
+            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None], other=0.0)
+            b = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
+        else:
+            mask_k = rk < k_hi
+            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
-    done = SPLIT == 1
-    if SPLIT > 1:  # this chunk's partial: part [SPLIT, M, N] fp32
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            acc += tl.load(res + rm.to(tl.int64)[:, None] * stride_rm + rn[None, :],
+                           mask=mask, other=0.0).to(tl.float32)
+        tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                 acc.to(y.dtype.element_ty), mask=mask)
+    else:  # this chunk's partial: part [SPLIT, M, N] fp32
         tl.store(part + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :], acc, mask=mask)
-        if LAST_COMBINES:
-            # NOTE: the last of the SPLIT programs of this tile to arrive adds the partials,
-            # as the split-KV decode attention does (kernels/attention.py): the CTA barrier
-            # orders every thread's partial stores before the one atomic (release, gpu
-            # scope); the last program's acquire makes the others' stores visible to its
-            # loads; it resets the counter for the next launch.
-            tl.debug_barrier()
-            counter = counters + pid_m * tl.num_programs(1) + pid_n
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                acc = _sum_partials(part, rm, rn, mask, M, N, SPLIT)
-                _epilogue(acc, y, bias, res, rm, rn, mask, mask_n, stride_ym, stride_rm,
-                          HAS_BIAS, HAS_RES)
-                tl.store(counter, 0)
-    if done:
-        _epilogue(acc, y, bias, res, rm, rn, mask, mask_n, stride_ym, stride_rm, HAS_BIAS,
-                  HAS_RES)
-
-
-@triton.jit
-def _sum_partials(part, rm, rn, mask, M, N, SPLIT: tl.constexpr):
-    # part[0] + part[1] + ... + part[SPLIT - 1], in that order; .cg: other programs wrote them
-    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    acc = tl.load(part + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part + s * M.to(tl.int64) * N + offs, mask=mask, other=0.0,
-                       cache_modifier=".cg")
-    return acc
-
-
-@triton.jit
-def _epilogue(acc, y, bias, res, rm, rn, mask, mask_n, stride_ym, stride_rm,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        acc += tl.load(res + rm.to(tl.int64)[:, None] * stride_rm + rn[None, :],
-                       mask=mask, other=0.0).to(tl.float32)
-    tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-             acc.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _combine_kernel(part, y, bias, res, M, N, stride_ym, stride_rm, HAS_BIAS: tl.constexpr,
-                    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    # what the last-arriving program does, as a second launch (no counters at hand)
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rn < N
-    mask = (rm < M)[:, None] & mask_n[None, :]
-    acc = _sum_partials(part, rm, rn, mask, M, N, SPLIT)
-    _epilogue(acc, y, bias, res, rm, rn, mask, mask_n, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
-
-
-# Per device, the split-K arrival counters of one tile each (zero between launches: the last
-# program resets its own). Allocated outside graph capture; a launch with more tiles than
-# this, or captured before any eager launch made them, combines in a second kernel instead.
-MAX_TILES = 1 << 16
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    if tiles > MAX_TILES:
-        return None
-    c = _COUNTERS.get(device)
-    if c is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return c
+                    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    # y = part[0] + part[1] + ... + part[SPLIT - 1] (+ bias) (+ residual), in that order
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    size = M.to(tl.int64) * N
+    mask = offs < size
+    row = offs // N
+    col = offs % N
+    acc = tl.load(part + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part + s * size + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        acc += tl.load(res + row * stride_rm + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + row * stride_ym + col, acc.to(y.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -209,81 +158,46 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(mode: int, x, weight, bias=None, residual=None, *, norm_w=None, eps=0.0,
-            res_in=None, out_dtype=None, config=None, last_combines=True):
+def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
+               config: DotConfig | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N]), summed in
+    fp32 and rounded once to out_dtype (default x.dtype); each row as it would be alone."""
     n, k = weight.shape
     if x.dtype != weight.dtype:
         raise ValueError(f"dot_linear: activations are {x.dtype} but the weight is "
                          f"{weight.dtype}; cast one so both match (the model dtype)")
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    x2 = _rows(x, 2 * k if mode == _SILU else k)
+    x2 = _rows(x, k)
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    res_in = _rows(res_in, k) if res_in is not None else None
-    res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if res_in is not None else None
     if m == 0:
-        return y, res_out
+        return y.view(*x.shape[:-1], n)
     res = _rows(residual, n) if residual is not None else None
     cfg = config or dot_config(n, k)
     k_split = _k_split(k, cfg)
     split = cdiv(k, k_split)  # chunks that hold keys (a tiny K may need fewer than split_k)
-    grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    counters = _counters(x.device, grid[0] * grid[1]) if split > 1 and last_combines else None
     dummy = y
-    _dot_kernel[grid](
-        x2, res_in if res_in is not None else dummy, norm_w if norm_w is not None else dummy,
-        weight, y, res_out if res_out is not None else dummy, part,
-        counters if counters is not None else dummy, bias if bias is not None else dummy,
-        res if res is not None else dummy, m, n, k, k_split, eps,
-        x2.stride(0), res_in.stride(0) if res_in is not None else 0,
-        res_out.stride(0) if res_out is not None else 0, weight.stride(0), y.stride(0),
-        res.stride(0) if res is not None else 0,
-        MODE=mode, HAS_RES_IN=res_in is not None, HAS_BIAS=bias is not None,
-        HAS_RES=res is not None, SPLIT=split, LAST_COMBINES=counters is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    _dot_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)](
+        x2, weight, y, part, bias if bias is not None else dummy,
+        res if res is not None else dummy, m, n, k, k_split,
+        x2.stride(0), weight.stride(0), y.stride(0), res.stride(0) if res is not None else 0,
+        HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split,
+        EVEN_K=k_split * split == k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        NORM_BLOCK=norm_block(k, cfg.block_m, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1 and counters is None:
-        _combine_kernel[(grid[0], grid[1])](
+    if split > 1:
+        block = 1024
+        _combine_kernel[(cdiv(m * n, block),)](
             part, y, bias if bias is not None else dummy, res if res is not None else dummy,
             m, n, y.stride(0), res.stride(0) if res is not None else 0,
-            HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split, BLOCK=block,
+            num_warps=4,
         )
-    return y, res_out
-
-
-def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
-               config: DotConfig | None = None, last_combines: bool = True) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N]), summed in
-    fp32 and rounded once to out_dtype (default x.dtype); each row as it would be alone.
-    last_combines=False adds split-K's partials in a second kernel (the same sum)."""
-    y, _ = _launch(_PLAIN, x, weight, bias, residual, out_dtype=out_dtype, config=config,
-                   last_combines=last_combines)
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def dot_rmsnorm_linear(x, norm_weight, eps, weight, bias=None, residual=None, *,
-                       config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gemv.rmsnorm_gemv` batch-invariantly: (y, new residual); h = x (+ residual),
-    y = (rmsnorm(h) * norm_weight) @ W^T (+ bias); the new residual is h (x itself without
-    `residual`)."""
-    y, res_out = _launch(_NORM, x, weight, bias, norm_w=norm_weight, eps=eps, res_in=residual,
-                         config=config)
-    return (y.view(*x.shape[:-1], weight.shape[0]),
-            res_out.view(x.shape) if res_out is not None else x)
-
-
-def dot_silu_mul_linear(gate_up, weight, residual=None, *, out_dtype=None,
-                        config=None) -> torch.Tensor:
-    """`gemv.silu_mul_gemv` batch-invariantly: (silu(gate) * up) @ W^T (+ residual)."""
-    y, _ = _launch(_SILU, gate_up, weight, None, residual, out_dtype=out_dtype, config=config)
-    return y.view(*gate_up.shape[:-1], weight.shape[0])
+    return y.view(*x.shape[:-1], n)
 
 
 def dot_linear_ref(x, weight, bias=None, residual=None, *, out_dtype=None) -> torch.Tensor:

@@ -155,8 +155,6 @@ class LlamaDecoderLayer(nn.Module):
         # it is measured to pay (kernels/gemv.py; the row-parallel o and down under TP too,
         # distributed/layers.py); everything else runs the plain chain
         fuse = gemv.pays(x.shape[0], attn.qkv_proj.weight)
-        # the batch-invariant matmul (`--deterministic`) folds the norms and SwiGLU in too
-        prologue = fuse or gemv.invariant(attn.qkv_proj.weight)
         ln = self.input_layernorm
         if fuse and backend.fused_kv_store and cos_sin_cache.shape[-1] == attn.head_dim:
             # norm, qkv, RoPE and the KV store in one launch; then attention alone
@@ -169,7 +167,7 @@ class LlamaDecoderLayer(nn.Module):
             q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
             o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
         else:
-            if prologue:
+            if fuse:
                 qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
                                                   attn.qkv_proj.bias, residual)
             else:
@@ -179,7 +177,7 @@ class LlamaDecoderLayer(nn.Module):
                 qkv = gemv.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
             o = attn.attend(qkv, fb, backend, cos_sin_cache)
         h = attn.o_proj(o)
-        if prologue:
+        if fuse:
             gate_up, residual = gemv.rmsnorm_gemv(h, self.post_attention_layernorm.weight,
                                                   self.post_attention_layernorm.eps,
                                                   mlp.gate_up_proj.weight, None, residual)
@@ -268,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         norm and LM head as one fused kernel (kernels/gemv.py)."""
         if residual is not None:
             w = self.lm_head_weight
-            if self.tp.size == 1 and (gemv.pays(hidden.shape[0], w) or gemv.invariant(w)):
+            if self.tp.size == 1 and gemv.pays(hidden.shape[0], w):
                 logits, _ = gemv.rmsnorm_gemv(hidden, self.norm.weight, self.norm.eps, w,
                                               None, residual)
                 return logits.float()
