@@ -135,7 +135,8 @@ def engine() -> None:
         target = load_model(f"random:{model}", device="cuda", dtype=torch.bfloat16)
         out = {"benchmark": "deterministic_cost", **run_header(), "model": f"random:{model}",
                "shape": model_shape(target.config), "context": ctx, "arms": []}
-        sizes = [1, 32, 64] if model != "llama-3.1-8b" else [1, 32]
+        sizes = [int(b) for b in os.environ.get("BATCHES", "").split(",") if b] or (
+            [1, 32, 64] if model != "llama-3.1-8b" else [1, 32])
         for det in (False, True):
             for bs in sizes:
                 for name, spec in (("plain", SpecConfig()),
@@ -157,10 +158,10 @@ def engine() -> None:
                     arm = {"deterministic": det, "batch": bs, "arm": name, "ms_per_step": ms}
                     out["arms"].append(arm)
                     print(f"{model} det={det} bs={bs} {name}: {ms:.3f} ms/step", flush=True)
+                    with open(os.path.join(OUT, f"det_cost_{model}_h200.json"), "w") as f:
+                        json.dump(out, f, indent=1)  # after every arm: a cut run keeps them
                     del e
                     torch.cuda.empty_cache()
-        with open(os.path.join(OUT, f"det_cost_{model}_h200.json"), "w") as f:
-            json.dump(out, f, indent=1)
         del target
         torch.cuda.empty_cache()
 
