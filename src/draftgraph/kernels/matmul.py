@@ -8,9 +8,8 @@ How: ONE config per weight shape (N, K), never chosen by M (`dot_config`). A pro
 [BLOCK_M, BLOCK_N] tile of the output and walks K with tensor cores (tl.dot accumulating into
 its fp32 tile), rows past M masked to zero, so every row takes the same instructions in the
 same order whatever M is. Long K splits into `split_k` chunks of a fixed length (more
-programs streaming the weight at small M); each chunk's fp32 partial goes to scratch and the
-last program of the tile to arrive adds the chunks in order 0, 1, ..., then bias and residual,
-and rounds once (a second kernel does the same sum where no arrival counters are at hand).
+programs streaming the weight at small M); each chunk's fp32 partial goes to scratch and a
+second kernel adds the chunks in order 0, 1, ..., then bias and residual, and rounds once.
 cuBLAS is what this replaces on that path: it picks kernels (and split-K) by M, so a row of
 a 5-row verify step and the same row decoded alone differ in their last bits.
 
@@ -90,11 +89,11 @@ def _k_split(k: int, cfg: DotConfig) -> int:
 
 @triton.jit(do_not_specialize=["M"])  # M varies step to step: one compiled kernel for all
 def _dot_kernel(
-    x, w, y, part, counters, bias, res, M, N, K, K_SPLIT,
+    x, w, y, part, bias, res, M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_ym, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    LAST_COMBINES: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # Row blocks are the fastest grid axis: the programs that share a weight tile run
     # together, and all but the first read it from L2.
@@ -124,40 +123,15 @@ def _dot_kernel(
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT == 1:
-        _epilogue(acc, y, bias, res, rm, rn, mask, mask_n, stride_ym, stride_rm, HAS_BIAS,
-                  HAS_RES)
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            acc += tl.load(res + rm.to(tl.int64)[:, None] * stride_rm + rn[None, :],
+                           mask=mask, other=0.0).to(tl.float32)
+        tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                 acc.to(y.dtype.element_ty), mask=mask)
     else:  # this chunk's partial: part [SPLIT, M, N] fp32
         tl.store(part + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :], acc, mask=mask)
-        if LAST_COMBINES:
-            # NOTE: the last of the tile's SPLIT programs to arrive adds the partials, as the
-            # split-KV decode attention does (kernels/attention.py): the CTA barrier orders
-            # every thread's partial stores before the one atomic (release, gpu scope); the
-            # last program's acquire makes the others' stores visible to its loads; it
-            # resets the counter for the next launch (a graph replay needs no memset).
-            tl.debug_barrier()
-            counter = counters + pid_m * tl.num_programs(1) + pid_n
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-                acc = tl.load(part + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT):  # in order, as _combine_kernel adds
-                    acc += tl.load(part + s * M.to(tl.int64) * N + offs, mask=mask,
-                                   other=0.0, cache_modifier=".cg")
-                _epilogue(acc, y, bias, res, rm, rn, mask, mask_n, stride_ym, stride_rm,
-                          HAS_BIAS, HAS_RES)
-                tl.store(counter, 0)
-
-
-@triton.jit
-def _epilogue(acc, y, bias, res, rm, rn, mask, mask_n, stride_ym, stride_rm,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        acc += tl.load(res + rm.to(tl.int64)[:, None] * stride_rm + rn[None, :],
-                       mask=mask, other=0.0).to(tl.float32)
-    tl.store(y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-             acc.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -179,22 +153,6 @@ def _combine_kernel(part, y, bias, res, M, N, stride_ym, stride_rm, HAS_BIAS: tl
     tl.store(y + row * stride_ym + col, acc.to(y.dtype.element_ty), mask=mask)
 
 
-# Per device, split-K's arrival counters, one per output tile (zero between launches: the
-# last program resets its own). Allocated outside graph capture; a launch with more tiles,
-# or captured before any eager launch made them, adds the partials in a second kernel.
-MAX_TILES = 1 << 16
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    if tiles > MAX_TILES:
-        return None
-    c = _COUNTERS.get(device)
-    if c is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return c
-
-
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     t2 = t.reshape(-1, width)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -202,10 +160,9 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
-               config: DotConfig | None = None, last_combines: bool = True) -> torch.Tensor:
+               config: DotConfig | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N]), summed in
-    fp32 and rounded once to out_dtype (default x.dtype); each row as it would be alone.
-    last_combines=False: split-K's partials added by a second kernel (the same sum)."""
+    fp32 and rounded once to out_dtype (default x.dtype); each row as it would be alone."""
     n, k = weight.shape
     if x.dtype != weight.dtype:
         raise ValueError(f"dot_linear: activations are {x.dtype} but the weight is "
@@ -222,21 +179,17 @@ def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     k_split = _k_split(k, cfg)
     split = cdiv(k, k_split)  # chunks that hold keys (a tiny K may need fewer than split_k)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)
-    counters = _counters(x.device, grid[0] * grid[1]) if split > 1 and last_combines else None
     dummy = y
-    _dot_kernel[grid](
-        x2, weight, y, part, counters if counters is not None else dummy,
-        bias if bias is not None else dummy,
+    _dot_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)](
+        x2, weight, y, part, bias if bias is not None else dummy,
         res if res is not None else dummy, m, n, k, k_split,
         x2.stride(0), weight.stride(0), y.stride(0), res.stride(0) if res is not None else 0,
         HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split,
-        EVEN_K=k_split * split == k, LAST_COMBINES=counters is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        EVEN_K=k_split * split == k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1 and counters is None:
+    if split > 1:
         block = 1024
         _combine_kernel[(cdiv(m * n, block),)](
             part, y, bias if bias is not None else dummy, res if res is not None else dummy,
