@@ -136,7 +136,7 @@ def _attend_split(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # keys lo .. hi of a row's list in BLOCK_N tiles: (normalised output, log2-sum-exp, seen)
+    # keys lo .. hi of a row's list in BLOCK_N tiles: (normalised output, log2-sum-exp)
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + -1.0e30
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -149,7 +149,7 @@ def _attend_split(
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    return out, lse, seen
+    return out, lse
 
 
 @triton.jit
@@ -211,7 +211,7 @@ def _decode_split_kernel(
         split_len = (kv_len + NUM_SPLITS * BLOCK_N - 1) // (NUM_SPLITS * BLOCK_N) * BLOCK_N
         split_len = tl.maximum(split_len, MIN_TILES * BLOCK_N)
         lo = split * split_len
-        out, lse, seen = _attend_split(
+        out, lse = _attend_split(
             q_tile, qpos, h_mask, k_cache, v_cache, kv_indices + row0, kv_first, lo,
             tl.minimum(kv_len, lo + split_len), hkv, stride_ks, stride_kh, stride_vs, stride_vh,
             sm_scale_log2, window, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
@@ -226,7 +226,7 @@ def _decode_split_kernel(
     else:
         live = tl.cdiv(kv_len, SPLIT_LEN)
         for s in range(split, live, NUM_SPLITS):
-            out, lse, seen = _attend_split(
+            out, lse = _attend_split(
                 q_tile, qpos, h_mask, k_cache, v_cache, kv_indices + row0, kv_first,
                 s * SPLIT_LEN, tl.minimum(kv_len, (s + 1) * SPLIT_LEN), hkv, stride_ks,
                 stride_kh, stride_vs, stride_vh, sm_scale_log2, window, HEAD_DIM, BLOCK_H,

@@ -15,7 +15,7 @@ a 5-row verify step and the same row decoded alone differ in their last bits.
 
 Every M takes this kernel, prefill included (a prompt's KV then does not depend on what was
 prefilled with it). Its price against cuBLAS and the fused single-row kernels is measured in
-benchmarks/NOTES.md ("Deterministic mode").
+benchmarks/NOTES.md ("`--deterministic`: batch invariance on the GPU").
 
 NOTE: block sizes come from `DOT_TUNED` / `dot_config`, never from run-time autotuning: the
 kernel is captured in CUDA graphs, and a row's bits depend on the config.

@@ -88,7 +88,6 @@ class ModelExecutor:
         if exact_rows is not None or deterministic:
             gemv.mark_exact_rows(model, gemv.EXACT_ROWS_MAX_M if exact else 0)
             gemv.mark_invariant(model, deterministic)
-        self.deterministic = deterministic
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads,
                                     max_num_tokens=max_num_tokens, invariant=deterministic)
