@@ -96,3 +96,65 @@ def test_heuristic_config_ignores_m():
     assert MM.dot_config(4096, 14336).split_k > 1
     assert MM.dot_config(128256, 4096).split_k == 1
     assert MM._k_split(14336, MM.dot_config(4096, 14336)) % 64 == 0
+
+
+# ---- the paired epilogues (SwiGLU, RoPE + KV store), split-K's combine, the two sides ------
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("cfg", sorted(CFGS))
+def test_dot_swiglu_matches_twin(dtype, cfg):
+    inter = 24  # 2I = 48 weight rows; pairs (c, c + 24) split over column tiles
+    x = randn(20, K, dtype=dtype)
+    w = randn(2 * inter, K, dtype=dtype, seed=1, scale=K ** -0.5)
+    act = MM.dot_swiglu(x, w, config=CFGS[cfg])
+    assert act.shape == (20, inter)
+    torch.testing.assert_close(act.float(), MM.dot_swiglu_ref(x, w).float(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("cfg", sorted(CFGS))
+def test_dot_qkv_rope_matches_twin_with_its_kv_stores(dtype, cfg):
+    hq, hkv, hd, t = 4, 2, 16, 7
+    x = randn(t, K, dtype=dtype)
+    w = randn((hq + 2 * hkv) * hd, K, dtype=dtype, seed=1, scale=K ** -0.5)
+    bias = randn(w.shape[0], dtype=dtype, seed=2)
+    freqs = torch.outer(torch.arange(64.0), 1e4 ** -(torch.arange(0, hd, 2) / hd))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)  # [max_pos, hd]
+    positions = torch.tensor([0, 3, 9, 10, 33, 34, 63], device=DEVICE)
+    loc = torch.tensor([5, 1, 7, 2, 9, 3, 0], device=DEVICE)
+    caches = [torch.zeros(12, hkv, hd, dtype=dtype, device=DEVICE) for _ in range(4)]
+    qkv = MM.dot_qkv_rope(x, w, bias, positions, cos_sin, caches[0], caches[1], loc, hq, hkv,
+                          config=CFGS[cfg])
+    qkv_ref = MM.dot_qkv_rope_ref(x, w, bias, positions, cos_sin, caches[2], caches[3], loc,
+                                  hq, hkv)
+    tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(qkv.float(), qkv_ref.float(), **tol)
+    torch.testing.assert_close(caches[0].float(), caches[2].float(), **tol)  # k slots
+    torch.testing.assert_close(caches[1].float(), caches[3].float(), **tol)  # v slots
+    assert caches[0][loc].abs().sum() > 0 and not caches[0][[4, 6, 8, 10, 11]].any()
+
+
+@pytest.mark.parametrize("cfg", sorted(CFGS))
+def test_paired_rows_do_not_depend_on_the_batch(cfg):
+    """SwiGLU's pairs and split-K's combine are per row: row i of an M-row call is bitwise
+    row i alone or among other batch-mates."""
+    x = randn(20, K, dtype=torch.float16)
+    w = randn(48, K, dtype=torch.float16, seed=1, scale=K ** -0.5)
+    act = MM.dot_swiglu(x, w, config=CFGS[cfg])
+    for i in (0, 7, 19):
+        assert torch.equal(MM.dot_swiglu(x[i : i + 1], w, config=CFGS[cfg])[0], act[i]), i
+    mates = torch.cat([randn(4, K, dtype=torch.float16, seed=16), x[7:8]])
+    assert torch.equal(MM.dot_swiglu(mates, w, config=CFGS[cfg])[-1], act[7])
+
+
+def test_split_k_adds_every_chunk_in_order():
+    """Split-K's partials are added by the second launch in chunk order: the one-chunk sum to
+    rounding (a combine that dropped a chunk would be far off), the same bits every launch."""
+    x = randn(20, K, dtype=torch.float32)
+    w = randn(48, K, dtype=torch.float32, seed=1, scale=K ** -0.5)
+    runs = [MM.dot_swiglu(x, w, config=CFGS["split_k"]) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    torch.testing.assert_close(runs[0], MM.dot_swiglu(x, w, config=CFGS["one_chunk"]),
+                               atol=1e-5, rtol=1e-5)
