@@ -73,7 +73,8 @@ def main() -> int:
     ap.add_argument("--tokens", default="512,4096")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--arms", default="graphs,eager")
+    ap.add_argument("--arms", default="graphs,eager",
+                    help="graphs, eager; a _det suffix runs the arm with --deterministic")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     lens = [int(x) for x in args.tokens.split(",")]
@@ -81,7 +82,8 @@ def main() -> int:
     loaded = load_model(args.model, device="cuda", dtype=getattr(torch, args.dtype))
     engines = {arm: LLMEngine(EngineConfig(
         model=args.model, device="cuda", dtype=args.dtype,
-        prefill_graph_tokens=max(lens) if arm == "graphs" else 0,
+        prefill_graph_tokens=max(lens) if arm.startswith("graphs") else 0,
+        deterministic=arm.endswith("_det"),
         cache=CacheConfig(kv_cache_tokens=max(lens) * 2 + 1024),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max(lens),
                                   max_model_len=max(lens) + 64)), loaded=loaded)

@@ -156,11 +156,6 @@ def mark_invariant(module: torch.nn.Module, on: bool = True) -> None:
         setattr(p, INVARIANT_ATTR, on)
 
 
-def invariant(weight: torch.Tensor) -> bool:
-    """Whether products with `weight` take the batch-invariant kernels (CUDA, marked)."""
-    return weight.is_cuda and getattr(weight, INVARIANT_ATTR, False)
-
-
 def wants_exact_rows(module: torch.nn.Module) -> bool:
     """"auto": exact rows for a model whose weights are at most EXACT_ROWS_MAX_BYTES."""
     return sum(p.numel() * p.element_size() for p in module.parameters()) <= EXACT_ROWS_MAX_BYTES
@@ -629,7 +624,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     from the lone row (MKL/oneDNN pick other kernels by M, and which ones depends on the CPU),
     so a verify row equals the decode row at its position only this way. It costs a weight
     read per row, hence opt-in."""
-    if x.is_cuda and invariant(weight):
+    if x.is_cuda and getattr(weight, INVARIANT_ATTR, False):
         return matmul.dot_linear(x, weight, bias)
     mm = getattr(weight, PACKED_ATTR, None) or F.linear
     m = x.numel() // max(x.shape[-1], 1)
@@ -647,7 +642,7 @@ def _linear(x, weight, bias, out_dtype) -> torch.Tensor:
     if not x.is_cuda:
         return F.linear(x.to(out_dtype), weight.to(out_dtype),
                         bias.to(out_dtype) if bias is not None else None)
-    if invariant(weight):
+    if getattr(weight, INVARIANT_ATTR, False):
         return matmul.dot_linear(x, weight, bias, out_dtype=out_dtype)
     y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)
     y = y.view(*x.shape[:-1], weight.shape[0])

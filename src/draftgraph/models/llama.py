@@ -31,7 +31,7 @@ from draftgraph.distributed.layers import (
 )
 from draftgraph.distributed.parallel import TPInfo, current_tp
 from draftgraph.distributed.sharding import attention_shard, split_evenly, vocab_shard
-from draftgraph.kernels import gemv, matmul, ops
+from draftgraph.kernels import gemv, ops
 from draftgraph.models.config import ModelConfig
 
 
@@ -151,8 +151,6 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, fb, backend, cos_sin_cache):
         attn, mlp = self.self_attn, self.mlp
-        if gemv.invariant(attn.qkv_proj.weight):
-            return self._invariant_forward(x, residual, fb, backend, cos_sin_cache)
         # single-row steps on a GPU fuse norm into the projections and SwiGLU into down where
         # it is measured to pay (kernels/gemv.py; the row-parallel o and down under TP too,
         # distributed/layers.py); everything else runs the plain chain
@@ -189,27 +187,6 @@ class LlamaDecoderLayer(nn.Module):
                 return mlp.down_proj(mlp.split_activation(h)), residual
             gate_up = gemv.linear(h, mlp.gate_up_proj.weight)
         return mlp.down_proj(gate_up, silu_mul=True), residual
-
-    def _invariant_forward(self, x, residual, fb, backend, cos_sin_cache):
-        """`--deterministic` on a GPU, every M: the batch-invariant kernels (kernels/matmul.py)
-        after the row-wise norms: qkv + RoPE + KV store, o, gate_up + SwiGLU, down."""
-        attn, mlp = self.self_attn, self.mlp
-        h, residual = self.input_layernorm(x, residual)
-        if residual is None:
-            residual = x
-        w, bias = attn.qkv_proj.weight, attn.qkv_proj.bias
-        if backend.fused_kv_store and cos_sin_cache.shape[-1] == attn.head_dim:
-            pool = backend.kv_pool
-            qkv = matmul.dot_qkv_rope(h, w, bias, fb.positions, cos_sin_cache,
-                                      pool.k_buffers[attn.layer_id],
-                                      pool.v_buffers[attn.layer_id], fb.out_cache_loc,
-                                      attn.num_heads, attn.num_kv_heads)
-            q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
-            o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
-        else:
-            o = attn.attend(matmul.dot_linear(h, w, bias), fb, backend, cos_sin_cache)
-        h, residual = self.post_attention_layernorm(attn.o_proj(o), residual)
-        return mlp.down_proj(matmul.dot_swiglu(h, mlp.gate_up_proj.weight)), residual
 
 
 @dataclass
