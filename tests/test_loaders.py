@@ -327,3 +327,24 @@ def test_random_preset_caps_the_rope_cache(monkeypatch):
         load_model("random:llama-3.2-1b", max_model_len=1024)
     assert seen["max_pos"] == 1024
     assert presets.PRESETS["llama-3.2-1b"].max_position_embeddings == 131072  # not mutated
+
+
+def test_building_a_model_imports_neither_dynamo_nor_sympy():
+    """The empty model on the meta device, then on the CPU: torch's meta-device paths for
+    normal_, arange and empty_like import torch._dynamo / sympy, 2-4 s of every start on a
+    2-core CPU before the weights are read (the embedding's init, the rope cache and
+    `to_empty` each did). A fresh interpreter: this one may have imported them already."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from draftgraph.models.config import ModelConfig\n"
+            "from draftgraph.models.loader import empty_model\n"
+            "cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, "
+            "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)\n"
+            "m = empty_model(cfg, 'cpu', torch.float32)\n"
+            "assert m.embed_tokens.weight.device.type == 'cpu'\n"
+            "print(sorted(k for k in ('torch._dynamo', 'sympy') if k in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == "[]", out

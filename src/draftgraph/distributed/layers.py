@@ -51,6 +51,12 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_size = vocab_size
         self.tp = tp
 
+    def reset_parameters(self) -> None:
+        # nothing to draw on the meta device (`loader.empty_model`: weights are loaded next),
+        # where torch's normal_ imports torch._dynamo: 1.6-3 s of every start on a CPU
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)

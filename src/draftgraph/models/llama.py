@@ -38,7 +38,11 @@ from draftgraph.models.config import ModelConfig
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] fp32, with Llama-3 or linear scaling applied."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # on the CPU whatever the default device: under `torch.device("meta")` (loader.empty_model)
+    # torch's arange takes a path that imports torch._dynamo, 1.4-3 s of every start (the
+    # callers move the result)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64,
+                                                      device="cpu") / dim))
     scaling = cfg.rope_scaling or {}
     rtype = scaling.get("rope_type", scaling.get("type"))
     if rtype == "llama3":
@@ -60,10 +64,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
-    """[max_pos, head_dim] fp32: cos in the first half, sin in the second."""
+    """[max_pos, head_dim] fp32: cos in the first half, sin in the second; on the default
+    device (computed on the CPU; left there when the default is meta, whose tensors hold no
+    values anyway)."""
     inv_freq = rope_inv_freq(cfg).double()
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64, device="cpu"), inv_freq)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+    device = torch.get_default_device()
+    return cache if device.type == "meta" else cache.to(device)
 
 
 class RMSNorm(nn.Module):
