@@ -19,7 +19,9 @@ length instead:
     python benchmarks/bench_accept.py --arms plain,chain@runs/a/head,chain@runs/b/head ...
 
 `--sets` is JSON {set name: [[prompt token ids], ...]} (chat-templated MT-Bench first turns,
-HumanEval, held-out ShareGPT for the default model). Greedy unless --temperature.
+HumanEval, held-out ShareGPT for the default model). Greedy unless --temperature. A run of
+fewer prompts than a set holds takes them evenly spaced over it (`--pick spread`; MT-Bench's
+first 20, which the runs before 2026-12-03 took, are its writing and role-play questions).
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.loader import load_model
 
 
+def pick(prompts: list, n: int, how: str) -> list:
+    """n of the prompts: the first n, or n evenly spaced over the whole list."""
+    if how == "first" or n >= len(prompts):
+        return prompts[:n]
+    return [prompts[i * len(prompts) // n] for i in range(n)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
@@ -47,6 +56,10 @@ def main() -> int:
     ap.add_argument("--sets", required=True)
     ap.add_argument("--only", default=None, help="comma-separated set names")
     ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--pick", choices=["spread", "first"], default="spread",
+                    help="spread: num-prompts evenly spaced over the set (MT-Bench's questions "
+                    "come in category order: its first 20 are writing and role play); first: "
+                    "the set's first num-prompts (the runs before 2026-12-03)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--k", type=int, default=4)
@@ -72,9 +85,10 @@ def main() -> int:
     out = {"benchmark": "accept", **run_header(a.device or "cpu"), "model": a.model,
            "head": a.head, "block_head": a.block_head, "block_size": a.block_size, "k": a.k,
            "max_tokens": a.max_tokens, "batch": a.batch, "quantization": a.quantization,
+           "pick": a.pick,
            "temperature": a.temperature, "model_shape": model_shape(loaded.config), "sets": {}}
     for name in names:
-        prompts = sets[name][: a.num_prompts]
+        prompts = pick(sets[name], a.num_prompts, a.pick)
         res, plain_tokens = {}, None
         for arm in arms:
             kind, _, head = arm.partition("@")
