@@ -22,6 +22,7 @@ import sys
 
 import torch
 from _meta import model_shape, run_header
+from bench_accept import pick
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
@@ -63,6 +64,8 @@ def main() -> int:
     ap.add_argument("--head", required=True)
     ap.add_argument("--sets", required=True)
     ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--pick", choices=["spread", "first"], default="spread",
+                    help="as bench_accept.py's (first: the runs before 2026-12-03)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -79,7 +82,7 @@ def main() -> int:
            "sets": {}}
     block = head_kind(a.head) == "block"
     for name, prompts in sets.items():
-        prompts = prompts[: a.num_prompts]
+        prompts = pick(prompts, a.num_prompts, a.pick)
         engine = LLMEngine(EngineConfig(
             model=a.model, device="cpu",
             cache=CacheConfig(kv_cache_tokens=len(prompts) * 1200),
