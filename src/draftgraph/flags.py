@@ -126,10 +126,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "step (auto: on for models of at most 1 GiB of weights; default: on "
                         "with --quantization int4, else off)")
     e.add_argument("--deterministic", action="store_true",
-                   help="batch invariance: a request's tokens do not depend on what it is "
-                        "batched with (GPU: batch-invariant matmul and decode attention "
-                        "plan; CPU: implies --exact-rows on), so bf16 speculation equals "
-                        "plain decoding at any batch size; costs time per step")
+                   help="batch invariance on a GPU: a request's tokens do not depend on "
+                        "what it is batched with (batch-invariant matmul and decode "
+                        "attention plan), so bf16 speculation equals plain decoding at any "
+                        "batch size; costs time per step. On a CPU it only implies "
+                        "--exact-rows on (equal at batch 1, not batch-invariant)")
     e.add_argument("--quantization", choices=["none", "int4"], default="none",
                    help="int4: the projections and LM head read 4-bit weights in groups of 32 "
                         "(CPU only: 6.4x fewer bytes per projection; approximate, no "
