@@ -10,7 +10,6 @@ import json
 import os
 import sys
 
-sys.path.insert(0, "benchmarks")
 import bench_cpu
 from _meta import run_header
 
