@@ -14,10 +14,13 @@ CONC=${CONCURRENCY:-1 16 64 128}
 for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   for arm in ${ARMS:-plain}; do
     # arms: plain (the defaults: on a GPU the engine in its own process), thread (the engine
-    # on a thread of the server process), ngram
+    # on a thread of the server process), ngram, si<seconds> (plain with the engine process's
+    # GIL switch interval set: DRAFTGRAPH_ENGINE_SWITCH_INTERVAL), api<N> (plain with N
+    # API-server processes: --api-server-count N)
     extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
     [ $arm = thread ] && extra="--engine-process off"
-    python3 -m draftgraph.cli serve random:$m --port 8123 $extra \
+    si=""; case $arm in si*) si=${arm#si} ;; api*) extra="--api-server-count ${arm#api}" ;; esac
+    DRAFTGRAPH_ENGINE_SWITCH_INTERVAL=$si python3 -m draftgraph.cli serve random:$m --port 8123 $extra \
       > "/tmp/server_${m}_$arm.log" 2>&1 &
     pid=$!
     for _ in $(seq 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
@@ -25,7 +28,8 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
       --base-url http://127.0.0.1:8123 --dataset random --random-input-len 512 \
       --random-output-len 128 --ignore-eos --num-prompts ${NUM_PROMPTS:-512} \
       --max-concurrency $CONC --plot --result-dir "$OUT" \
-      --device-label "NVIDIA H200 ($arm)" 2>&1 | tail -8
+      --device-label "NVIDIA H200 ($arm)" --result-file "serve-$m-$arm-$(date +%H%M%S).json" \
+      2>&1 | tail -8
     kill $pid; wait $pid 2>/dev/null
     grep -E "captured|KV cache|engine loop" "/tmp/server_${m}_$arm.log" | tail -5
   done

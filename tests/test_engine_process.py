@@ -95,7 +95,7 @@ def test_the_sender_merges_what_queued_while_the_pipe_was_full():
             gate.wait(10)
             sent.append(msg)
 
-    sender = _Sender(Pipe())
+    sender = _Sender([Pipe()])
     sender.put(("out", [_out("a", [1])], "snapshot 1"))  # taken at once, then blocked
     time.sleep(0.2)
     sender.put(("out", [_out("a", [2]), _out("b", [5])], "snapshot 2"))

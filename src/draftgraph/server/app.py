@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import threading
 import uuid
@@ -470,7 +471,8 @@ class OpenAIServer:
                 "speculative": spec.method,
                 "num_draft_tokens": spec.num_draft_tokens if spec.method else 0,
                 "kv_slots": admission.kv_capacity(self.engine),
-                "free_kv_slots": self.engine.num_free_kv_slots()}
+                "free_kv_slots": self.engine.num_free_kv_slots(),
+                "server_pid": os.getpid()}  # which API-server process answered
 
 
 class _APIKeyMiddleware:

@@ -52,6 +52,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="run the engine loop in its own process, so streaming responses never "
                         "hold the GIL the engine's steps need (auto: on a GPU; off: a thread "
                         "of the server process)")
+    h.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front-end processes sharing the port, all feeding the one engine "
+                        "process (vLLM's flag of the name): at high concurrency on a small "
+                        "model one process's event loop (HTTP, JSON, SSE) cannot keep up with "
+                        "the engine's tokens. Needs the engine in its own process; each "
+                        "process's /metrics counts the requests it served")
     h.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
                    help="seconds running requests may take to finish after SIGTERM before "
                         "their streams end with an error event")
@@ -79,9 +85,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_server(engine_config, server_config, loaded=None, engine_process: bool = False):
+def build_server(engine_config, server_config, loaded=None, engine_process: bool = False,
+                 api_server_count: int = 1):
     """(app, async_engine) for an engine config; loads the model (in a process of its own
-    with engine_process: server/engine_process.py)."""
+    with engine_process: server/engine_process.py; the pipes of the other API servers are
+    then the client's `links`)."""
     from draftgraph.server.app import build_app
 
     if engine_process:
@@ -89,13 +97,48 @@ def build_server(engine_config, server_config, loaded=None, engine_process: bool
 
         if loaded is not None:
             raise ValueError("an engine process loads its model itself: pass no loaded model")
-        async_engine = ProcessAsyncEngine(EngineClient.start(engine_config))
+        async_engine = ProcessAsyncEngine(EngineClient.start(
+            engine_config, num_api_servers=api_server_count))
     else:
         from draftgraph.engine.engine import LLMEngine
         from draftgraph.server.async_engine import AsyncEngine
 
         async_engine = AsyncEngine(LLMEngine(engine_config, loaded=loaded))
     return build_app(async_engine, server_config), async_engine
+
+
+def start_api_servers(client, sock: socket.socket, server_config, log_level: str) -> None:
+    """Spawn an API-server process for each of `client.links` (the primary's engine client),
+    serving on `sock` beside this one; the client stops them before the engine."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    count = len(client.links) + 1
+    for i, (commands, results) in enumerate(client.links, 1):
+        p = ctx.Process(target=run_api_server, name=f"draftgraph-api-{i}", daemon=False,
+                        args=(sock, commands, results, server_config, count, log_level))
+        p.start()
+        client.api_servers.append(p)
+        commands.close()  # theirs now: the engine sees EOF when that process goes
+        results.close()
+    client.links = []
+    client.drain_s = server_config.shutdown_timeout_s + 5
+
+
+def run_api_server(sock, commands, results, server_config, count: int, log_level: str) -> None:
+    """A secondary API server's process: the app over the engine the primary started."""
+    import uvicorn
+
+    from draftgraph.server.app import build_app
+    from draftgraph.server.engine_process import EngineClient, ProcessAsyncEngine
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("draftgraph").setLevel(logging.INFO)
+    app = build_app(ProcessAsyncEngine(EngineClient.attach(commands, results, count)),
+                    server_config)
+    uvicorn.Server(uvicorn.Config(
+        app, log_level=log_level,
+        timeout_graceful_shutdown=server_config.shutdown_timeout_s + 5)).run(sockets=[sock])
 
 
 def wants_engine_process(choice: str, device: str) -> bool:
@@ -122,18 +165,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                      max_body_bytes=args.max_body_bytes,
                                      body_read_timeout_s=args.body_read_timeout,
                                      shutdown_timeout_s=args.shutdown_timeout)
+        engine_process = wants_engine_process(args.engine_process, engine_config.device)
+        if args.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+        if args.api_server_count > 1 and not engine_process:
+            raise ValueError("--api-server-count above 1 needs the engine in its own process: "
+                             "add --engine-process on (the default only on a GPU)")
         sock = bind_socket(args.host, args.port)
     except ValueError as e:
         usage_error(args, str(e))
     apply_process_flags(args)
     try:
-        app, _ = build_server(engine_config, server_config, engine_process=wants_engine_process(
-            args.engine_process, engine_config.device))
+        app, ae = build_server(engine_config, server_config, engine_process=engine_process,
+                               api_server_count=args.api_server_count)
     except (ValueError, FileNotFoundError, ImportError, EngineError) as e:
         sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.getLogger("draftgraph").setLevel(logging.INFO)
+    if args.api_server_count > 1:
+        start_api_servers(ae.engine, sock, server_config, args.log_level)
     port = sock.getsockname()[1]
     print(f"draftgraph: serving {server_config.served_model_names[0]} on "
           f"http://{args.host}:{port}/v1", file=sys.stderr, flush=True)

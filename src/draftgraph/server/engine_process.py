@@ -24,6 +24,14 @@ per step shrinks and the engine never waits for it.
 
 When the engine process dies, every stream ends with an error and `/health` turns 503; when
 the server process goes away, the engine process sees its command pipe close and exits.
+
+`serve --api-server-count N` runs N server processes on one listening socket (the kernel hands
+each connection to one of them), each with its own pipe pair to the one engine process: the
+receiver waits on every command pipe, notes which one a request came on, and the sender
+routes its outputs back there (every pipe gets the counters). The first server process
+(the primary) started the engine and stops it, after the others; another one going away only
+aborts the requests it sent. Measured on the H200 (`benchmarks/NOTES.md`): 4 processes served
+a 135M model's 128 streams at 33.8k tokens/s against 21-28k for one; no change at 64 streams.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import operator
+import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -51,6 +61,10 @@ WIRE_FIELDS = ("request_id", "token_ids", "new_token_ids", "delta_text", "finish
                "finish_reason", "logprobs", "new_logprobs", "top_logprobs", "new_top_logprobs",
                "prompt_logprobs", "prompt_top_logprobs", "metrics", "error", "text")
 _wire_tuple = operator.attrgetter(*WIRE_FIELDS)
+
+# seconds; unset: Python's own 5 ms. The engine loop wakes from the GPU needing the GIL while
+# the sender or receiver thread may hold it (up to one interval before Python makes it yield)
+SWITCH_INTERVAL_ENV = "DRAFTGRAPH_ENGINE_SWITCH_INTERVAL"
 
 
 def to_wire(out: RequestOutput) -> tuple:
@@ -83,19 +97,24 @@ def _snapshot(engine) -> tuple:
 class _Sender:
     """The engine process's outgoing messages, sent by a thread of their own: the engine loop
     queues each step's outputs and goes on; the thread sends what has queued since its last
-    send as one message, a request's consecutive outputs merged into one (`merge_outputs`).
-    So when the server process falls behind (a full pipe), its work per step shrinks instead
-    of the engine waiting for it: fewer, larger outputs, no token lost or reordered."""
+    send as one message per API-server process, a request's consecutive outputs merged into
+    one (`merge_outputs`). So when a server process falls behind (a full pipe), its work per
+    step shrinks instead of the engine waiting for it: fewer, larger outputs, no token lost
+    or reordered. `owner` maps a request id to the index of the pipe it came on (absent: 0);
+    every pipe gets every message's counters, a pipe whose process has gone is skipped."""
 
-    def __init__(self, results) -> None:
-        self.results = results
+    def __init__(self, pipes: list, owner: dict[str, int] | None = None) -> None:
+        self.pipes: list = list(pipes)  # None once its process is gone
+        self.owner = owner if owner is not None else {}
         self.pending: deque = deque()
         self.ready = threading.Event()
+        self.cpu_s = 0.0  # the thread's CPU time, when it has stopped
         self.thread = threading.Thread(target=self._run, name="draftgraph-sender", daemon=True)
         self.thread.start()
 
     def put(self, item: tuple) -> None:
-        """("out", outputs, snapshot), ("failed", message), or ("stop",)."""
+        """("out", outputs, snapshot), ("failed", message), ("bye", pipe index): that API
+        server detached, its pipe is closed after what was queued before; or ("stop",)."""
         self.pending.append(item)
         self.ready.set()
 
@@ -114,57 +133,111 @@ class _Sender:
                     continue
                 self._flush(outputs, snapshot)
                 if item[0] == "stop":
+                    self.cpu_s = time.thread_time()
                     return
-                self.results.send(item)  # "failed": after the outputs queued before it
+                if item[0] == "bye":
+                    self._send(item[1], ("bye",))
+                    if self.pipes[item[1]] is not None:
+                        self.pipes[item[1]].close()
+                        self.pipes[item[1]] = None
+                    continue
+                for i in range(len(self.pipes)):  # "failed": after the outputs queued before
+                    self._send(i, item)
             self._flush(outputs, snapshot)
 
     def _flush(self, outputs: dict, snapshot) -> None:
-        if outputs:
-            self.results.send(("out", [to_wire(merge_outputs(outs[0], outs[1:]))
-                                   for outs in outputs.values()], snapshot))
-            outputs.clear()
+        if not outputs:
+            return
+        per_pipe: list[list[tuple]] = [[] for _ in self.pipes]
+        for rid, outs in outputs.items():
+            last = outs[-1]
+            i = self.owner.pop(rid, 0) if last.finished else self.owner.get(rid, 0)
+            per_pipe[i].append(to_wire(merge_outputs(outs[0], outs[1:])))
+        outputs.clear()
+        for i, wire in enumerate(per_pipe):
+            self._send(i, ("out", wire, snapshot))
+
+    def _send(self, i: int, msg: tuple) -> None:
+        pipe = self.pipes[i]
+        if pipe is None:
+            return
+        try:
+            pipe.send(msg)
+        except (OSError, ValueError):  # that API server is gone; the receiver aborts its work
+            self.pipes[i] = None
 
     def close(self) -> None:
         self.put(("stop",))
         self.thread.join(10)
 
 
-def _engine_main(config, commands, results, log_level: int, num_threads: int) -> None:
-    """The engine process: build the engine, say it is ready (or why it failed), then step."""
+def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
+    """The engine process: build the engine, tell every API server it is ready (or why it
+    failed), then step. `links`: (commands, results) pipe ends, one pair per API-server
+    process; the first is the primary's, whose "shutdown" (or going away) stops the engine."""
+    from multiprocessing.connection import wait
+
     from draftgraph.engine.engine import LLMEngine
 
     torch.set_num_threads(num_threads)  # the server process's (--threads)
+    if os.environ.get(SWITCH_INTERVAL_ENV):
+        sys.setswitchinterval(float(os.environ[SWITCH_INTERVAL_ENV]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("draftgraph").setLevel(log_level)
     try:
         engine = LLMEngine(config)
-        results.send(("ready", _facts(engine)))
+        ready = ("ready", _facts(engine))
     except BaseException as e:  # noqa: BLE001 - reported to the server process, which exits
-        results.send(("error", f"{type(e).__name__}: {e}"))
+        ready = ("error", f"{type(e).__name__}: {e}")
+    for _, results in links:
+        try:
+            results.send(ready)
+        except (OSError, ValueError):
+            pass
+    if ready[0] == "error":
         return
-    sender = _Sender(results)
+    owner: dict[str, int] = {}  # request id -> the link it came on (0 not stored)
+    sender = _Sender([results for _, results in links], owner)
     stop, wake = threading.Event(), threading.Event()
+    receiver_cpu_s = [0.0]
+
+    def detach(i: int) -> None:
+        """API server i is gone: abort the requests it sent (its streams are gone with it)."""
+        for rid in [rid for rid, j in list(owner.items()) if j == i]:
+            engine.abort(rid)
 
     def receive() -> None:
-        while True:
-            try:
-                msg = commands.recv()
-            except (EOFError, OSError):  # the server process is gone
-                break
-            if msg[0] == "add":
-                _, ids, params, request_id = msg
+        index = {id(commands): i for i, (commands, _) in enumerate(links)}
+        open_ = [commands for commands, _ in links]
+        while open_ and not stop.is_set():
+            for commands in wait(open_):
+                i = index[id(commands)]
                 try:
-                    engine.add_request(ids, params, request_id=request_id,
-                                       use_chat_template=False)
-                except Exception as e:  # noqa: BLE001 - the client checked; end this one only
-                    sender.put(("out", [RequestOutput.failed(request_id, str(e))],
-                                _snapshot(engine)))
-            elif msg[0] == "abort":
-                engine.abort(msg[1])
-            else:  # "shutdown"
-                break
-            wake.set()
+                    msg = commands.recv()
+                except (EOFError, OSError):  # that API server's process is gone
+                    msg = ("detach",)
+                if msg[0] == "add":
+                    _, ids, params, request_id = msg
+                    if i:
+                        owner[request_id] = i
+                    try:
+                        engine.add_request(ids, params, request_id=request_id,
+                                           use_chat_template=False)
+                    except Exception as e:  # noqa: BLE001 - the client checked; end this one
+                        sender.put(("out", [RequestOutput.failed(request_id, str(e))],
+                                    _snapshot(engine)))
+                elif msg[0] == "abort":
+                    engine.abort(msg[1])
+                elif msg[0] == "detach" and i:
+                    open_.remove(commands)
+                    detach(i)
+                    sender.put(("bye", i))
+                else:  # "shutdown", or the primary gone
+                    stop.set()
+                    break
+                wake.set()
+        receiver_cpu_s[0] = time.thread_time()
         stop.set()
         wake.set()
 
@@ -172,8 +245,9 @@ def _engine_main(config, commands, results, log_level: int, num_threads: int) ->
     times = run_steps(engine, stop, wake,
                       lambda outputs: sender.put(("out", outputs, _snapshot(engine))),
                       lambda message: sender.put(("failed", message)))
-    logger.info(times.summary())
     sender.close()
+    logger.info("%s; CPU s: sender thread %.2f, receiver %.2f (switch interval %.4f s)",
+                times.summary(), sender.cpu_s, receiver_cpu_s[0], sys.getswitchinterval())
     engine.shutdown()
 
 
@@ -181,12 +255,18 @@ def _engine_main(config, commands, results, log_level: int, num_threads: int) ->
 
 
 class EngineClient:
-    """The server's handle on an engine in another process: the attributes the server and
+    """An API server's handle on an engine in another process: the attributes the server and
     `admission` read, requests checked here and sent, the engine's counters as of its last
-    message. Thread-safe like LLMEngine's add_request / abort."""
+    message. Thread-safe like LLMEngine's add_request / abort.
 
-    def __init__(self, process, commands, results, facts: dict) -> None:
-        self.process = process
+    With several API-server processes (`serve --api-server-count N`) each holds one: the
+    primary's (`start`) owns the engine process and stops it; the others' (`attach`) only
+    detach. Each counts its own requests in flight against its share (1 / N, rounded down)
+    of the queue limit, --max-num-seqs + --max-waiting, so a refusal is an immediate 503."""
+
+    def __init__(self, process, commands, results, facts: dict,
+                 num_api_servers: int = 1) -> None:
+        self.process = process  # None in a secondary API server: the primary owns it
         self.commands = commands
         self.results = results
         self.config = facts["config"]
@@ -198,27 +278,42 @@ class EngineClient:
         self.tokenizer = facts["tokenizer"]
         self.source = facts["source"]
         self.num_threads = facts["num_threads"]  # torch's, in the engine process
+        sched = self.config.scheduler
+        # rounded down: the shares never add up to more than the engine itself admits
+        self.max_in_flight = max(1, (sched.max_num_seqs + sched.max_waiting) // num_api_servers)
         self.stats: dict = {}
         self._counts = (0, 0, self.kv_capacity)  # running, waiting, free KV slots
         self._prompts: dict[str, list[int]] = {}  # requests in flight: their prompt ids
         self._send_lock = threading.Lock()
         self.closed = False
+        self._gone = False  # the engine's pipe closed (a secondary's only sign of its death)
+        self.links: list[tuple] = []  # the primary: the other API servers' (commands, results)
+        self.api_servers: list = []  # the primary: their processes, stopped before the engine
+        self.drain_s = 0.0  # their --shutdown-timeout: how long each may take to stop
 
     @classmethod
-    def start(cls, config, log_level: int = logging.INFO,
-              timeout_s: float | None = None) -> EngineClient:
+    def start(cls, config, log_level: int = logging.INFO, timeout_s: float | None = None,
+              num_api_servers: int = 1) -> EngineClient:
         """Spawn the engine process (torch's thread count and the environment, so the weight
         cache switch, go with it) and wait until its engine is built; EngineError with the
-        engine's own message when it could not be."""
+        engine's own message when it could not be. With num_api_servers > 1 the other API
+        servers' pipe ends are in `links`, for `attach` in their processes."""
+        if num_api_servers < 1:
+            raise ValueError(f"num_api_servers must be >= 1, got {num_api_servers}")
         ctx = mp.get_context("spawn")  # CUDA cannot be initialised in a forked child
-        commands_recv, commands = ctx.Pipe(duplex=False)
-        results, results_send = ctx.Pipe(duplex=False)
+        ours, theirs = [], []
+        for _ in range(num_api_servers):
+            commands_recv, commands = ctx.Pipe(duplex=False)
+            results, results_send = ctx.Pipe(duplex=False)
+            ours.append((commands, results))
+            theirs.append((commands_recv, results_send))
         process = ctx.Process(target=_engine_main, name="draftgraph-engine",
-                              args=(config, commands_recv, results_send, log_level,
-                                    torch.get_num_threads()))
+                              args=(config, theirs, log_level, torch.get_num_threads()))
         process.start()
-        commands_recv.close()
-        results_send.close()
+        for commands_recv, results_send in theirs:
+            commands_recv.close()
+            results_send.close()
+        commands, results = ours[0]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not results.poll(0.1):
             if not process.is_alive():
@@ -231,7 +326,18 @@ class EngineClient:
         if kind == "error":
             process.join(10)
             raise EngineError(payload)
-        return cls(process, commands, results, payload)
+        client = cls(process, commands, results, payload, num_api_servers)
+        client.links = ours[1:]
+        return client
+
+    @classmethod
+    def attach(cls, commands, results, num_api_servers: int) -> EngineClient:
+        """In a secondary API server's process: the handle on the engine the primary
+        started, from the pipe ends the primary passed (`links`)."""
+        kind, payload = results.recv()  # the engine sends "ready" on every pipe
+        if kind == "error":
+            raise EngineError(payload)
+        return cls(None, commands, results, payload, num_api_servers)
 
     # ---- what the server reads ---------------------------------------------------------
     def encode_prompt(self, prompt, use_chat_template: bool = True,
@@ -267,10 +373,9 @@ class EngineClient:
 
         ids, params = admission.admit(self, prompt, params or SamplingParams(),
                                       use_chat_template)
-        sched = self.config.scheduler
-        if len(self._prompts) + 1 > sched.max_num_seqs + sched.max_waiting:
-            raise QueueFullError(f"{sched.max_waiting} requests are waiting (--max-waiting); "
-                                 "retry later")
+        if len(self._prompts) + 1 > self.max_in_flight:
+            raise QueueFullError(f"{self.config.scheduler.max_waiting} requests are waiting "
+                                 "(--max-waiting); retry later")
         request_id = request_id or uuid.uuid4().hex
         self._prompts[request_id] = ids
         try:
@@ -296,7 +401,14 @@ class EngineClient:
     def receive(self) -> tuple[str, object]:
         """The next message of the engine process, decoded: ("out", outputs) or
         ("failed", message); EOFError once it has exited. Call from one thread."""
-        msg = self.results.recv()
+        try:
+            msg = self.results.recv()
+        except (EOFError, OSError):
+            self._gone = True
+            raise
+        if msg[0] == "bye":  # detached (close): nothing more will come
+            self._gone = True
+            raise EOFError
         if msg[0] != "out":
             return msg
         outputs = []
@@ -309,23 +421,35 @@ class EngineClient:
         return "out", outputs
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine process: asked first, killed when it does not exit in time."""
+        """The primary: stop the other API servers (each drains its requests; up to
+        `timeout_s` + their --shutdown-timeout), then the engine process: asked first, killed
+        when it does not exit in time. A secondary: detach from the engine."""
         if self.closed:
             return
         self.closed = True
+        for p in self.api_servers:
+            p.terminate()  # SIGTERM: the server drains, as on a SIGTERM of its own
+        for p in self.api_servers:
+            p.join(timeout_s + self.drain_s)
+            if p.is_alive():
+                p.kill()
         try:
-            self._send(("shutdown",))
+            self._send(("shutdown",) if self.process is not None else ("detach",))
         except EngineError:
             pass
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            logger.warning("the engine process did not exit in %.0f s; killing it", timeout_s)
-            self.process.kill()
-            self.process.join(5)
+        if self.process is not None:
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                logger.warning("the engine process did not exit in %.0f s; killing it",
+                               timeout_s)
+                self.process.kill()
+                self.process.join(5)
         self.commands.close()
 
     @property
     def is_alive(self) -> bool:
+        if self.process is None:
+            return not self._gone
         return self.process.is_alive()
 
 
@@ -341,7 +465,8 @@ class ProcessAsyncEngine(AsyncEngine):
             except (EOFError, OSError):
                 if not self._stop.is_set():
                     logger.error("the engine process exited (code %s); failing the requests "
-                                 "in flight", client.process.exitcode)
+                                 "in flight", client.process.exitcode
+                                 if client.process is not None else "unknown")
                     self._call_in_loop(self._fail_all, "the engine process exited")
                 return
             if kind == "out":
