@@ -38,7 +38,7 @@ PROMPTS = ["List the planets of the solar system:", "def fib(n):", "The capital 
 
 def _config() -> EngineConfig:
     return EngineConfig(model="default", device="cpu", scheduler=SchedulerConfig(
-        max_num_seqs=4, max_waiting=13, max_model_len=1024))
+        max_num_seqs=4, max_waiting=20, max_model_len=1024))
 
 
 def _tokens(base_url: str, prompt: str, max_tokens: int, stream: bool) -> list[int]:
@@ -99,11 +99,18 @@ def test_two_api_servers_share_one_engine(default_model):
     want = {p: o.token_ids for p, o in zip(PROMPTS, reference.generate(
         PROMPTS, SamplingParams(max_tokens=16, temperature=0), use_chat_template=False),
         strict=True)}
-    primary = EngineClient.start(_config(), num_api_servers=2)
-    (commands, results), = primary.links
-    secondary = EngineClient.attach(commands, results, 2)
-    assert primary.max_in_flight == secondary.max_in_flight == 8  # (4 + 13) // 2
+    import asyncio
+
+    primary = EngineClient.start(_config(), num_api_servers=3)
+    (commands, results), idle_link = primary.links
+    secondary = EngineClient.attach(commands, results, 3)
+    assert primary.max_in_flight == secondary.max_in_flight == 8  # (4 + 20) // 3
     ae1, ae2 = ProcessAsyncEngine(primary), ProcessAsyncEngine(secondary)
+    # a third server that never serves: it must learn when the engine has gone
+    idle = ProcessAsyncEngine(EngineClient.attach(*idle_link, 3))
+    gone = threading.Event()
+    idle.on_engine_gone = gone.set
+    idle.start(asyncio.new_event_loop())
     st1 = ServerThread(build_app(ae1, ServerConfig(served_model_names=[MODEL]))).start()
     st2 = ServerThread(build_app(ae2, ServerConfig(served_model_names=[MODEL]))).start()
     try:
@@ -125,6 +132,12 @@ def test_two_api_servers_share_one_engine(default_model):
         assert len(got) == 12
         for (_, prompt, _), ids in got.items():
             assert ids == want[prompt], prompt
+        # either server's /metrics counts the requests of both (the other's within ~1 s)
+        for st in (st1, st2):
+            deadline = time.monotonic() + 10
+            while _finished(st) < 12 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _finished(st) == 12
 
         # a request in flight on the second server, which then goes away: the engine aborts
         # it, the first server keeps serving
@@ -151,6 +164,7 @@ def test_two_api_servers_share_one_engine(default_model):
         st1.stop()
         st2.stop()
     assert not primary.is_alive  # the primary stopped the engine process
+    assert gone.wait(30) and not idle.is_running  # and the idle server heard of it
 
 
 def test_more_api_servers_need_the_engine_process():
@@ -200,6 +214,13 @@ def test_serve_spawns_api_servers_on_one_port(default_gguf_path, tmp_path):
     while any(map(_running, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(_running, pids))  # the other API servers stopped with it
+
+
+def _finished(st) -> float:
+    """Requests finished, by /metrics (vllm:request_success_total, over its reasons)."""
+    text = httpx.get(st.base_url + "/metrics", timeout=30).text
+    return sum(float(ln.split()[-1]) for ln in text.splitlines()
+               if ln.startswith("vllm:request_success_total{"))
 
 
 def _running(pid: int) -> bool:

@@ -610,6 +610,28 @@ def _drain_on_signals(server: OpenAIServer) -> None:
         signal.signal(sig, handler)
 
 
+METRICS_SHARE_S = 1.0  # how often an API server sends its request metrics to the others
+
+
+async def _share_metrics(client, metrics: ServerMetrics) -> None:
+    """With several API servers on one engine: this one's request metrics to the others
+    (through the engine process) every METRICS_SHARE_S while they change."""
+    last = None
+    while True:
+        await asyncio.sleep(METRICS_SHARE_S)
+        state = metrics.state()
+        if state != last:
+            _send_metrics(client, metrics, state)
+            last = state
+
+
+def _send_metrics(client, metrics: ServerMetrics, state: dict | None = None) -> None:
+    try:
+        client.send_metrics(state if state is not None else metrics.state())
+    except Exception:  # noqa: BLE001 - the engine gone: nobody left to tell
+        logger.debug("could not send the request metrics", exc_info=True)
+
+
 def build_app(async_engine: AsyncEngine, config: ServerConfig,
               metrics: ServerMetrics | None = None) -> FastAPI:
     """The app; its lifespan starts and stops the engine thread (or the engine process's
@@ -626,9 +648,14 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
         logger.info("serving %s (%s)", config.served_model_names[0],
                     "engine in its own process" if hasattr(async_engine.engine, "process")
                     else "engine on a thread")
+        share = (asyncio.create_task(_share_metrics(async_engine.engine, metrics))
+                 if getattr(async_engine.engine, "num_api_servers", 1) > 1 else None)
         try:
             yield
         finally:
+            if share is not None:
+                share.cancel()
+                _send_metrics(async_engine.engine, metrics)  # the last counts, for the others
             async_engine.shutdown()
             server.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -56,8 +56,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="HTTP front-end processes sharing the port, all feeding the one engine "
                         "process (vLLM's flag of the name): at high concurrency on a small "
                         "model one process's event loop (HTTP, JSON, SSE) cannot keep up with "
-                        "the engine's tokens. Needs the engine in its own process; each "
-                        "process's /metrics counts the requests it served")
+                        "the engine's tokens. Needs the engine in its own process. Each "
+                        "process's /metrics counts every process's requests (the others' "
+                        "up to ~2 s late)")
     h.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
                    help="seconds running requests may take to finish after SIGTERM before "
                         "their streams end with an error event")
@@ -134,11 +135,12 @@ def run_api_server(sock, commands, results, server_config, count: int, log_level
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("draftgraph").setLevel(logging.INFO)
-    app = build_app(ProcessAsyncEngine(EngineClient.attach(commands, results, count)),
-                    server_config)
-    uvicorn.Server(uvicorn.Config(
-        app, log_level=log_level,
-        timeout_graceful_shutdown=server_config.shutdown_timeout_s + 5)).run(sockets=[sock])
+    ae = ProcessAsyncEngine(EngineClient.attach(commands, results, count))
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(ae, server_config), log_level=log_level,
+        timeout_graceful_shutdown=server_config.shutdown_timeout_s + 5))
+    ae.on_engine_gone = lambda: setattr(server, "should_exit", True)  # the primary died
+    server.run(sockets=[sock])
 
 
 def wants_engine_process(choice: str, device: str) -> bool:

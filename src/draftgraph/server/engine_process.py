@@ -30,7 +30,9 @@ each connection to one of them), each with its own pipe pair to the one engine p
 receiver waits on every command pipe, notes which one a request came on, and the sender
 routes its outputs back there (every pipe gets the counters). The first server process
 (the primary) started the engine and stops it, after the others; another one going away only
-aborts the requests it sent. Measured on the H200 (`benchmarks/NOTES.md`): 4 processes served
+aborts the requests it sent (and one left without an engine exits). Each sends its request
+metrics to the others through the engine every second (`ServerMetrics.state`), so any one's
+/metrics counts them all. Measured on the H200 (`benchmarks/NOTES.md`): 4 processes served
 a 135M model's 128 streams at 33.8k tokens/s against 21-28k for one; no change at 64 streams.
 """
 
@@ -114,7 +116,8 @@ class _Sender:
 
     def put(self, item: tuple) -> None:
         """("out", outputs, snapshot), ("failed", message), ("bye", pipe index): that API
-        server detached, its pipe is closed after what was queued before; or ("stop",)."""
+        server detached, its pipe is closed after what was queued before; ("metrics", pipe
+        index, state): that API server's request metrics, for every other one; ("stop",)."""
         self.pending.append(item)
         self.ready.set()
 
@@ -140,6 +143,11 @@ class _Sender:
                     if self.pipes[item[1]] is not None:
                         self.pipes[item[1]].close()
                         self.pipes[item[1]] = None
+                    continue
+                if item[0] == "metrics":
+                    for i in range(len(self.pipes)):
+                        if i != item[1]:
+                            self._send(i, item)
                     continue
                 for i in range(len(self.pipes)):  # "failed": after the outputs queued before
                     self._send(i, item)
@@ -229,6 +237,9 @@ def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
                                     _snapshot(engine)))
                 elif msg[0] == "abort":
                     engine.abort(msg[1])
+                elif msg[0] == "metrics":
+                    sender.put(("metrics", i, msg[1]))
+                    continue
                 elif msg[0] == "detach" and i:
                     open_.remove(commands)
                     detach(i)
@@ -287,6 +298,8 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self.closed = False
         self._gone = False  # the engine's pipe closed (a secondary's only sign of its death)
+        self.num_api_servers = num_api_servers
+        self.peer_metrics: dict[int, dict] = {}  # the other API servers' request metrics
         self.links: list[tuple] = []  # the primary: the other API servers' (commands, results)
         self.api_servers: list = []  # the primary: their processes, stopped before the engine
         self.drain_s = 0.0  # their --shutdown-timeout: how long each may take to stop
@@ -385,6 +398,10 @@ class EngineClient:
             raise
         return request_id
 
+    def send_metrics(self, state: dict) -> None:
+        """This API server's request metrics, for the others (through the engine process)."""
+        self._send(("metrics", state))
+
     def abort(self, request_id: str) -> None:
         try:
             self._send(("abort", request_id))
@@ -399,8 +416,9 @@ class EngineClient:
             raise EngineError("the engine process is not running") from e
 
     def receive(self) -> tuple[str, object]:
-        """The next message of the engine process, decoded: ("out", outputs) or
-        ("failed", message); EOFError once it has exited. Call from one thread."""
+        """The next message of the engine process, decoded: ("out", outputs),
+        ("failed", message) or ("metrics", None) (another API server's, stored in
+        `peer_metrics`); EOFError once it has exited. Call from one thread."""
         try:
             msg = self.results.recv()
         except (EOFError, OSError):
@@ -409,6 +427,9 @@ class EngineClient:
         if msg[0] == "bye":  # detached (close): nothing more will come
             self._gone = True
             raise EOFError
+        if msg[0] == "metrics":  # another API server's request metrics (ServerMetrics.peers)
+            self.peer_metrics[msg[1]] = msg[2]
+            return "metrics", None
         if msg[0] != "out":
             return msg
         outputs = []
@@ -457,6 +478,8 @@ class ProcessAsyncEngine(AsyncEngine):
     """AsyncEngine over an EngineClient: its thread reads the engine process's messages
     instead of stepping an engine; everything on the event loop is AsyncEngine's."""
 
+    on_engine_gone = None  # called (reader thread) once the engine process has gone
+
     def _run(self) -> None:
         client: EngineClient = self.engine
         while not self._stop.is_set():
@@ -468,9 +491,13 @@ class ProcessAsyncEngine(AsyncEngine):
                                  "in flight", client.process.exitcode
                                  if client.process is not None else "unknown")
                     self._call_in_loop(self._fail_all, "the engine process exited")
+                    if self.on_engine_gone is not None:
+                        self.on_engine_gone()
                 return
             if kind == "out":
                 self._call_in_loop(self._dispatch, payload)
+            elif kind == "metrics":
+                continue
             else:  # "failed": a step raised in the engine process
                 self.num_step_errors += 1
                 self._call_in_loop(self._fail_all, payload)

@@ -14,7 +14,7 @@ import bisect
 import logging
 import math
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -51,24 +51,57 @@ class LoopHistogram:
         self.counts[bisect.bisect_left(self.bounds, amount)] += 1  # le: count(x <= bound)
         self.sum += amount
 
-    def family(self, model_name: str) -> HistogramMetricFamily:
+    def family(self, model_name: str, peers: list[tuple] = ()) -> HistogramMetricFamily:
+        """The histogram as exposed; `peers`: other API servers' (counts, sum) added in."""
+        counts, total = list(self.counts), self.sum
+        for peer_counts, peer_sum in peers:
+            counts = [a + b for a, b in zip(counts, peer_counts, strict=True)]
+            total += peer_sum
         h = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
         cumulative, buckets = 0, []
-        for bound, n in zip(self.bounds, self.counts, strict=True):
+        for bound, n in zip(self.bounds, counts, strict=True):
             cumulative += n
             buckets.append((floatToGoString(bound), cumulative))
-        h.add_metric([model_name], buckets, self.sum)
+        h.add_metric([model_name], buckets, total)
         return h
 
 
-class _HistogramCollector:
-    def __init__(self, histograms: list[LoopHistogram], model_name: str) -> None:
-        self.histograms = histograms
-        self.model_name = model_name
+class LoopCounter:
+    """A counter by one label, counted on the event loop (like LoopHistogram: no locks) and
+    exposed as prometheus_client's labelled Counter would be."""
+
+    def __init__(self, name: str, doc: str, label: str) -> None:
+        self.name, self.doc, self.label = name, doc, label
+        self.values: dict[str, float] = {}
+
+    def inc(self, value: str, amount: float = 1.0) -> None:
+        self.values[value] = self.values.get(value, 0.0) + amount
+
+    def family(self, model_name: str, peers: list[dict] = ()) -> CounterMetricFamily:
+        values = dict(self.values)
+        for peer in peers:
+            for k, v in peer.items():
+                values[k] = values.get(k, 0.0) + v
+        c = CounterMetricFamily(self.name, self.doc, labels=["model_name", self.label])
+        for k in sorted(values):
+            c.add_metric([model_name, k], values[k])
+        return c
+
+
+class _RequestCollector:
+    """The request histograms and counters of this API server, plus those the other API
+    servers of the same engine last reported (`peers()`: their `ServerMetrics.state()`s)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
 
     def collect(self):
-        for h in self.histograms:
-            yield h.family(self.model_name)
+        m = self.metrics
+        peers = m.peers()
+        for name, h in m.histograms.items():
+            yield h.family(m.model_name, [p["histograms"][name] for p in peers])
+        for name, c in m.counters.items():
+            yield c.family(m.model_name, [p["counters"][name] for p in peers])
 
 
 class _EngineCollector:
@@ -119,12 +152,16 @@ class _EngineCollector:
 
 class ServerMetrics:
     """Request histograms and counters plus the engine collector, in one registry per server
-    (several servers in one process do not share metrics)."""
+    (several servers in one process do not share metrics). With several API-server processes
+    on one engine (`serve --api-server-count`) each sends its `state()` to the others every
+    second through the engine process, and each exposes its own counts plus the others' latest
+    (`engine.peer_metrics`): a scrape of any of them sees every request, the others' at most a
+    second or two late."""
 
     def __init__(self, engine, model_name: str) -> None:
         self.model_name = model_name
+        self.engine = engine
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
         reg = self.registry
         self.ttft = LoopHistogram(PREFIX + "time_to_first_token_seconds",
                                   "Time from request arrival to its first token.", TTFT_BUCKETS)
@@ -140,13 +177,14 @@ class ServerMetrics:
                                         "Prompt tokens per request.", TOKEN_BUCKETS)
         self.gen_len = LoopHistogram(PREFIX + "request_generation_tokens",
                                      "Generated tokens per request.", TOKEN_BUCKETS)
-        reg.register(_HistogramCollector([self.ttft, self.itl, self.tpot, self.e2e,
-                                          self.prompt_len, self.gen_len], model_name))
-        self.success = Counter(PREFIX + "request_success", "Finished requests by reason.",
-                               labels + ["finished_reason"], registry=reg)
-        self.http_errors = Counter(PREFIX + "http_request_errors",
-                                   "Requests refused or failed, by HTTP status.",
-                                   labels + ["status"], registry=reg)
+        self.histograms = {h.name: h for h in (self.ttft, self.itl, self.tpot, self.e2e,
+                                                self.prompt_len, self.gen_len)}
+        self.success = LoopCounter(PREFIX + "request_success", "Finished requests by reason.",
+                                   "finished_reason")
+        self.http_errors = LoopCounter(PREFIX + "http_request_errors",
+                                       "Requests refused or failed, by HTTP status.", "status")
+        self.counters = {c.name: c for c in (self.success, self.http_errors)}
+        reg.register(_RequestCollector(self))
         reg.register(_EngineCollector(engine, model_name))
         self._last_output_time: dict[str, float] = {}
 
@@ -165,7 +203,7 @@ class ServerMetrics:
         if out.finished:
             self._last_output_time.pop(rid, None)
             reason = out.finish_reason or "unknown"
-            self.success.labels(self.model_name, reason).inc()
+            self.success.inc(reason)
             m = out.metrics
             if reason in ("stop", "length"):
                 seconds, ttft = m.get("seconds"), m.get("ttft")
@@ -178,7 +216,16 @@ class ServerMetrics:
                 self.gen_len.observe(n)
 
     def count_error(self, status: int) -> None:
-        self.http_errors.labels(self.model_name, str(status)).inc()
+        self.http_errors.inc(str(status))
+
+    def state(self) -> dict:
+        """This server's request counts, for the other API servers of its engine."""
+        return {"histograms": {n: (list(h.counts), h.sum) for n, h in self.histograms.items()},
+                "counters": {n: dict(c.values) for n, c in self.counters.items()}}
+
+    def peers(self) -> list[dict]:
+        """The other API servers' latest `state()`s (none with one server)."""
+        return list(getattr(self.engine, "peer_metrics", {}).values())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
