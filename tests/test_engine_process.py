@@ -81,6 +81,30 @@ def test_wire_drops_the_prompt_and_unfinished_text():
     assert from_wire(to_wire(final), [1, 2, 3]) == final
 
 
+def test_the_wire_carries_every_field_the_engine_sets():
+    """The short form (a stream's common output) and the long one give back the output as
+    the engine made it, but for the text before the final output."""
+    plain = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[], new_token_ids=[7],
+                          text="", delta_text="o", finished=False, finish_reason=None)
+    logprobs = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[],
+                             new_token_ids=[7], text="", delta_text="o", finished=False,
+                             finish_reason=None, logprobs=[], new_logprobs=[-0.5],
+                             top_logprobs=[], new_top_logprobs=[[(7, -0.5)]])
+    prompt_lps = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[],
+                               new_token_ids=[7], text="", delta_text="o", finished=False,
+                               finish_reason=None, prompt_logprobs=[None],
+                               prompt_top_logprobs=[None], metrics={"ttft": 0.1})
+    final = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[7, 8],
+                          new_token_ids=[8], text="ab", delta_text="b", finished=True,
+                          finish_reason="stop", logprobs=[-0.5, -0.1], new_logprobs=[-0.1],
+                          metrics={"seconds": 1.0})
+    failed = RequestOutput.failed("r", "boom")
+    failed.prompt_token_ids = [1]
+    assert len(to_wire(plain)) < len(to_wire(logprobs)) == len(to_wire(final))
+    for out in (plain, logprobs, prompt_lps, final, failed):
+        assert from_wire(to_wire(out), [1]) == out
+
+
 def _out(rid: str, ids: list[int], finished: bool = False) -> RequestOutput:
     return RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], new_token_ids=ids,
                          text="", delta_text="".join(chr(97 + i) for i in ids),

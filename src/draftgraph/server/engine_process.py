@@ -57,26 +57,39 @@ from draftgraph.server.async_engine import AsyncEngine, merge_outputs, run_steps
 
 logger = logging.getLogger(__name__)
 
-# RequestOutput's fields as they cross the pipe: all but the prompt's ids, text last (sent in
-# the final output only)
-WIRE_FIELDS = ("request_id", "token_ids", "new_token_ids", "delta_text", "finished",
-               "finish_reason", "logprobs", "new_logprobs", "top_logprobs", "new_top_logprobs",
-               "prompt_logprobs", "prompt_top_logprobs", "metrics", "error", "text")
-_wire_tuple = operator.attrgetter(*WIRE_FIELDS)
+# RequestOutput's fields as they cross the pipe, all but the prompt's ids: the head alone for
+# the common output (a stream's tokens and text, nothing else asked), the tail too when the
+# output is final (its text, sent in the final output only) or carries logprobs or an error.
+# Fewer fields, less pickling: the sender's time holds the GIL the engine's host loop needs
+WIRE_HEAD = ("request_id", "new_token_ids", "delta_text", "finished", "finish_reason",
+             "metrics")
+WIRE_TAIL = ("token_ids", "logprobs", "new_logprobs", "top_logprobs", "new_top_logprobs",
+             "prompt_logprobs", "prompt_top_logprobs", "error", "text")
+_wire_head = operator.attrgetter(*WIRE_HEAD)
+_wire_tail = operator.attrgetter(*WIRE_TAIL)
+
+
+def to_wire(out: RequestOutput) -> tuple:
+    if out.finished:
+        return _wire_head(out) + _wire_tail(out)
+    if out.logprobs is None and out.prompt_logprobs is None and out.error is None:
+        return _wire_head(out)  # token_ids [] and text "" before the final output
+    return _wire_head(out) + _wire_tail(out)[:-1] + ("",)
+
+
+def from_wire(t: tuple, prompt_token_ids: list[int]) -> RequestOutput:
+    if len(t) == len(WIRE_HEAD):
+        rid, new_ids, delta, finished, reason, metrics = t
+        return RequestOutput(request_id=rid, prompt_token_ids=prompt_token_ids, token_ids=[],
+                             new_token_ids=new_ids, text="", delta_text=delta,
+                             finished=finished, finish_reason=reason, metrics=metrics)
+    return RequestOutput(prompt_token_ids=prompt_token_ids,
+                         **dict(zip(WIRE_HEAD + WIRE_TAIL, t, strict=True)))
+
 
 # seconds; unset: Python's own 5 ms. The engine loop wakes from the GPU needing the GIL while
 # the sender or receiver thread may hold it (up to one interval before Python makes it yield)
 SWITCH_INTERVAL_ENV = "DRAFTGRAPH_ENGINE_SWITCH_INTERVAL"
-
-
-def to_wire(out: RequestOutput) -> tuple:
-    t = _wire_tuple(out)
-    return t if out.finished else t[:-1] + ("",)
-
-
-def from_wire(t: tuple, prompt_token_ids: list[int]) -> RequestOutput:
-    return RequestOutput(prompt_token_ids=prompt_token_ids, **dict(zip(WIRE_FIELDS, t,
-                                                                       strict=True)))
 
 
 # ---- engine process ------------------------------------------------------------------------
@@ -434,7 +447,7 @@ class EngineClient:
             return msg
         outputs = []
         for t in msg[1]:
-            rid, finished = t[0], t[4]
+            rid, finished = t[0], t[3]
             prompt = self._prompts.pop(rid, None) if finished else self._prompts.get(rid)
             outputs.append(from_wire(t, prompt if prompt is not None else []))
         running, waiting, free, self.stats = msg[2]
