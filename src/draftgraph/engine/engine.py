@@ -587,8 +587,9 @@ class LLMEngine:
         return None
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        final = req.finished
         text = req.text
-        if not req.finished and req.params.stop:
+        if not final and req.params.stop:
             hold = max(len(s) for s in req.params.stop) - 1
             text = text[: max(req.num_sent_chars, len(text) - hold)]
         delta = text[req.num_sent_chars :]
@@ -598,10 +599,9 @@ class LLMEngine:
         tops = req.output_top_logprobs if req.params.logprobs else None
         # the first output with tokens (prefill done) and the last carry the prompt logprobs
         prompt_lps = req.params.prompt_logprobs is not None and (
-            req.finished or (n_new > 0 and len(req.output_token_ids) == n_new))
+            final or (n_new > 0 and len(req.output_token_ids) == n_new))
         # NOTE: the whole lists only in the final output: copying them every step cost
         # O(length) per request and step (streams read the new_* fields)
-        final = req.finished
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -609,7 +609,7 @@ class LLMEngine:
             new_token_ids=list(new_tokens),
             text=text,
             delta_text=delta,
-            finished=req.finished,
+            finished=final,
             finish_reason=req.finish_reason,
             logprobs=(list(lps) if final else []) if lps is not None else None,
             new_logprobs=list(lps[len(lps) - n_new :]) if lps is not None and n_new else
@@ -620,7 +620,7 @@ class LLMEngine:
             prompt_logprobs=list(req.prompt_logprobs) if prompt_lps else None,
             prompt_top_logprobs=list(req.prompt_top_logprobs) if prompt_lps else None,
             # timing metrics where they are read: the first tokens (TTFT) and the end
-            metrics=req.metrics() if req.finished or len(req.output_token_ids) == n_new
+            metrics=req.metrics() if final or len(req.output_token_ids) == n_new
             else {},
             error=req.error,
         )

@@ -15,6 +15,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+_FINISHED = Status.FINISHED  # NOTE: an identity test; `Status.X` is an attribute lookup of
+# ~0.2 us on Python 3.11, and a step asks every request several times whether it finished
+
+
 @dataclass
 class RequestOutput:
     """What one engine step reports about one request."""
@@ -121,7 +125,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status == Status.FINISHED
+        return self.status is _FINISHED
 
     def finish(self, reason: str) -> None:
         self.status = Status.FINISHED
