@@ -32,6 +32,7 @@ from draftgraph.spec.extras import TOP_N_MAX, ExtrasFactory, ensure_controls
 from draftgraph.spec.step import BodyFactory
 
 logger = logging.getLogger(__name__)
+_RUNNING = Status.RUNNING  # identity tests in the per-request loops (see request._FINISHED)
 
 __all__ = ["EngineError", "LLMEngine", "QueueFullError"]
 
@@ -535,9 +536,10 @@ class LLMEngine:
 
         top: per token (top ids, their logprobs), or [] when the step computed none;
         num_fed: tokens of the sequence fed this step (drafts not counted)."""
+        num_tokens = req.num_tokens  # kept up to date below: this runs per request per step
         if tokens:
             # tokens fed this step now have KV: all but the newest sampled one
-            req.num_computed_tokens = req.num_tokens - 1 + len(tokens)
+            req.num_computed_tokens = num_tokens - 1 + len(tokens)
         else:
             req.num_computed_tokens += num_fed
         new: list[int] = []
@@ -550,18 +552,19 @@ class LLMEngine:
                 req.output_top_logprobs.append(list(zip(ids[:n_top], tlp[:n_top],
                                                         strict=True)))
             new.append(tok)
+            num_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
             reason = self._check_stop(req, tok)
             if reason:
                 self._finish(req, reason)
                 break
-        if req.status == Status.RUNNING and req.num_tokens >= self.max_model_len:
+        if req.status is _RUNNING and num_tokens >= self.max_model_len:
             self._finish(req, "length")
         # drop KV slots of tokens past the sequence (rejected drafts); keep the slot a
         # launched next step writes (async scheduling)
         if not req.finished:
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            req.num_computed_tokens = min(req.num_computed_tokens, num_tokens - 1)
             self.slots.allocator.truncate(req.pages, req.num_computed_tokens + req.ahead)
         self.stats["generation_tokens"] += len(new)
         return self._output(req, new)
