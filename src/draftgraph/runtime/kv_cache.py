@@ -77,15 +77,18 @@ class PagedAllocator:
 
     def extend(self, pages: list[int], cur_len: int, n: int) -> list[int]:
         """Slots for positions cur_len .. cur_len+n-1; new pages are appended to `pages`."""
-        need_pages = self.slots_needed(pages, cur_len, n) // self.page_size
+        # NOTE: inline, with a page-size-1 path: this runs for every request of every step
+        ps = self.page_size
+        need_pages = max(0, -(-(cur_len + n - len(pages) * ps) // ps))
         if need_pages > len(self._free_pages):
             raise OutOfKVSlots(
-                f"need {need_pages * self.page_size} KV slots, "
+                f"need {need_pages * ps} KV slots, "
                 f"{self.num_free_slots} free (raise --kv-cache-tokens)"
             )
         for _ in range(need_pages):
             pages.append(self._free_pages.pop())
-        ps = self.page_size
+        if ps == 1:  # a page is a slot
+            return pages[cur_len : cur_len + n]
         return [pages[p // ps] * ps + p % ps for p in range(cur_len, cur_len + n)]
 
     def truncate(self, pages: list[int], new_len: int) -> None:
