@@ -155,7 +155,7 @@ def test_two_api_servers_share_one_engine(default_model):
         assert _tokens(st1.base_url, PROMPTS[2], 16, True) == want[PROMPTS[2]]
 
         # the first server's share of the queue limit
-        with pytest.raises(QueueFullError):
+        with pytest.raises(QueueFullError, match="share of 3: 8 requests"):
             for _ in range(primary.max_in_flight + 1):
                 primary.add_request([1, 2, 3], SamplingParams(max_tokens=1))
         for r in list(primary._prompts):

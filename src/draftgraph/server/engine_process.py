@@ -400,8 +400,11 @@ class EngineClient:
         ids, params = admission.admit(self, prompt, params or SamplingParams(),
                                       use_chat_template)
         if len(self._prompts) + 1 > self.max_in_flight:
+            share = (f" (this API server's share of {self.num_api_servers}: "
+                     f"{self.max_in_flight} requests in flight)"
+                     if self.num_api_servers > 1 else "")
             raise QueueFullError(f"{self.config.scheduler.max_waiting} requests are waiting "
-                                 "(--max-waiting); retry later")
+                                 f"(--max-waiting){share}; retry later")
         request_id = request_id or uuid.uuid4().hex
         self._prompts[request_id] = ids
         try:
