@@ -273,7 +273,7 @@ def test_the_cli_cuts_prefill_by_time_on_a_cpu_only():
 
     parser = build_parser()
     cpu = engine_config_from_args(parser.parse_args(["generate", "hi", "--device", "cpu"]))
-    assert cpu.scheduler.max_step_seconds == SchedulerConfig.CPU_STEP_SECONDS == 0.4
+    assert cpu.scheduler.max_step_seconds == SchedulerConfig.CPU_STEP_SECONDS == 0.35
     off = engine_config_from_args(parser.parse_args(["generate", "hi", "--device", "cpu",
                                                      "--max-step-seconds", "0"]))
     assert off.scheduler.max_step_seconds == 0.0
