@@ -14,13 +14,12 @@ CONC=${CONCURRENCY:-1 16 64 128}
 for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   for arm in ${ARMS:-plain}; do
     # arms: plain (the defaults: on a GPU the engine in its own process), thread (the engine
-    # on a thread of the server process), ngram, si<seconds> (plain with the engine process's
-    # GIL switch interval set: DRAFTGRAPH_ENGINE_SWITCH_INTERVAL), api<N> (plain with N
-    # API-server processes: --api-server-count N)
+    # on a thread of the server process), ngram, api<N> (plain with N API-server
+    # processes: --api-server-count N)
     extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
     [ $arm = thread ] && extra="--engine-process off"
-    si=""; case $arm in si*) si=${arm#si} ;; api*) extra="--api-server-count ${arm#api}" ;; esac
-    DRAFTGRAPH_ENGINE_SWITCH_INTERVAL=$si python3 -m draftgraph.cli serve random:$m --port 8123 $extra \
+    case $arm in api*) extra="--api-server-count ${arm#api}" ;; esac
+    python3 -m draftgraph.cli serve random:$m --port 8123 $extra \
       > "/tmp/server_${m}_$arm.log" 2>&1 &
     pid=$!
     for _ in $(seq 180); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done

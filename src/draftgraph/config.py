@@ -66,7 +66,7 @@ class SchedulerConfig:
     # a step's time while streams decode on a CPU: issue 19's goal is an inter-token gap of at
     # most 0.5 s while a 4096-token prompt is admitted (bench_cpu.py `stall`). 0.4 left one
     # step in ~40 over it in 1 of 3 runs (0.52 s; 2-core Xeon), 0.35 none (worst 0.38-0.50 s)
-    # for a ~20 % later first token of that prompt
+    # for that prompt's first token 10-25 % later
     CPU_STEP_SECONDS = 0.35
 
     def resolve(self, gpu: bool) -> None:

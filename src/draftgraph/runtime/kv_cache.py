@@ -69,12 +69,6 @@ class PagedAllocator:
     def num_free_slots(self) -> int:
         return len(self._free_pages) * self.page_size
 
-    def slots_needed(self, pages: list[int], cur_len: int, n: int) -> int:
-        """Free slots taken from the pool to grow a request from cur_len by n tokens."""
-        have = len(pages) * self.page_size
-        need = cur_len + n - have
-        return max(0, -(-need // self.page_size)) * self.page_size
-
     def extend(self, pages: list[int], cur_len: int, n: int) -> list[int]:
         """Slots for positions cur_len .. cur_len+n-1; new pages are appended to `pages`."""
         # NOTE: inline, with a page-size-1 path: this runs for every request of every step

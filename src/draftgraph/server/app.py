@@ -621,13 +621,13 @@ async def _share_metrics(client, metrics: ServerMetrics) -> None:
         await asyncio.sleep(METRICS_SHARE_S)
         state = metrics.state()
         if state != last:
-            _send_metrics(client, metrics, state)
+            _send_metrics(client, state)
             last = state
 
 
-def _send_metrics(client, metrics: ServerMetrics, state: dict | None = None) -> None:
+def _send_metrics(client, state: dict) -> None:
     try:
-        client.send_metrics(state if state is not None else metrics.state())
+        client.send_metrics(state)
     except Exception:  # noqa: BLE001 - the engine gone: nobody left to tell
         logger.debug("could not send the request metrics", exc_info=True)
 
@@ -655,7 +655,7 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
         finally:
             if share is not None:
                 share.cancel()
-                _send_metrics(async_engine.engine, metrics)  # the last counts, for the others
+                _send_metrics(async_engine.engine, metrics.state())  # the last counts
             async_engine.shutdown()
             server.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -41,9 +41,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import operator
-import os
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -86,10 +84,7 @@ def from_wire(t: tuple, prompt_token_ids: list[int]) -> RequestOutput:
     return RequestOutput(prompt_token_ids=prompt_token_ids,
                          **dict(zip(WIRE_HEAD + WIRE_TAIL, t, strict=True)))
 
-
-# seconds; unset: Python's own 5 ms. The engine loop wakes from the GPU needing the GIL while
-# the sender or receiver thread may hold it (up to one interval before Python makes it yield)
-SWITCH_INTERVAL_ENV = "DRAFTGRAPH_ENGINE_SWITCH_INTERVAL"
+_FINISHED_AT = WIRE_HEAD.index("finished")
 
 
 # ---- engine process ------------------------------------------------------------------------
@@ -201,8 +196,6 @@ def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
     from draftgraph.engine.engine import LLMEngine
 
     torch.set_num_threads(num_threads)  # the server process's (--threads)
-    if os.environ.get(SWITCH_INTERVAL_ENV):
-        sys.setswitchinterval(float(os.environ[SWITCH_INTERVAL_ENV]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("draftgraph").setLevel(log_level)
@@ -270,8 +263,8 @@ def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
                       lambda outputs: sender.put(("out", outputs, _snapshot(engine))),
                       lambda message: sender.put(("failed", message)))
     sender.close()
-    logger.info("%s; CPU s: sender thread %.2f, receiver %.2f (switch interval %.4f s)",
-                times.summary(), sender.cpu_s, receiver_cpu_s[0], sys.getswitchinterval())
+    logger.info("%s; CPU s: sender thread %.2f, receiver %.2f", times.summary(), sender.cpu_s,
+                receiver_cpu_s[0])
     engine.shutdown()
 
 
@@ -450,7 +443,7 @@ class EngineClient:
             return msg
         outputs = []
         for t in msg[1]:
-            rid, finished = t[0], t[3]
+            rid, finished = t[0], t[_FINISHED_AT]
             prompt = self._prompts.pop(rid, None) if finished else self._prompts.get(rid)
             outputs.append(from_wire(t, prompt if prompt is not None else []))
         running, waiting, free, self.stats = msg[2]
