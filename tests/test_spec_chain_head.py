@@ -260,12 +260,17 @@ def test_bad_heads_are_refused_with_the_reason(hf, tmp_path):
 
 
 def _recording(drafter: ChainHeadDrafter) -> list:
-    """Each chain step's logits over the target's vocabulary, as the drafter takes them."""
+    """Each chain step's logits over the target's vocabulary, as the drafter takes them; at
+    temperature 0 each draft is checked to be their argmax."""
     seen, take = [], drafter.take
 
     def recording_take(ctx, i, logits):
-        seen.append(logits.clone())
-        return take(ctx, i, logits)
+        full = drafter.target_vocab(logits)
+        seen.append(full.clone())
+        tok = take(ctx, i, logits)
+        if ctx.greedy:  # the draft-vocabulary argmax, mapped, is the target-vocabulary one
+            assert torch.equal(tok, full.argmax(-1))
+        return tok
 
     drafter.take = recording_take
     return seen

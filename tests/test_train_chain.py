@@ -283,7 +283,7 @@ def test_training_time_test_level_j_is_chain_step_j(spec):
     take = drafter.take
 
     def recording_take(ctx, i, logits):
-        seen.append(logits[0].clone())
+        seen.append(drafter.target_vocab(logits)[0].clone())
         return take(ctx, i, logits)
 
     drafter.take = recording_take

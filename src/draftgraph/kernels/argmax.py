@@ -3,6 +3,7 @@
     argmax_lse(logits [n, V]) -> (argmax [n] int64, lse [n] fp32)
     argmax_lse(logits, out=tokens, top_logprob=lp)   also: into given buffers, and the
                                                      argmax's logprob (greedy decode's tail)
+    row_argmax(logits [..., V]) -> [...] int64       the argmax alone (drafters' greedy draws)
 
 The argmax is the greedy token (ties go to the first index, like `torch.argmax`); with the lse
 the logprob of any emitted token is `logits.gather(1, tok) - lse`, with no full log_softmax.
@@ -156,3 +157,13 @@ def argmax_lse(logits: torch.Tensor, *, out: torch.Tensor | None = None,
     if logits.is_cuda and triton_usable(logits):
         return argmax_lse_triton(logits, out=out, top_logprob=top_logprob)
     return argmax_lse_ref(logits, out=out, top_logprob=top_logprob)
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (first index on ties): on CUDA the kernels above, whose
+    chunks spread one long row over the SMs (torch's reduction runs a lone row on few: 28 us
+    for a 128,256-token row on an H200), elsewhere torch.argmax."""
+    if logits.is_cuda and triton_usable(logits):
+        flat = logits.reshape(-1, logits.shape[-1])
+        return argmax_lse_triton(flat)[0].view(logits.shape[:-1])
+    return logits.argmax(dim=-1)

@@ -33,6 +33,7 @@ import logging
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.kernels.argmax import row_argmax
 from draftgraph.models.block_head import BlockHead
 from draftgraph.runtime.executor import ModelExecutor
 from draftgraph.runtime.sampling import STREAM_DRAFT, processed_probs, sample_from_probs
@@ -127,11 +128,11 @@ class BlockHeadDrafter(StagedDrafter):
         markov = head.markov_in is not None
         probs, prev = [], ctx.last_tokens
         if ctx.greedy and not markov:  # every draft at once
-            self.drafts[:bs].copy_(logits.argmax(dim=-1))
+            self.drafts[:bs].copy_(row_argmax(logits))
         else:
             for j in range(k):  # left to right: the Markov head reads the draft before
                 lj = logits[:, j] + head.markov(prev) if markov else logits[:, j]
-                tok = lj.argmax(dim=-1)  # [bs] int64
+                tok = row_argmax(lj)  # [bs] int64
                 if not ctx.greedy:
                     p = processed_probs(lj, ctx.temperature, ctx.top_p, ctx.top_k)  # [bs, V]
                     drawn = sample_from_probs(p, ctx.seeds, ctx.seq_lens + j, STREAM_DRAFT)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.kernels.argmax import row_argmax
 from draftgraph.runtime.sampling import STREAM_DRAFT, processed_probs, sample_from_probs
 from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
 
@@ -90,6 +91,9 @@ class ChainDrafter(StagedDrafter):
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self._probs: list[torch.Tensor] = []  # per step [bs, V] of the proposal being built
+        # a reduced draft vocabulary: its tokens' target ids [V'] int64 (None: the target's)
+        self.vocab: torch.Tensor | None = None
+        self.target_vocab_size = 0
 
     @property
     def num_steps(self) -> int:
@@ -131,11 +135,25 @@ class ChainDrafter(StagedDrafter):
                             self.step_seq_lens[:bs], self.ones[:bs], self.step_loc[:bs],
                             self.executor.meta)
 
+    def target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [bs, V'] over the draft vocabulary onto the target's [bs, V] (-inf outside
+        `vocab`); the logits themselves without a reduced vocabulary."""
+        if self.vocab is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
+        return full.index_copy_(1, self.vocab, logits)
+
     def take(self, ctx: DraftContext, i: int, logits: torch.Tensor) -> torch.Tensor:
-        """Draft i from logits [bs, V] over the target's vocabulary: recorded, fed next."""
-        tok = logits.argmax(dim=-1)  # [bs] int64
+        """Draft i from logits [bs, V'] over the drafter's vocabulary (the target's, or
+        `vocab`'s tokens): recorded, fed next. At temperature 0 the argmax is taken over V'
+        and mapped, with no [bs, V] row; a draw needs the distribution over the target's
+        vocabulary, for rejection sampling."""
+        tok = row_argmax(logits)  # [bs] int64
+        if self.vocab is not None:
+            tok = self.vocab[tok]
         if not ctx.greedy:
-            p = processed_probs(logits, ctx.temperature, ctx.top_p, ctx.top_k)  # [bs, V]
+            p = processed_probs(self.target_vocab(logits), ctx.temperature, ctx.top_p,
+                                ctx.top_k)  # [bs, V]
             drawn = sample_from_probs(p, ctx.seeds, self.step_seq_lens[: tok.shape[0]],
                                       STREAM_DRAFT)
             tok = torch.where(ctx.temperature > 0, drawn, tok)

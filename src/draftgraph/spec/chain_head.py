@@ -65,6 +65,8 @@ class ChainHeadDrafter(ChainDrafter):
         # reduced vocabulary)
         # (the target's whole LM head: under TP the head is replicated, its logits too)
         self.lm_head = head.lm_head_weight(self.target_model.full_lm_head_weight()).contiguous()
+        self.vocab = head.d2t if head.reduced_vocab else None
+        self.target_vocab_size = target.config.vocab_size
         m, k, dev, dt = target.max_bs, self.k, target.device, target.dtype
         h = head.config.hidden_size
         rows = target.slots.token_table.shape[0]
@@ -86,15 +88,6 @@ class ChainHeadDrafter(ChainDrafter):
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target_model.embed_tokens(ids)
 
-    def _target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [bs, V'] onto the target's vocabulary (-inf elsewhere)."""
-        head = self.head
-        if not head.reduced_vocab:
-            return logits
-        full = logits.new_full((logits.shape[0], self.target_model.config.vocab_size),
-                               float("-inf"))
-        return full.index_copy_(1, head.d2t, logits)
-
     # ---- the chain ------------------------------------------------------------------------
     def begin(self, ctx: DraftContext) -> None:
         super().begin(ctx)
@@ -104,7 +97,7 @@ class ChainHeadDrafter(ChainDrafter):
         head, feat = self.head, self.step_feat[: fb.bs]
         x, residual = head(self._embed(fb.input_ids), feat, fb, self.executor.backend)
         logits, stream = head.logits(x, residual, self.lm_head)
-        self.take(ctx, i, self._target_vocab(logits))
+        self.take(ctx, i, logits)
         feat.copy_(stream)
 
     # ---- catch-up ---------------------------------------------------------------------------
