@@ -104,3 +104,31 @@ def test_triton_backend_logits_match_torch_backend(sliding_window, monkeypatch):
 def test_triton_backend_capabilities():
     assert TritonBackend.name == "triton"
     assert TritonBackend.in_graph_metadata and TritonBackend.draft_step_update
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_verify_rows_take_their_row_count_plan_unless_exact(exact, monkeypatch):
+    """Verify attention plans its splits by its rows (5 here: 3 + 2), not by its 2 requests
+    as a decode row of the batch would, unless rows must be exact (then the decode row's
+    plan, so a verify row is computed as that row); the output matches the torch backend
+    either way. (Removing the rows' plan fails the inexact case.)"""
+    from draftgraph.kernels import attention as attn_kernels
+
+    cfg, model = tiny_model(None)
+    torch_run = Runner(TorchBackend, cfg)
+    triton_run = Runner(TritonBackend, cfg, max_bs=MAX_BS, num_q_heads=4, max_kv_splits=4)
+    triton_run.backend.exact_rows = exact
+    planned, plan = [], attn_kernels.decode_plan
+    monkeypatch.setattr(attn_kernels, "decode_plan",
+                        lambda bs, *a: planned.append(bs) or plan(bs, *a))
+    for phase, *batch in steps():
+        expect = torch_run.step(model, phase, *batch)
+        planned.clear()
+        got = triton_run.step(model, phase, *batch)
+        torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4, msg=f"{phase}")
+        if phase is Phase.VERIFY:  # the plan taken is the last asked for
+            assert planned[-1] == (2 if exact else 5)
+        elif phase is Phase.DECODE:
+            assert set(planned) == {2}
+    # (the rows' plan is taken only where the batch's splits rows, as here)
+    assert plan(2, 4, 2, 16, 4)[0] > 1

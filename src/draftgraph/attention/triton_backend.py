@@ -5,8 +5,9 @@ grids from static sizes); draft_step_update (a draft chain's next-step metadata 
 inside the graph from the advanced raw inputs); fused_kv_store.
 
 `forward` stores the new K/V, then runs the phase's kernel (`kernels`): split-KV decode
-attention for DECODE, DRAFT_CHAIN and VERIFY (one row per query token, each computed as the
-decode row at its position), the variable-length extend kernel for EXTEND,
+attention for DECODE, DRAFT_CHAIN and VERIFY (one row per query token; under `exact_rows`
+each computed as the decode row at its position, else in the splits its row count's plan
+gives), the variable-length extend kernel for EXTEND,
 and the same kernel non-causally over the block's lists for DRAFT_BLOCK (its metadata: the
 positions and one count/scan/compact of the block's lists, in the graph). Nothing is read
 back to the host, so a whole forward can be captured in a CUDA graph.
@@ -41,6 +42,9 @@ class TritonBackend(AttentionBackend):
                Phase.VERIFY: "decode", Phase.DRAFT_BLOCK: "extend"}
     # query rows a verify request brings at most (the last token and up to 16 drafts)
     MAX_VERIFY_ROWS = 17
+    # verify attention planned by its row count when rows need not be exact (False: by its
+    # requests, as exact rows do; the A arm of benchmarks/bench_block.py's `batchplan` mode)
+    verify_plan_by_rows = True
 
     def __init__(
         self,
@@ -125,9 +129,19 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         if self.kernel_for(fb.phase) == "decode":
-            # the plan is the request batch's: a verify row takes the splits and tiles a
-            # decode row of the same batch size takes, so it is computed as that row
+            # with exact rows the plan is the request batch's: a verify row takes the splits
+            # and tiles a decode row of the same batch size takes, so it is computed as that
+            # row. Without (its projections differ from the decode row's anyway), a verify
+            # whose batch plan splits rows takes the plan of its row count: fewer, longer
+            # splits (on the 8B, 5 verify rows in the batch-1 plan of 32 splits cost 2.6x a
+            # decode row; benchmarks/results/verify_plan/).
             bs, rows = fb.bs, q.shape[0]
+            plan_rows = bs
+            if (fb.phase is Phase.VERIFY and self.verify_plan_by_rows and not self.exact_rows
+                    and not self.invariant
+                    and attn_kernels.decode_plan(bs, q.shape[1], self.num_kv_heads,
+                                                 self.head_dim, self.max_kv_splits)[0] > 1):
+                plan_rows = rows
             if self.mid_o is None:
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("TritonBackend: pass num_q_heads= (or run one eager "
@@ -139,7 +153,7 @@ class TritonBackend(AttentionBackend):
                                                                      self.max_len)
                 slots = attn_kernels.INVARIANT_MAX_SPLITS
             else:
-                num_splits, cfg = attn_kernels.decode_plan(bs, hq, self.num_kv_heads,
+                num_splits, cfg = attn_kernels.decode_plan(plan_rows, hq, self.num_kv_heads,
                                                            self.head_dim, self.max_kv_splits)
                 slots = num_splits
             if (bs > self.max_bs or rows * slots * hq > self.mid_lse.numel()

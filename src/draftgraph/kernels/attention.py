@@ -371,6 +371,9 @@ def decode_num_splits(bs: int, num_kv_heads: int, max_splits: int = 32,
 DECODE_TUNED: dict[tuple[int, int, int], tuple[int, DecodeConfig]] = {
     (3, 64, 1): (32, DecodeConfig(32, 1, 4, 2)),  # SmolLM2-135M: 4.11 / 8.57 (4.38 / 13.76)
     (4, 128, 1): (32, DecodeConfig(32, 1, 4, 2)),  # Llama-3.1-8B: 5.54 / 13.08 (7.25 / 20.04)
+    # attn_tune_llama-3.1-8b_bs4_bs8_h200.json; bucket 8 also plans 5-8 verify rows of one request
+    (4, 128, 4): (4, DecodeConfig(128, 1, 4, 2)),  # 7.29 / 28.18 (8.56 / 46.54)
+    (4, 128, 8): (4, DecodeConfig(128, 1, 4, 2)),  # 9.71 / 38.71 (13.39 / 82.17)
     (4, 64, 8): (4, DecodeConfig(128, 1, 4, 2)),  # Llama-3.2-1B: 7.46 / 25.79 (9.32 / 54.59)
     (4, 64, 32): (1, DecodeConfig(128, 1, 4, 3)),  # 13.89 / 75.85 (27.05 / 201.57)
     (4, 64, 64): (1, DecodeConfig(128, 1, 4, 2)),  # 21.47 / 125.83 (32.51 / 221.97)
@@ -418,12 +421,16 @@ def decode_scratch_rows(max_bs: int, num_q_heads: int, num_kv_heads: int, head_d
                         max_splits: int, rows_per_request: int = 1,
                         max_rows: int | None = None) -> int:
     """The most (row, split) partials any decode batch of <= max_bs requests needs, each of up
-    to `rows_per_request` query rows (verify) and at most `max_rows` rows in all."""
+    to `rows_per_request` query rows (verify) and at most `max_rows` rows in all, whether its
+    plan is its requests' (exact rows) or its rows'."""
     def rows(bs: int) -> int:
         return min(bs * rows_per_request, max_rows or bs * rows_per_request)
 
-    return max(rows(bs) * decode_plan(bs, num_q_heads, num_kv_heads, head_dim, max_splits)[0]
-               for bs in range(1, max_bs + 1))
+    def splits(n: int) -> int:
+        return decode_plan(n, num_q_heads, num_kv_heads, head_dim, max_splits)[0]
+
+    return max(max(rows(bs) * splits(bs) for bs in range(1, max_bs + 1)),
+               max(r * splits(r) for r in range(1, rows(max_bs) + 1)))
 
 
 def decode_attention(
