@@ -5,6 +5,8 @@ run over one target: the plain decode step, then per arm the speculative round (
     block|<head>|in_graph     the block head, its metadata built inside the replay
     block|<head>|eager        the fallback: block metadata rebuilt eagerly before each replay
     chain|<head>|<k>          a chain head drafting k tokens (fused chain)
+    <method>|<head>|batchplan the in-graph arm (k = 4) with verify attention planned by the
+                              requests, not the rows (the A arm of that plan)
 
 with <head> a head directory or `random:...` (models/heads.py: random_head). Per arm: ms per
 round, tokens per round per request, host-launched kernels and graph launches per round
@@ -27,6 +29,7 @@ import torch
 from _meta import model_shape, run_header
 from bench_chain import run
 
+from draftgraph.attention.triton_backend import TritonBackend
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.models.loader import load_model
@@ -42,6 +45,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kernels", action="store_true",
+                    help="add GPU time per kernel name over 10 rounds (torch.profiler)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
@@ -61,22 +66,25 @@ def main() -> int:
            "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
            "target_shape": model_shape(target.config), "arms": {}}
     e = engine()
-    out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False)
+    out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels)
     del e
     for arm in a.arms.split(";"):
         method, head, mode = arm.split("|")
         spec = SpecConfig(method=method, draft_head=head,
-                          num_draft_tokens=int(mode) if method == "chain" else 4)
+                          num_draft_tokens=int(mode) if mode.isdigit() else 4)
         d = make_drafter(spec, "cuda", dtype, target.config)
         patched = method == "block" and mode == "eager"
         if patched:  # what a backend without in-graph block metadata gets
             saved = BlockHeadDrafter.in_graph
             BlockHeadDrafter.in_graph = property(lambda self: False)
+        # batchplan: verify attention planned by the requests, as before rows planned it
+        TritonBackend.verify_plan_by_rows = mode != "batchplan"
         try:
             e = engine(d)
             assert e.spec_graphs.body.fused_draft == (not patched)
-            r = run(e, a.context, a.steps, a.batch_size, True)
+            r = run(e, a.context, a.steps, a.batch_size, True, a.kernels)
         finally:
+            TritonBackend.verify_plan_by_rows = True
             if patched:
                 BlockHeadDrafter.in_graph = saved
         r.update(method=method, head=head, mode=mode, num_drafts=d.k,

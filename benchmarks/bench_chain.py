@@ -26,7 +26,7 @@ import time
 
 import torch
 from _meta import model_shape, run_header
-from bench_decode import profile_step
+from bench_decode import profile_step, step_kernels
 
 from draftgraph.attention.triton_backend import TritonBackend
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -35,7 +35,8 @@ from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.loader import load_model
 
 
-def run(engine: LLMEngine, ctx: int, steps: int, bs: int, draft_alone: bool) -> dict:
+def run(engine: LLMEngine, ctx: int, steps: int, bs: int, draft_alone: bool,
+        kernels: bool = False) -> dict:
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_tokens=8 * steps + 64, temperature=0, ignore_eos=True)
@@ -53,6 +54,10 @@ def run(engine: LLMEngine, ctx: int, steps: int, bs: int, draft_alone: bool) -> 
     tokens = engine.stats["generation_tokens"] - gen0
     out = {"ms_per_round": ms, "tokens_per_round_per_request": tokens / steps / bs,
            "tokens_per_s": tokens / (ms * steps) * 1e3, **profile_step(engine, 10)}
+    if kernels:
+        table = step_kernels(engine, 10)
+        out["kernels"] = table[:40]
+        out["kernels_us_total"] = sum(k["us_per_step"] for k in table)
     if draft_alone:
         out["draft_ms"] = time_propose(engine, bs, steps)
     for rid in list(engine.requests):
@@ -97,6 +102,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--arms", default="fused,fallback")
+    ap.add_argument("--kernels", action="store_true",
+                    help="add GPU time per kernel name over 10 rounds (torch.profiler)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if (a.draft is None) == (a.head is None):
@@ -132,7 +139,7 @@ def main() -> int:
            "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
            "target_shape": model_shape(target.config)}
     e = engine()
-    out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False)
+    out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels)
     del e
     for arm in a.arms.split(","):
         d = drafter()
@@ -141,7 +148,7 @@ def main() -> int:
         try:
             e = engine(d)
             assert e.spec_graphs.body.fused_draft == (arm == "fused")
-            out[arm] = run(e, a.context, a.steps, a.batch_size, arm == "fused")
+            out[arm] = run(e, a.context, a.steps, a.batch_size, arm == "fused", a.kernels)
         finally:
             TritonBackend.draft_step_update = True
         if a.head is not None:

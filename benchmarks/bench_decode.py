@@ -94,6 +94,26 @@ def kernel_table(engine: LLMEngine, graph, steps: int) -> tuple[str, list[dict]]
     return source, sorted(table, key=lambda r: -r["us_per_step"])
 
 
+def step_kernels(engine: LLMEngine, steps: int) -> list[dict]:
+    """GPU time per engine step by kernel name, largest first, from a profile of `steps`
+    steps (graph replays included: the profiler sees the kernels inside them on the H200)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")):
+            r = rows.setdefault(e.name[:120], [0, 0.0])
+            r[0] += 1
+            r[1] += e.time_range.elapsed_us()
+    table = [{"kernel": name, "per_step": n / steps, "us_per_step": us / steps}
+             for name, (n, us) in rows.items()]
+    return sorted(table, key=lambda r: -r["us_per_step"])
+
+
 def run_arm(engine: LLMEngine, bs: int, ctx: int, steps: int, metadata_in_graph: bool,
             kernels: bool = False, async_scheduling: bool = True) -> dict:
     from draftgraph.runtime.graph_set import GraphSet

@@ -234,6 +234,61 @@ def tune(models, ms, dtype, budget_s: float) -> list[dict]:
     return rows
 
 
+def rows_sweep(models, ms, dtype, budget_s: float) -> list[dict]:
+    """Multi-row (exact rows) fused projections: single-row configs (block_m 1, every M runs
+    the M = 1 config, so a row's bits never depend on M) at several rows-per-program register
+    budgets, timed at each M of `ms` next to norm / activation + cuBLAS. Per shape: the tuned
+    config first, then its neighbours, until `budget_s`; each checked bitwise: row 0 at the
+    largest M equals the lone row."""
+    rows = []
+    budgets = (16, 32, 64, 128)
+    for model in models:
+        for proj, (mode, n, k) in model_shapes(model).items():
+            ops_m = {m: Operands(mode, n, k, m, dtype) for m in ms}
+            big = ops_m[max(ms)]
+            lone = Operands(mode, n, k, 1, dtype)
+            lone.x, lone.residual = big.x[:1].contiguous(), big.residual[:1].contiguous()
+            cublas = {m: op.time(op.unfused) for m, op in ops_m.items()}
+            tuned = G._config({"plain": 0, "norm": 1, "silu": 2}[mode], n, k, dtype)
+            cands = [tuned] + [c for c in candidate_configs(1, n, k, dtype)
+                               if c.block_m == 1 and c != tuned]
+            results, t0 = [], time.time()
+            for cfg in cands:
+                if time.time() - t0 > budget_s:
+                    break
+                for b in budgets:
+                    saved = G.ROWS_REG_BUDGET
+                    G.ROWS_REG_BUDGET = b
+                    try:
+                        r = G.rows_per_program(cfg, max(ms))
+                        if b > budgets[0] and r == G.rows_per_program(cfg, max(ms), budgets[0]):
+                            continue  # the same launch as a smaller budget's
+                        exact = torch.equal(big.fused(big.weights[0], cfg)[:1],
+                                            lone.fused(big.weights[0], cfg))
+                        us = {m: op.time(lambda w, c=cfg, op=op: op.fused(w, c))
+                              for m, op in ops_m.items()}
+                    except Exception as e:  # a config the compiler rejects
+                        print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    finally:
+                        G.ROWS_REG_BUDGET = saved
+                    results.append({"config": cfg._asdict(), "budget": b, "rows": r,
+                                    "exact": exact, "us": us})
+            base = results[0]["us"] if results else {}
+            row = {"model": model, "proj": proj, "mode": mode, "N": n, "K": k,
+                   "cublas_chain_us": cublas, "tuned": tuned._asdict(), "results": results}
+            rows.append(row)
+            m2 = max(ms)
+            best = sorted((r for r in results if r["exact"]), key=lambda r: r["us"][m2])[:3]
+            print(f"{model:14s} {proj:8s} cuBLAS {cublas}  tuned {base}", flush=True)
+            for r in best:
+                print(f"    {r['us']}  budget {r['budget']} rows {r['rows']} {r['config']}",
+                      flush=True)
+            ops_m = big = lone = None
+            torch.cuda.empty_cache()
+    return rows
+
+
 def tune_qkv_rope(models, dtype, budget_s: float) -> list[dict]:
     """Sweep block sizes of the one-token norm + qkv + RoPE + KV-store kernel; print `TUNED`
     lines keyed ("qkv_rope", N, K, 1) (block_n weight rows, i.e. block_n / 2 column pairs)."""
@@ -362,6 +417,8 @@ def main() -> int:
     ap.add_argument("--no-chain", action="store_true", help="skip the whole-step chains")
     ap.add_argument("--tune", action="store_true", help="sweep block sizes instead")
     ap.add_argument("--tune-budget-s", type=float, default=25.0, help="seconds per shape")
+    ap.add_argument("--rows-sweep", action="store_true",
+                    help="multi-row single-row configs at several register budgets")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gemv needs a CUDA GPU", file=sys.stderr)
@@ -378,7 +435,10 @@ def main() -> int:
                          for p, s in model_shapes(mdl).items()} for mdl in models},
     }
     with torch.no_grad():
-        if args.tune:
+        if args.rows_sweep:
+            out["benchmark"] = "gemv_rows_sweep"
+            out["rows_sweep"] = rows_sweep(models, ms, dtype, args.tune_budget_s)
+        elif args.tune:
             out["tune"] = tune(models, ms, dtype, args.tune_budget_s)
             if 1 in ms:
                 out["tune"] += tune_qkv_rope(models, dtype, args.tune_budget_s)
@@ -389,7 +449,7 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    if not args.tune:
+    if not args.tune and not args.rows_sweep:
         print(f"\n{'model':14s} {'proj':8s} {'M':>2s} {'cuBLAS us':>10s} {'unfused us':>10s} "
               f"{'fused us':>9s} {'fused TB/s':>10s} {'rel err':>8s}")
         for r in out["results"]:

@@ -9,7 +9,9 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+# SRC: the engine's source tree (an older one for an A/B: `git archive REV src | tar -x -C .old`
+# here, carry .old too, SRC=$PWD/.old/src); NO_OFFLINE=1 skips the offline runs
+export PYTHONPATH=/tmp/site:${SRC:-$PWD/src}:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 CONC=${CONCURRENCY:-1 16 64 128}
 for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   for arm in ${ARMS:-plain}; do
@@ -27,11 +29,13 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
       --base-url http://127.0.0.1:8123 --dataset random --random-input-len 512 \
       --random-output-len 128 --ignore-eos --num-prompts ${NUM_PROMPTS:-512} \
       --max-concurrency $CONC --plot --result-dir "$OUT" \
-      --device-label "NVIDIA H200 ($arm)" --result-file "serve-$m-$arm-$(date +%H%M%S).json" \
+      --device-label "NVIDIA H200 ($arm${TAG:+ $TAG})" \
+      --result-file "serve-$m-$arm${TAG:+-$TAG}-$(date +%H%M%S).json" \
       2>&1 | tail -8
     kill $pid; wait $pid 2>/dev/null
     grep -E "captured|KV cache|engine loop" "/tmp/server_${m}_$arm.log" | tail -5
   done
+  [ -n "${NO_OFFLINE:-}" ] && continue
   timeout ${OFFLINE_TIMEOUT:-200} python3 benchmarks/serve_offline.py --model random:$m \
     --num-prompts ${NUM_PROMPTS:-512} --input-len 512 --output-len 128 \
     --concurrency "$(echo $CONC | tr ' ' ',')" --out "$OUT/serve_offline_${m}_h200.json" \
