@@ -6,6 +6,7 @@ counts its share of the queue limit, and the CLI spawns them on one port."""
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -67,8 +68,8 @@ def test_the_sender_routes_each_request_to_its_server():
         def __init__(self, i):
             self.i = i
 
-        def send(self, msg):
-            sent[self.i].append(msg)
+        def send_bytes(self, data):  # as Connection.recv reads it
+            sent[self.i].append(pickle.loads(data))
 
         def close(self):
             pass

@@ -7,6 +7,7 @@ before the server starts."""
 from __future__ import annotations
 
 import json
+import pickle
 import threading
 import time
 
@@ -115,9 +116,9 @@ def test_the_sender_merges_what_queued_while_the_pipe_was_full():
     sent, gate = [], threading.Event()
 
     class Pipe:  # a pipe the server process does not read until `gate`
-        def send(self, msg):
+        def send_bytes(self, data):  # as Connection.recv reads it
             gate.wait(10)
-            sent.append(msg)
+            sent.append(pickle.loads(data))
 
     sender = _Sender([Pipe()])
     sender.put(("out", [_out("a", [1])], "snapshot 1"))  # taken at once, then blocked

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import operator
+import pickle
 import signal
 import threading
 import time
@@ -178,7 +179,11 @@ class _Sender:
         if pipe is None:
             return
         try:
-            pipe.send(msg)
+            # plain pickle + send_bytes (what `recv` on the other end unpickles): the
+            # Connection's own `send` pickles through ForkingPickler, whose dispatch table is
+            # consulted per object: 64 outputs' message 121 -> 63 us of this thread's CPU on
+            # the CPU machine, 175 -> 143 us with the write
+            pipe.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         except (OSError, ValueError):  # that API server is gone; the receiver aborts its work
             self.pipes[i] = None
 
