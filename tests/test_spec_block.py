@@ -255,6 +255,62 @@ def test_the_markov_head_drafts_left_to_right(hf):
         assert drafts == [(anchor + j) % vocab for j in range(1, drafter.k + 1)]
 
 
+@pytest.mark.parametrize("spec", ["block_size=5,window=8", "block_size=6,markov_rank=8"])
+def test_a_reduced_vocabulary_drafts_the_heads_argmax_within_it(hf, plain, spec):
+    """reduce_vocab: over every token the drafts are the whole-vocabulary head's, step for
+    step; over the even tokens every draft is even, the first block's logits are the whole
+    head's on the even tokens and its drafts (no Markov head) their argmax, mapped to target
+    ids; the LM head holds the even rows alone, and the output stays lossless. (Drafts left
+    as draft-vocabulary indices, unmapped, fail these checks.)"""
+    from draftgraph.models.heads import reduce_vocab
+
+    cfg = tiny_loaded(hf).config
+    head = _head(hf, spec)
+    even = torch.arange(0, cfg.vocab_size, 2)
+    heads = {"full": head, "all": reduce_vocab(head, torch.arange(cfg.vocab_size), cfg),
+             "even": reduce_vocab(head, even, cfg)}
+    runs, first = {}, {}
+    for name, h in heads.items():
+        drafter = BlockHeadDrafter(h)
+        seen, forward = [], h.logits
+        h.logits = lambda rows, w, seen=seen, forward=forward: seen.append(
+            forward(rows, w)) or seen[-1]
+        engine = tiny_engine(hf, spec=SPEC, drafter=drafter)
+        engine.add_request(PROMPTS[2], GREEDY)
+        runs[name] = []
+        while not seen or not first.get(name):
+            engine.step()
+            runs[name].append(drafter.drafts[:1].clone())
+            if seen and name not in first:  # the step that made the first proposal
+                first[name] = (seen[0].clone(), drafter.drafts[:1].clone())
+        for _ in range(8):
+            engine.step()
+            runs[name].append(drafter.drafts[:1].clone())
+        del h.logits
+        engine = tiny_engine(hf, spec=SPEC, drafter=BlockHeadDrafter(h))
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
+        assert drafter.lm_head.shape[0] == (len(even) if name == "even" else cfg.vocab_size)
+    assert _same(runs["all"], runs["full"])
+    assert all((d % 2 == 0).all() for d in runs["even"])
+    full_logits, full_drafts = first["full"]
+    even_logits, even_drafts = first["even"]
+    torch.testing.assert_close(even_logits, full_logits[:, even])
+    if "markov" not in spec:
+        assert torch.equal(even_drafts[0], even[even_logits.argmax(-1)])
+        assert not torch.equal(even_drafts, full_drafts)  # some draft of the full head was odd
+    # sampled drafts are drawn over the target's vocabulary with the odd tokens at 0
+    drafter = BlockHeadDrafter(heads["even"])
+    engine = tiny_engine(hf, spec=SPEC, drafter=drafter)
+    engine.add_request(PROMPTS[2], SamplingParams(max_tokens=30, temperature=1.0, seed=7,
+                                                  ignore_eos=True))
+    drawn = []
+    while engine.has_unfinished():
+        engine.step()
+        drawn.append(drafter.drafts[:1].clone())
+    assert all((d % 2 == 0).all() for d in drawn) and len({int(t) for d in drawn for t in
+                                                          d.flatten()}) > 4
+
+
 @pytest.mark.parametrize("bias,expect", [(8.0, "all"), (-8.0, "none")])
 def test_the_confidence_head_cuts_the_block(hf, plain, bias, expect):
     engine, drafter = _engine(hf, "block_size=5,confidence=1", confidence_threshold=0.5)
@@ -331,6 +387,10 @@ def test_block_head_directories_round_trip_and_make_the_drafter(hf, tmp_path):
         make_drafter(SpecConfig(method="chain", draft_head=str(tmp_path)), target_config=cfg)
     random_spec = SpecConfig(method="block", draft_head="random:block_size=7")
     assert make_drafter(random_spec, target_config=cfg).k == 6
+    reduced = _head(hf, "block_size=4,markov_rank=4,draft_vocab=40")  # tokens 0..39
+    save_head(reduced, str(tmp_path / "reduced"))
+    again = load_head(str(tmp_path / "reduced"), cfg)
+    assert again.head_config.draft_vocab_size == 40 and torch.equal(again.d2t, torch.arange(40))
     with pytest.raises(ValueError, match="no block head ships"):
         make_drafter(SpecConfig(method="block"), target_config=cfg, model="tiny")
     with pytest.raises(ValueError, match="--block-size"):

@@ -393,3 +393,15 @@ def test_train_drafter_cli_trains_a_block_head(tmp_path, capsys):
     assert len(history) == 5 and len(history[0]["agree"]) == 3
     assert main(argv[:-2] + ["--steps", "7"]) == 0  # resumes the run
     assert "step 7/7" in capsys.readouterr().err
+    # --draft-vocab: trained over the whole vocabulary, drafting over the most frequent
+    # response tokens of its sequences (d2t, saved with the head)
+    out2 = tmp_path / "reduced"
+    assert main([str(out2) if a == str(out) else a for a in argv] + ["--draft-vocab", "32"]) == 0
+    capsys.readouterr()
+    reduced = load_head(str(out2 / "head"), target.config)
+    responses = [t for q in json.loads((out2 / "sequences.json").read_text())["sequences"]
+                 for t in q["ids"][q["prompt_len"]:]]
+    top = max(set(responses), key=responses.count)
+    d2t = reduced.d2t.tolist()
+    assert reduced.head_config.draft_vocab_size == 32 and d2t == sorted(set(d2t))
+    assert top in d2t and d2t != list(range(32))

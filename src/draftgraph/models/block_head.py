@@ -13,7 +13,12 @@ k/v projections, RoPE at p) and keeps it in the head's KV pool at the target's s
 block's own tokens go through plain decoder layers whose queries see the last `window` context
 positions and every key of the block, non-causally (phase DRAFT_BLOCK).
 
-The target's embedding and LM head are shared. Optional, as in DSpark:
+The target's embedding and LM head are shared; with a reduced draft vocabulary
+(`draft_vocab_size` > 0) the drafts are taken over the target tokens `d2t` alone, through the
+target's LM-head rows d2t (and the Markov head's rows d2t): their logits are the whole
+vocabulary's restricted to d2t, so a head trained over the whole vocabulary keeps its drafts
+wherever they fall in d2t, each block's LM head reading V' rows instead of V. Optional, as in
+DSpark:
 - a low-rank **Markov head** (`markov_rank` r > 0): position j's logits gain
   `markov_out(markov_in[token j-1])`, so the drafts are taken left to right;
 - a **confidence head** (`confidence`): sigmoid of a linear map of [h_j; markov_in[token j-1]]
@@ -26,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftgraph.attention.backend import AttentionBackend, ForwardBatch
@@ -47,9 +53,13 @@ class BlockHeadConfig(HeadShape):
     markov_rank: int = 0  # 0: no Markov head
     confidence: bool = False  # a confidence head cuts blocks short
     confidence_threshold: float = 0.5
+    draft_vocab_size: int = 0  # 0: the target's vocabulary; else the tokens `d2t`
 
     def validate_for(self, target: ModelConfig) -> None:
         super().validate_for(target)
+        if not 0 <= self.draft_vocab_size <= target.vocab_size:
+            raise ValueError(f"block head: draft vocabulary {self.draft_vocab_size} exceeds "
+                             f"the target's {target.vocab_size} tokens")
         if not 2 <= self.block_size <= 17:
             raise ValueError(f"block head: block_size must be in 2..17 (1..16 drafts), got "
                              f"{self.block_size} (--block-size)")
@@ -79,6 +89,8 @@ class BlockHead(nn.Module):
         self.markov_in = nn.Embedding(target.vocab_size, r) if r else None
         self.markov_out = nn.Linear(r, target.vocab_size, bias=False) if r else None
         self.confidence = nn.Linear(h + r, 1) if head_cfg.confidence else None
+        if head_cfg.draft_vocab_size:  # (absent otherwise: older heads load as they were)
+            self.register_buffer("d2t", torch.arange(head_cfg.draft_vocab_size))  # [V'] int64
         self.register_buffer("cos_sin_cache",
                              rope_cos_sin_cache(cfg, cfg.max_position_embeddings),
                              persistent=False)
@@ -116,13 +128,32 @@ class BlockHead(nn.Module):
             x, residual = layer(x, residual, fb, backend, self.cos_sin_cache)
         return self.norm(x, residual)[0]
 
-    def logits(self, hidden: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] (normed) -> logits [rows, V] fp32 through the target's LM head."""
-        return gemv.gemv(hidden, target_lm_head).float()
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether it drafts over a reduced vocabulary (logits over `d2t`'s tokens)."""
+        return self.head_config.draft_vocab_size > 0
 
-    def markov(self, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """The Markov head's logit correction [rows, V] fp32 for the tokens before them."""
-        return self.markov_out(self.markov_in(prev_tokens)).float()
+    def lm_head_weight(self, target_lm_head: torch.Tensor) -> torch.Tensor:
+        """Its LM head [V', hidden]: the target's, or its rows d2t (a gather: bind-time work)."""
+        return target_lm_head.index_select(0, self.d2t) if self.reduced_vocab \
+            else target_lm_head
+
+    def markov_weight(self) -> torch.Tensor:
+        """The Markov head's output map [V', r] over the draft vocabulary (rows d2t)."""
+        w = self.markov_out.weight
+        return w.index_select(0, self.d2t) if self.reduced_vocab else w
+
+    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] (normed) -> logits [rows, V'] fp32 through `lm_head`
+        (`lm_head_weight`: the target's LM head or its rows d2t)."""
+        return gemv.gemv(hidden, lm_head).float()
+
+    def markov(self, prev_tokens: torch.Tensor, weight: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The Markov head's logit correction [rows, V] fp32 for the (target) tokens before
+        them; over the draft vocabulary [rows, V'] with `weight` = `markov_weight()`."""
+        z = self.markov_in(prev_tokens)
+        return (self.markov_out(z) if weight is None else F.linear(z, weight)).float()
 
     def accept_prob(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         """The confidence head: [rows] fp32 in (0, 1)."""

@@ -108,7 +108,8 @@ _SPEC_KEYS = {
               "intermediate_size": "intermediate_size", "share_lm_head": "share_lm_head"},
     "block": {"layers": "num_layers", "block_size": "block_size", "window": "window",
               "intermediate_size": "intermediate_size", "markov_rank": "markov_rank",
-              "confidence": "confidence", "mask_token_id": "mask_token_id"},
+              "confidence": "confidence", "mask_token_id": "mask_token_id",
+              "draft_vocab": "draft_vocab_size"},
 }
 
 
@@ -118,7 +119,8 @@ def random_head(target: ModelConfig, spec: str = "", device="cpu",
     """A head of random weights (norms 1, biases 0, weights N(0, 0.02)); `spec` is empty or
     comma-separated `key=N` (chain: layers, draft_vocab, intermediate_size, share_lm_head
     (0/1); block: layers,
-    block_size, window, intermediate_size, markov_rank, confidence (0/1), mask_token_id)."""
+    block_size, window, intermediate_size, markov_rank, confidence (0/1), mask_token_id,
+    draft_vocab: the tokens 0 .. V' - 1)."""
     keys = _SPEC_KEYS[kind]
     kw: dict[str, int] = {}
     for item in filter(None, spec.split(",")):
@@ -142,21 +144,22 @@ def random_head(target: ModelConfig, spec: str = "", device="cpu",
     return head.to(dtype=dtype).eval()
 
 
-def reduce_vocab(head: ChainHead, d2t: torch.Tensor, target: ModelConfig) -> ChainHead:
-    """`head` (a chain head over the target's whole shared LM head) drafting over the target
-    tokens `d2t` alone [V'], its LM head the target's rows d2t: the same weights and the same
-    drafts wherever its argmax is in d2t; each draft step's LM head V' rows instead of V."""
-    if head.reduced_vocab or head.lm_head is not None:
+def reduce_vocab(head: nn.Module, d2t: torch.Tensor, target: ModelConfig) -> nn.Module:
+    """`head` (a chain or block head over the target's whole shared LM head) drafting over
+    the target tokens `d2t` alone [V'], its LM head the target's rows d2t (a block head's
+    Markov head: its rows d2t too): the same weights and the same drafts wherever its argmax
+    is in d2t; each draft's LM head V' rows instead of V."""
+    if head.reduced_vocab or getattr(head, "lm_head", None) is not None:
         raise ValueError("reduce_vocab takes a head over the target's whole vocabulary")
     d2t = torch.as_tensor(d2t, dtype=torch.int64).sort().values
     v = head.head_config.target_vocab_size
     if d2t.numel() == 0 or d2t[0] < 0 or d2t[-1] >= v or d2t.unique().numel() != d2t.numel():
         raise ValueError(f"d2t: distinct target token ids in 0..{v - 1}")
-    cfg = dataclasses.replace(head.head_config, draft_vocab_size=d2t.numel(),
-                              share_lm_head=True)
+    extra = {"share_lm_head": True} if isinstance(head, ChainHead) else {}
+    cfg = dataclasses.replace(head.head_config, draft_vocab_size=d2t.numel(), **extra)
     dev = head.fc.weight.device
     with torch.device(dev):
-        out = ChainHead(cfg, target)
+        out = type(head)(cfg, target)
     state = {k: t for k, t in head.state_dict().items() if k != "d2t"}
     out.load_state_dict({**state, "d2t": d2t.to(dev)})
     return out.to(head.fc.weight.dtype).eval()

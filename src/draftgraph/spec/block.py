@@ -33,7 +33,6 @@ import logging
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
-from draftgraph.kernels.argmax import row_argmax
 from draftgraph.models.block_head import BlockHead
 from draftgraph.runtime.executor import ModelExecutor
 from draftgraph.runtime.sampling import STREAM_DRAFT, processed_probs, sample_from_probs
@@ -89,8 +88,13 @@ class BlockHeadDrafter(StagedDrafter):
                                       target.device, target.dtype, target.backend.name)
         self.executor.meta.add_block_lists(hc.window, self.block_size)
         self.capture = target.capture_hidden(tuple(hc.hidden_layer_ids))
-        # the target's whole LM head (under TP gathered once: the head is replicated)
-        self.lm_head = self.target_model.full_lm_head_weight()
+        # the target's whole LM head (under TP gathered once: the head is replicated), or
+        # its rows d2t for a reduced draft vocabulary (and the Markov head's rows d2t)
+        self.lm_head = head.lm_head_weight(self.target_model.full_lm_head_weight()).contiguous()
+        self.markov_w = head.markov_weight().contiguous() if head.markov_in is not None \
+            else None
+        self.vocab = head.d2t if head.reduced_vocab else None
+        self.target_vocab_size = target.config.vocab_size
         m, g, dev = target.max_bs, self.block_size, target.device
         # the block's raw inputs: [last token, mask, ..., mask] per request, its slots
         self.block_ids = torch.full((m, g), hc.mask_token_id, dtype=torch.int64,
@@ -102,9 +106,10 @@ class BlockHeadDrafter(StagedDrafter):
         self.num_drafts = torch.zeros(m, dtype=torch.int64, device=dev)
         self._probs: torch.Tensor | None = None  # [bs, k, V] of the proposal being built
         logger.info("block head: %d layer(s), block size %d, window %d, target layers %s, "
-                    "Markov rank %d, confidence %s, KV pool %.1f MiB",
+                    "Markov rank %d, confidence %s, draft vocabulary %d, KV pool %.1f MiB",
                     head.config.num_hidden_layers, g, hc.window, list(hc.hidden_layer_ids),
                     hc.markov_rank, f"cut < {self.threshold}" if hc.confidence else "off",
+                    hc.draft_vocab_size or target.config.vocab_size,
                     self.executor.kv_pool.bytes() / 2**20)
 
     # ---- the block ------------------------------------------------------------------------
@@ -128,13 +133,15 @@ class BlockHeadDrafter(StagedDrafter):
         markov = head.markov_in is not None
         probs, prev = [], ctx.last_tokens
         if ctx.greedy and not markov:  # every draft at once
-            self.drafts[:bs].copy_(row_argmax(logits))
+            self.drafts[:bs].copy_(self.draft_argmax(logits))
         else:
             for j in range(k):  # left to right: the Markov head reads the draft before
-                lj = logits[:, j] + head.markov(prev) if markov else logits[:, j]
-                tok = row_argmax(lj)  # [bs] int64
+                lj = logits[:, j] + head.markov(prev, self.markov_w) if markov \
+                    else logits[:, j]  # [bs, V']
+                tok = self.draft_argmax(lj)  # [bs] int64
                 if not ctx.greedy:
-                    p = processed_probs(lj, ctx.temperature, ctx.top_p, ctx.top_k)  # [bs, V]
+                    p = processed_probs(self.target_vocab(lj), ctx.temperature, ctx.top_p,
+                                        ctx.top_k)  # [bs, V]
                     drawn = sample_from_probs(p, ctx.seeds, ctx.seq_lens + j, STREAM_DRAFT)
                     tok = torch.where(ctx.temperature > 0, drawn, tok)
                     probs.append(p)

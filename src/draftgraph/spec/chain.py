@@ -37,6 +37,23 @@ class StagedDrafter(Drafter):
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self.executor = None  # the drafter's ModelExecutor, made in `bind`
+        # a reduced draft vocabulary: its tokens' target ids [V'] int64 (None: the target's)
+        self.vocab: torch.Tensor | None = None
+        self.target_vocab_size = 0
+
+    def target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [bs, V'] over the draft vocabulary onto the target's [bs, V] (-inf outside
+        `vocab`); the logits themselves without a reduced vocabulary."""
+        if self.vocab is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
+        return full.index_copy_(1, self.vocab, logits)
+
+    def draft_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy drafts [...] int64 (target ids) of logits [..., V'] over the draft
+        vocabulary: the argmax over V', mapped, with no [..., V] row built."""
+        tok = row_argmax(logits)
+        return self.vocab[tok] if self.vocab is not None else tok
 
     @property
     def num_steps(self) -> int:
@@ -91,9 +108,6 @@ class ChainDrafter(StagedDrafter):
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self._probs: list[torch.Tensor] = []  # per step [bs, V] of the proposal being built
-        # a reduced draft vocabulary: its tokens' target ids [V'] int64 (None: the target's)
-        self.vocab: torch.Tensor | None = None
-        self.target_vocab_size = 0
 
     @property
     def num_steps(self) -> int:
@@ -135,22 +149,11 @@ class ChainDrafter(StagedDrafter):
                             self.step_seq_lens[:bs], self.ones[:bs], self.step_loc[:bs],
                             self.executor.meta)
 
-    def target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits [bs, V'] over the draft vocabulary onto the target's [bs, V] (-inf outside
-        `vocab`); the logits themselves without a reduced vocabulary."""
-        if self.vocab is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
-        return full.index_copy_(1, self.vocab, logits)
-
     def take(self, ctx: DraftContext, i: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft i from logits [bs, V'] over the drafter's vocabulary (the target's, or
-        `vocab`'s tokens): recorded, fed next. At temperature 0 the argmax is taken over V'
-        and mapped, with no [bs, V] row; a draw needs the distribution over the target's
+        `vocab`'s tokens): recorded, fed next. A draw needs the distribution over the target's
         vocabulary, for rejection sampling."""
-        tok = row_argmax(logits)  # [bs] int64
-        if self.vocab is not None:
-            tok = self.vocab[tok]
+        tok = self.draft_argmax(logits)  # [bs] int64
         if not ctx.greedy:
             p = processed_probs(self.target_vocab(logits), ctx.temperature, ctx.top_p,
                                 ctx.top_k)  # [bs, V]

@@ -56,8 +56,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttt-steps", type=int, default=4, help="--kind chain: training-time-test "
                    "levels")
     p.add_argument("--draft-vocab", type=int, default=0,
-                   help="--kind chain: a reduced draft vocabulary of the most frequent response "
-                        "tokens (0: the target's vocabulary and LM head)")
+                   help="a reduced draft vocabulary of the most frequent response tokens (0: "
+                        "the target's vocabulary and LM head); a block head trains over the "
+                        "whole vocabulary and drafts over these tokens (the target's LM-head "
+                        "rows: the same logits on them)")
     p.add_argument("--share-lm-head", action="store_true",
                    help="--kind chain with --draft-vocab: the head's LM head is the target's "
                         "rows of the draft vocabulary (nothing to train or ship) instead of "
@@ -165,10 +167,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from draftgraph.train.chain import TrainConfig, train_head
 
     model = resolve_model(args)
-    if args.kind == "block" and (args.draft_vocab or args.ttt_steps != 4
-                                 or args.share_lm_head):
-        print("error: --draft-vocab, --share-lm-head and --ttt-steps are for --kind chain",
-              file=sys.stderr)
+    if args.kind == "block" and (args.ttt_steps != 4 or args.share_lm_head):
+        print("error: --share-lm-head and --ttt-steps are for --kind chain (a block head "
+              "shares the target's LM head always)", file=sys.stderr)
         return 2
     if args.share_lm_head and not args.draft_vocab:
         print("error: --share-lm-head needs --draft-vocab N (without one the head shares the "
@@ -220,6 +221,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.kind == "block":
         from draftgraph.train.block import BlockTrainConfig, train_block_head
 
+        if args.draft_vocab:
+            from draftgraph.train.loop import frequent_response_tokens
+
+            head.d2t.copy_(frequent_response_tokens(seqs, args.draft_vocab,
+                                                    target.config.vocab_size).to(device))
         mask_id = head.head_config.mask_token_id
         seen = sum(s.ids.count(mask_id) for s in seqs)
         if seen:
@@ -275,7 +281,8 @@ def _block_head(args, engine, device):
     spec = (f"layers={args.head_layers},block_size={args.block_size},window={args.window},"
             f"markov_rank={args.markov_rank},confidence={int(args.confidence)},"
             f"mask_token_id={mask_id}"
-            + (f",intermediate_size={args.intermediate_size}" if args.intermediate_size else ""))
+            + (f",intermediate_size={args.intermediate_size}" if args.intermediate_size else "")
+            + (f",draft_vocab={args.draft_vocab}" if args.draft_vocab else ""))
     try:
         head = random_head(cfg, spec, device, torch.float32, seed=args.seed, kind="block")
     except ValueError as e:
