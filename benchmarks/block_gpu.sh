@@ -5,8 +5,9 @@
 #   `bash benchmarks/block_gpu.sh big`: the llama-3.1-8b rounds and llama-3.2-1b at batch
 #     8 / 32 / 64.
 # Every run: the plain decode step, block rounds at block size 5 and 8 (1- and 3-layer heads,
-# in-graph metadata) with the eager-metadata fallback as the A arm, and chain rounds with the
-# same number of drafts (k = 4 and 7), all in one process per target.
+# in-graph metadata) with the eager-metadata fallback as the A arm, a block-5 head over the
+# chain's reduced draft vocabulary, and chain rounds with the same number of drafts (k = 4
+# and 7), all in one process per target.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-}
@@ -17,7 +18,7 @@ bench() {  # name, target, dv (chain draft vocabulary), extra args...
   local l3="random:layers=3,block_size=5" l38="random:layers=3,block_size=8"
   local ch="random:layers=1$dv"
   timeout 280 python3 benchmarks/bench_block.py --target $target --out "$OUT/block_$name.json" \
-    --arms "block|$b5|in_graph;block|$b5|eager;block|$b8|in_graph;block|$l3|in_graph;block|$l38|in_graph;chain|$ch|4;chain|$ch|7" \
+    --arms "block|$b5|in_graph;block|$b5|eager${dv:+;block|$b5$dv|in_graph};block|$b8|in_graph;block|$l3|in_graph;block|$l38|in_graph;chain|$ch|4;chain|$ch|7" \
     "$@" 2>&1 | grep -v -i warn | grep -E '^\{' | python3 -c "
 import json, sys
 for line in sys.stdin:

@@ -1,12 +1,17 @@
-"""A trained chain head over the target's whole vocabulary, re-drafting over the N tokens most
-frequent in its training responses (`models.heads.reduce_vocab`: same weights, its LM head the
-target's rows of those tokens, so each draft step reads N rows instead of the vocabulary).
+"""A trained chain or block head over the target's whole vocabulary, re-drafting over the N
+tokens most frequent in its training responses, or over another head's draft vocabulary
+(`models.heads.reduce_vocab`: same weights, its LM head the target's rows of those tokens, so
+each draft reads N rows instead of the vocabulary).
 
     python benchmarks/reduce_head_vocab.py HEAD_DIR --sequences RUN/sequences.json \
         --vocab 16384 --out DIR [--eval-sequences RUN/eval_sequences.json]
+    python benchmarks/reduce_head_vocab.py src/draftgraph/heads/smollm2-135m-block \
+        --vocab-from src/draftgraph/heads/smollm2-135m-chain --out DIR
 
 Prints the share of the training (and held-out) response tokens the reduced vocabulary covers,
-and the sequences' sha256 (record both next to the head).
+and the sequences' sha256 (record both next to the head). The second command is how the
+default model's block head got the chain head's 16,384 tokens (2026-12-03, run on the
+whole-vocabulary head of git 742215f; the same bytes as the shipped files).
 """
 
 from __future__ import annotations
@@ -40,18 +45,28 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("head")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--sequences", required=True, help="train-drafter's sequences.json")
+    ap.add_argument("--sequences", default=None, help="train-drafter's sequences.json")
     ap.add_argument("--eval-sequences", default=None, help="held-out sequences (coverage)")
-    ap.add_argument("--vocab", type=int, required=True)
+    ap.add_argument("--vocab", type=int, default=0, help="with --sequences: N")
+    ap.add_argument("--vocab-from", default=None, help="instead: a head directory whose d2t "
+                    "to take")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if (a.vocab_from is None) == (a.sequences is None and not a.vocab):
+        ap.error("give --sequences with --vocab, or --vocab-from")
     target = load_model(a.model).config
-    seqs, sha = _read(a.sequences)
-    d2t = frequent_response_tokens(seqs, a.vocab, target.vocab_size)
+    if a.vocab_from:
+        d2t = load_head(a.vocab_from, target).d2t
+        seqs = None
+    else:
+        seqs, sha = _read(a.sequences)
+        d2t = frequent_response_tokens(seqs, a.vocab, target.vocab_size)
     head = reduce_vocab(load_head(a.head, target), d2t, target)
     save_head(head.to(torch.bfloat16), a.out)
-    report = {"head": a.head, "out": a.out, "draft_vocab": a.vocab, "sequences_sha256": sha,
-              "train_coverage": coverage(seqs, d2t, target.vocab_size)}
+    report = {"head": a.head, "out": a.out, "draft_vocab": d2t.numel()}
+    if seqs is not None:
+        report.update(sequences_sha256=sha, train_coverage=coverage(seqs, d2t,
+                                                                     target.vocab_size))
     if a.eval_sequences:
         held, held_sha = _read(a.eval_sequences)
         report.update(held_out_sha256=held_sha,

@@ -20,5 +20,5 @@ for arm in ('plain_decode', 'fused', 'fallback'):
     print(arm, round(a['ms_per_round'], 3), 'draft', a.get('draft_ms'), 'x', a.get('round_over_decode_step'))"
 timeout 320 python3 benchmarks/bench_block.py --target random:llama-3.1-8b --kernels \
   --out "$OUT/block_llama-3.1-8b_kernels.json" \
-  --arms "block|random:block_size=5|in_graph;block|random:block_size=8|in_graph;chain|random:layers=1,draft_vocab=32000|7" \
+  --arms "block|random:block_size=5|in_graph;block|random:block_size=5,draft_vocab=32000|in_graph;block|random:block_size=8|in_graph;chain|random:layers=1,draft_vocab=32000|7" \
   2>&1 | grep -v -i warn | grep -E '^\{' | cut -c1-300
