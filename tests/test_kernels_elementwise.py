@@ -140,3 +140,33 @@ def test_page_table_matches_reference(page_size):
     assert torch.equal(tables["ref"], tables["tri"])
     assert tables["tri"][2, 9] == pages[4, 9]  # the page of position 9 * page_size
     assert (tables["tri"][0] == -5).all()  # empty request: nothing written
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 200])  # the table form up to ROPE_TABLE_MAX_T
+def test_cpu_rope_and_rms_norm_are_the_two_half_form_and_the_reference_bit_for_bit(tokens):
+    """The CPU paths: RoPE through one forward's tables (x * cos + roll(x) * signed sin) gives
+    the two-half form's bits, the tables built once per memo (one forward) and cache; the
+    fp32 RMSNorm through torch's own gives `rms_norm_ref`'s bits, with and without residual."""
+    from draftgraph.kernels import ops
+
+    g = torch.Generator().manual_seed(tokens)
+    d, half = 64, 32
+    cache = torch.randn(4096, d, generator=g)
+    q, k = torch.randn(tokens, 6, d, generator=g), torch.randn(tokens, 2, d, generator=g)
+    pos = torch.randint(0, 4096, (tokens,), generator=g)
+    cos, sin = cache[pos][:, None, :half], cache[pos][:, None, half:]
+
+    def two_half(x):
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    memo = {}
+    for _ in range(2):  # a second layer of the same forward
+        got = ops.rope(q, k, pos, cache, memo)
+        assert torch.equal(got[0], two_half(q)) and torch.equal(got[1], two_half(k))
+    assert len(memo) == (1 if tokens <= ops.ROPE_TABLE_MAX_T else 0)
+    x, w, res = (torch.randn(tokens, 576, generator=g) for _ in range(3))
+    for r in (None, res):
+        a, ra = ops.rms_norm(x, w[0], 1e-6, r)
+        b, rb = rms_norm_ref(x, w[0], 1e-6, r)
+        assert torch.equal(a, b) and (r is None and ra is None or torch.equal(ra, rb))

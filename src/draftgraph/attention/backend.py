@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,8 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [bs] int64, new tokens per request
     out_cache_loc: torch.Tensor  # [num_tokens] int64
     meta: MetadataBuffers
+    # what every layer of this forward may share (kernels.ops.rope_tables), built once
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def bs(self) -> int:

@@ -118,7 +118,7 @@ class LlamaAttention(nn.Module):
                                   fb.out_cache_loc)
             o = backend.attend(q, self.layer_id, self.sliding, fb)
         else:
-            q, k = ops.rope(q, k, fb.positions, cos_sin_cache)
+            q, k = ops.rope(q, k, fb.positions, cos_sin_cache, fb.memo)
             o = backend.forward(q, k, v, self.layer_id, self.sliding, fb)
         return o.reshape(-1, self.q_size)
 
