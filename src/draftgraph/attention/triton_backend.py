@@ -136,12 +136,6 @@ class TritonBackend(AttentionBackend):
             # splits (on the 8B, 5 verify rows in the batch-1 plan of 32 splits cost 2.6x a
             # decode row; benchmarks/results/verify_plan/).
             bs, rows = fb.bs, q.shape[0]
-            plan_rows = bs
-            if (fb.phase is Phase.VERIFY and self.verify_plan_by_rows and not self.exact_rows
-                    and not self.invariant
-                    and attn_kernels.decode_plan(bs, q.shape[1], self.num_kv_heads,
-                                                 self.head_dim, self.max_kv_splits)[0] > 1):
-                plan_rows = rows
             if self.mid_o is None:
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("TritonBackend: pass num_q_heads= (or run one eager "
@@ -153,8 +147,13 @@ class TritonBackend(AttentionBackend):
                                                                      self.max_len)
                 slots = attn_kernels.INVARIANT_MAX_SPLITS
             else:
-                num_splits, cfg = attn_kernels.decode_plan(plan_rows, hq, self.num_kv_heads,
-                                                           self.head_dim, self.max_kv_splits)
+                plan = attn_kernels.decode_plan
+                num_splits, cfg = plan(bs, hq, self.num_kv_heads, self.head_dim,
+                                       self.max_kv_splits)
+                if (num_splits > 1 and fb.phase is Phase.VERIFY and self.verify_plan_by_rows
+                        and not self.exact_rows):
+                    num_splits, cfg = plan(rows, hq, self.num_kv_heads, self.head_dim,
+                                           self.max_kv_splits)
                 slots = num_splits
             if (bs > self.max_bs or rows * slots * hq > self.mid_lse.numel()
                     or rows * self.num_kv_heads > self.kv_counters.numel()):

@@ -88,13 +88,10 @@ class BlockHeadDrafter(StagedDrafter):
                                       target.device, target.dtype, target.backend.name)
         self.executor.meta.add_block_lists(hc.window, self.block_size)
         self.capture = target.capture_hidden(tuple(hc.hidden_layer_ids))
-        # the target's whole LM head (under TP gathered once: the head is replicated), or
-        # its rows d2t for a reduced draft vocabulary (and the Markov head's rows d2t)
-        self.lm_head = head.lm_head_weight(self.target_model.full_lm_head_weight()).contiguous()
+        self.bind_vocab(head, target)
+        # the Markov head's output rows over the draft vocabulary (d2t's, when reduced)
         self.markov_w = head.markov_weight().contiguous() if head.markov_in is not None \
             else None
-        self.vocab = head.d2t if head.reduced_vocab else None
-        self.target_vocab_size = target.config.vocab_size
         m, g, dev = target.max_bs, self.block_size, target.device
         # the block's raw inputs: [last token, mask, ..., mask] per request, its slots
         self.block_ids = torch.full((m, g), hc.mask_token_id, dtype=torch.int64,

@@ -41,6 +41,14 @@ class StagedDrafter(Drafter):
         self.vocab: torch.Tensor | None = None
         self.target_vocab_size = 0
 
+    def bind_vocab(self, head, target) -> None:
+        """The head's LM head [V', H] and draft vocabulary: the target's whole LM head (under
+        TP gathered once: a head is replicated, its logits too), or its rows `head.d2t`,
+        gathered once here, for a reduced vocabulary."""
+        self.lm_head = head.lm_head_weight(target.model.full_lm_head_weight()).contiguous()
+        self.vocab = head.d2t if head.reduced_vocab else None
+        self.target_vocab_size = target.config.vocab_size
+
     def target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [bs, V'] over the draft vocabulary onto the target's [bs, V] (-inf outside
         `vocab`); the logits themselves without a reduced vocabulary."""

@@ -61,12 +61,7 @@ class ChainHeadDrafter(ChainDrafter):
         self.executor = ModelExecutor(head, target.slots, target.max_bs, target.max_num_tokens,
                                       target.device, target.dtype, target.backend.name)
         self.capture = target.capture_hidden(tuple(head.head_config.hidden_layer_ids))
-        # [V', H] the head's LM head (the target's rows d2t, gathered once, when it shares a
-        # reduced vocabulary)
-        # (the target's whole LM head: under TP the head is replicated, its logits too)
-        self.lm_head = head.lm_head_weight(self.target_model.full_lm_head_weight()).contiguous()
-        self.vocab = head.d2t if head.reduced_vocab else None
-        self.target_vocab_size = target.config.vocab_size
+        self.bind_vocab(head, target)
         m, k, dev, dt = target.max_bs, self.k, target.device, target.dtype
         h = head.config.hidden_size
         rows = target.slots.token_table.shape[0]
