@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Train drafter heads for the default model on the H200, whose calls carry at most 64 MiB (the
-# package's tracked files are about half of it), over back-to-back calls to the same warm
-# machine (it is given back 30 s after a call ends). The GGUF travels in quarters
-# (`split -n 4 -d FILE`, the ignored folders .modelq1/ .. .modelq4/, the last with the file's
-# sha256):
-#   calls 1-3: `bash benchmarks/train_head_gpu.sh stage N`, N = 1, 2, 3, carry [".modelqN"];
-#   call 4:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modelq4", ".whl"]:
+# Train drafter heads for the default model on the H200, whose calls carry at most 64 MiB with
+# the working tree (about 43 MiB of it tracked now), over back-to-back calls to the same warm
+# machine (it is given back 30 s after a call ends). The GGUF travels in sixths
+# (`split -n 6 -d FILE`, the ignored folders .modelp1/ .. .modelp6/, the last with the file's
+# sha256; PARTS / NPARTS name another split, e.g. PARTS=.modelq NPARTS=4 for quarters where
+# the tree is small enough):
+#   calls 1-5: `bash benchmarks/train_head_gpu.sh stage N`, N = 1 .. 5, carry [".modelpN"];
+#   call 6:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modelp6", ".whl_gguf"]:
 #              joins and checks the GGUF, unpacks the sequences of SEQDIR (`pack_sequences.py`:
 #              seqs.npz and eval/seqs.npz; default the shipped chain head's, tracked in
 #              benchmarks/data/smollm2_allturns1024_seqs/) or, with SEQDIR empty (and DATA's
@@ -13,7 +14,7 @@
 #              held-out prompts with the engine (bf16, greedy, 256 new tokens, SEQS requests at
 #              a time: 5.6 minutes for the default 20,722) and returns them packed, then trains
 #              the ARMS until END seconds;
-#   call 5+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
+#   call 7+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
 #              from their checkpoints until END seconds;
 #   last call: `RETURN=arm bash benchmarks/train_head_gpu.sh train` also returns that arm's
 #              best head (the best held-out accept-length estimate) as best/.
@@ -27,6 +28,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 D=/tmp/dg_model S=/tmp/dg_seqs R=/tmp/dg_runs
 M=$D/smollm2.gguf
+P=${PARTS:-.modelp} NP=${NPARTS:-6} WHL=${WHL:-.whl_gguf}
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 DATA=${DATA:-.traindata_all/sharegpt_train_all1024_ids.json.gz}
 EVAL=${EVAL:-.traindata_all/sharegpt_heldout256_ids.json.gz}
@@ -40,16 +42,18 @@ mkdir -p $D $S $R
 quiet() { tr '\r' '\n' | grep -v -i warn | grep -v "it/s]$" | grep -v "s/it]$"; }
 
 if [ "${1:-}" = stage ]; then
-  cp .modelq$2/part* $D/ && ls $D; exit 0
+  cp $P$2/part* $D/ && ls $D; exit 0
 fi
 if [ "${1:-}" = regen ]; then
-  for i in 00 01 02; do
-    [ -f $D/part$i ] || { echo "part $i missing: the machine was not the warm one"; exit 3; }
-  done
-  [ -f $M ] || cat $D/part00 $D/part01 $D/part02 .modelq4/part03 > $M
-  echo "$(cat .modelq4/sha256)  $M" | sha256sum -c - || exit 4
+  if [ ! -f $M ]; then
+    staged=$(ls $D/part* 2>/dev/null | wc -l)
+    [ "$staged" -eq $((NP - 1)) ] || {
+      echo "$staged of $((NP - 1)) parts staged: the machine was not the warm one"; exit 3; }
+    cp $P$NP/part* $D/ && cat $D/part* > $M
+  fi
+  echo "$(cat $P$NP/sha256)  $M" | sha256sum -c - || exit 4
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/gguf-*.whl || exit 1
+    --target /tmp/site $WHL/gguf-*.whl || exit 1
   [ -f $DATA ] && sha256sum $DATA $EVAL | tee -a "$LOG"
   SEQDIR=${SEQDIR-benchmarks/data/smollm2_allturns1024_seqs}
   if [ -n "$SEQDIR" ] && ls $SEQDIR/seqs.npz* > /dev/null 2>&1; then

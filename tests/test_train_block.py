@@ -382,7 +382,7 @@ def test_train_drafter_cli_trains_a_block_head(tmp_path, capsys):
     assert len(saved["sequences"]) == 3 and len(saved["sha256"]) == 64
     cfg = json.loads((out / "head" / "config.json").read_text())
     assert (cfg["kind"], cfg["block_size"], cfg["window"], cfg["markov_rank"],
-            cfg["confidence"]) == ("block", 4, 16, 4, True)
+            cfg["confidence"], cfg["num_layers"]) == ("block", 4, 16, 4, True, 2)
     from draftgraph.models.loader import load_model
 
     target = load_model("random:tiny")

@@ -244,6 +244,10 @@ def test_train_drafter_cli_runs_and_resumes(tmp_path, capsys):
     assert [h["step"] for h in history if "eval" in h] == [3, 6]
     assert all(len(h["eval"]["agree"]) == 4 and h["eval"]["loss"] > 0
                for h in history if "eval" in h)
+    # the summary names the step best/ was kept from: the best replayed walk
+    kept = max((h for h in history if "eval" in h), key=lambda h: h["eval"]["accept_replayed"])
+    assert (f"best {kept['eval']['accept_replayed']:.3f} at step {kept['step']} (its head"
+            in err and "replayed accept length" in err)
     assert json.loads((out / "best" / "config.json").read_text())["draft_vocab_size"] == 32
     assert main(argv[:-4] + ["--steps", "8", "--batch-tokens", "128"]) == 0  # resumes
     assert "step 8/8" in capsys.readouterr().err

@@ -11,7 +11,11 @@ feature*. Every draft layer turns the context feature of position p into its K/V
 k/v projections, RoPE at p) and keeps it in the head's KV pool at the target's slot of p: the
 *KV injection* (`inject_kv`, after each verify forward and each eager target forward). The
 block's own tokens go through plain decoder layers whose queries see the last `window` context
-positions and every key of the block, non-causally (phase DRAFT_BLOCK).
+positions and every key of the block, non-causally (phase DRAFT_BLOCK). In the first layer
+every mask row's query is the same vector rotated to its position, so what it looks for cannot
+depend on the context (only the keys vary); a second layer's queries carry what the first
+found (on the default model a 2-layer head's first draft agreed with the target 0.65 of the
+time on held-out responses against 1 layer's 0.48, same data and schedule: NOTES.md).
 
 The target's embedding and LM head are shared; with a reduced draft vocabulary
 (`draft_vocab_size` > 0) the drafts are taken over the target tokens `d2t` alone, through the

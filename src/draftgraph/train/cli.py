@@ -42,7 +42,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="chain: an EAGLE-3-style chain head (training-time test, forward KL); "
                         "block: a DSpark-style block head (anchors per sequence, 0.1 CE + "
                         "0.9 TV + confidence BCE)")
-    p.add_argument("--head-layers", type=int, default=1, help="decoder layers of the head")
+    p.add_argument("--head-layers", type=int, default=None,
+                   help="decoder layers of the head (default: 1 for a chain head, 2 for a "
+                        "block head, whose first layer's mask-token queries carry no content)")
     p.add_argument("--intermediate-size", type=int, default=0,
                    help="MLP width of the head's layers (0: the target's)")
     p.add_argument("--eval-data", default=None,
@@ -175,6 +177,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("error: --share-lm-head needs --draft-vocab N (without one the head shares the "
               "target's whole LM head already)", file=sys.stderr)
         return 2
+    if args.head_layers is None:  # a block's mask rows query by position alone in layer 1
+        args.head_layers = 2 if args.kind == "block" else 1
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
     os.makedirs(args.out, exist_ok=True)
@@ -254,10 +258,14 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"{os.path.join(args.out, 'head')}", file=sys.stderr)
     evals = [h for h in state.history if "eval" in h]
     if evals:
-        best = max(evals, key=lambda h: h["eval"]["accept_estimate"])
-        print(f"train-drafter: held out ({len(eval_seqs)} sequences): accept length estimate "
-              f"{evals[-1]['eval']['accept_estimate']:.3f} at step {evals[-1]['step']}, best "
-              f"{best['eval']['accept_estimate']:.3f} at step {best['step']} (its head: "
+        # the score train_loop keeps best/ by: the replayed walk where there is one
+        key = "accept_replayed" if "accept_replayed" in evals[-1]["eval"] else "accept_estimate"
+        best = max(evals, key=lambda h: h["eval"][key])
+        what = "replayed accept length" if key == "accept_replayed" else \
+            "accept length estimate"
+        print(f"train-drafter: held out ({len(eval_seqs)} sequences): {what} "
+              f"{evals[-1]['eval'][key]:.3f} at step {evals[-1]['step']}, best "
+              f"{best['eval'][key]:.3f} at step {best['step']} (its head: "
               f"{os.path.join(args.out, 'best')})", file=sys.stderr)
     return 0
 
