@@ -163,6 +163,22 @@ def build_kv_index_lists(
     lists.kv_indices[:total] = req_to_token[req_pool_indices[row], col]
 
 
+def run_starts(kv_indices: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
+    """[bs] int64: for each request's list (kv_indptr [bs + 1]), its first slot where its
+    slots run consecutively (s, s + 1, ...: the keys are a slice of the pool), else -1 (and
+    -1 for an empty list)."""
+    lo, hi = kv_indptr[:-1], kv_indptr[1:]
+    total = int(kv_indptr[-1])
+    if total == 0:
+        return torch.full_like(lo, -1)
+    ind = kv_indices[:total]
+    breaks = (ind[1:] != ind[:-1] + 1).to(torch.int64)  # [total - 1]
+    before = torch.cat([breaks.new_zeros(1), breaks.cumsum(0)])  # [total]: breaks up to i
+    first = lo.clamp(max=total - 1)
+    last = torch.maximum(hi - 1, lo).clamp(max=total - 1)
+    return torch.where((hi > lo) & (before[last] == before[first]), ind[first], -1)
+
+
 def build_metadata(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,

@@ -92,5 +92,7 @@ class PagedAllocator:
             self._free_pages.append(pages.pop())
 
     def free(self, pages: list[int]) -> None:
-        self._free_pages.extend(pages)
+        # reversed: the list pops from its end, so the next request gets these pages in
+        # ascending order again (consecutive slots: a CPU attention reads them as a slice)
+        self._free_pages.extend(reversed(pages))
         pages.clear()
