@@ -17,7 +17,7 @@
 #   call 7+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
 #              from their checkpoints until END seconds;
 #   last call: `RETURN=arm bash benchmarks/train_head_gpu.sh train` also returns that arm's
-#              best head (the best held-out accept-length estimate) as best/.
+#              best head (the best held-out replayed accept length) as best/.
 # ARMS: `name=flags` pairs separated by ';', one train-drafter run each, all at once on the
 # one GPU (default: 1- and 2-layer chain heads); each returns history_NAME.json (the training
 # curve and the held-out evaluations) and loss_NAME.png.
