@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Train drafter heads for the default model on the H200, whose calls carry at most 64 MiB with
-# the working tree (about 43 MiB of it tracked now), over back-to-back calls to the same warm
-# machine (it is given back 30 s after a call ends). The GGUF travels in sixths
-# (`split -n 6 -d FILE`, the ignored folders .modelp1/ .. .modelp6/, the last with the file's
-# sha256; PARTS / NPARTS name another split, e.g. PARTS=.modelq NPARTS=4 for quarters where
-# the tree is small enough):
-#   calls 1-5: `bash benchmarks/train_head_gpu.sh stage N`, N = 1 .. 5, carry [".modelpN"];
-#   call 6:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modelp6", ".whl_gguf"]:
+# the working tree (about 48 MiB of it tracked now), over back-to-back calls to the same warm
+# machine (it is given back 30 s after a call ends: send the next call at once). The GGUF
+# travels in eighths (`split -n 8 -d FILE`, the ignored folders .modeli1/ .. .modeli8/, the
+# last with the file's sha256; PARTS / NPARTS name another split, e.g. PARTS=.modelp NPARTS=6):
+#   calls 1-7: `bash benchmarks/train_head_gpu.sh stage N`, N = 1 .. 7, carry [".modeliN"];
+#   call 8:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modeli8", ".whl_gguf"]:
 #              joins and checks the GGUF, unpacks the sequences of SEQDIR (`pack_sequences.py`:
 #              seqs.npz and eval/seqs.npz; default the shipped chain head's, tracked in
 #              benchmarks/data/smollm2_allturns1024_seqs/) or, with SEQDIR empty (and DATA's
@@ -14,7 +13,7 @@
 #              held-out prompts with the engine (bf16, greedy, 256 new tokens, SEQS requests at
 #              a time: 5.6 minutes for the default 20,722) and returns them packed, then trains
 #              the ARMS until END seconds;
-#   call 7+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
+#   call 9+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
 #              from their checkpoints until END seconds;
 #   last call: `RETURN=arm bash benchmarks/train_head_gpu.sh train` also returns that arm's
 #              best head (the best held-out replayed accept length) as best/.
@@ -28,7 +27,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 D=/tmp/dg_model S=/tmp/dg_seqs R=/tmp/dg_runs
 M=$D/smollm2.gguf
-P=${PARTS:-.modelp} NP=${NPARTS:-6} WHL=${WHL:-.whl_gguf}
+P=${PARTS:-.modeli} NP=${NPARTS:-8} WHL=${WHL:-.whl_gguf}
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 DATA=${DATA:-.traindata_all/sharegpt_train_all1024_ids.json.gz}
 EVAL=${EVAL:-.traindata_all/sharegpt_heldout256_ids.json.gz}
