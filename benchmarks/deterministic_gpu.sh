@@ -3,19 +3,17 @@
 #   `bash benchmarks/deterministic_gpu.sh kernels`: the GPU tests of the mode and of the
 #     kernels it changes, then the batch-invariant matmul's config sweep;
 #   `bash benchmarks/deterministic_gpu.sh engine [models]`: ms per step, on against off;
-#   `bash benchmarks/deterministic_gpu.sh stage N` for N = 1 .. 5 (carry [".modelpN"]): the
-#     real default model in sixths (`split -n 6 -d FILE`; the tracked tree takes 44 of a
-#     call's 64 MiB), the last in .modelp6 with the file's sha256;
-#   `bash benchmarks/deterministic_gpu.sh real` (carry [".modelp6", ".whl_gguf"]): the real
+#   `bash benchmarks/deterministic_gpu.sh stage N` for N = 1 .. 7 (carry [".modeliN"]): the
+#     real default model in eighths (benchmarks/gguf_parts.sh);
+#   `bash benchmarks/deterministic_gpu.sh real` (carry [".modeli8", ".whl_gguf"]): the real
 #     model in bf16 with --deterministic, n-gram greedy vs plain greedy on the 164 HumanEval
 #     prompts at batch 32, and the first prompt alone vs among 31 others, 20 trials.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-}
-D=/tmp/dg_model
-mkdir -p $D
+. benchmarks/gguf_parts.sh  # D, M, gguf_stage, gguf_join
 case "${1:-}" in
-stage) cp .modelp$2/part* $D/ && ls $D; exit 0 ;;
+stage) gguf_stage "$2"; exit 0 ;;
 kernels)
   timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_deterministic.py \
     tests/test_kernels_matmul.py tests/test_kernels_attention.py tests/test_kernels_backend.py \
@@ -28,15 +26,9 @@ engine) shift; timeout 450 python3 benchmarks/bench_deterministic.py engine "$@"
 real) ;;
 *) echo "usage: $0 kernels|engine|stage N|real"; exit 2 ;;
 esac
-for i in 00 01 02 03 04; do
-  [ -f $D/part$i ] || { echo "part $i missing: the machine was not the warm one"; exit 3; }
-done
-cat $D/part0[0-4] .modelp6/part05 > $D/smollm2.gguf
-echo "$(cat .modelp6/sha256)  $D/smollm2.gguf" | sha256sum -c - || exit 4
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl_gguf/gguf-*.whl || exit 1
+gguf_join || exit $?
 export PYTHONPATH=/tmp/site:$PYTHONPATH
-timeout 400 python3 benchmarks/eval_lossless.py --model $D/smollm2.gguf --device cuda \
+timeout 400 python3 benchmarks/eval_lossless.py --model $M --device cuda \
   --dtype bfloat16 --batch 32 --deterministic --invariance-trials 20 \
   --prompt-ids benchmarks/data/humaneval_smollm2_ids.json \
   --out "$OUT/lossless_humaneval_real_bf16_deterministic_bs32_h200.json" 2>&1 \

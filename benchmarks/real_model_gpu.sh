@@ -1,30 +1,23 @@
 #!/usr/bin/env bash
-# The real default model (SmolLM2-135M-Instruct, GGUF Q4_1, 98 MB) on the H200, whose calls
-# carry at most 64 MiB: the file travels in two halves over two back-to-back calls to the same
-# warm machine (`split -n 2 -d FILE`, halves in the ignored folders .model1/ and .model2/ with
-# the file's sha256), joined under /tmp, checked, then measured in bf16:
+# The real default model (SmolLM2-135M-Instruct, GGUF Q4_1, 98 MB) on the H200, staged in
+# eighths over back-to-back calls to one warm machine (benchmarks/gguf_parts.sh), joined under
+# /tmp, checked, then measured in bf16:
 #   - eval_lossless.py: share of the 164 HumanEval prompts (+ chat prompts) whose n-gram
 #     speculative output equals plain greedy decoding, 128 new tokens;
 #   - the same in fp32 (how much of a bf16 mismatch is rounding, not logic);
 #   - bench_spec.py (unless SKIP_SPEC=1): ms per step and acceptance length, code-edit and free-form, batch 1 and 32.
-# Call 1: `bash benchmarks/real_model_gpu.sh stage` with carry [".model1"];
-# call 2: `bash benchmarks/real_model_gpu.sh run` with carry [".model2", ".whl"] (gguf wheel).
+# Calls 1-7: `bash benchmarks/real_model_gpu.sh stage N` with carry [".modeliN"];
+# call 8: `bash benchmarks/real_model_gpu.sh run` with carry [".modeli8", ".whl_gguf"].
 # On nvidia-h200-x2, `... tp` instead of `run`: TP = 2 against TP = 1 (tp_compare.py, bf16),
 # then the bf16 HumanEval share alone.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-D=/tmp/dg_model
+. benchmarks/gguf_parts.sh  # D, M, gguf_stage, gguf_join
 if [ "${1:-}" = stage ]; then
-  mkdir -p $D && cp .model1/part00 $D/ && ls -la $D
-  exit 0
+  gguf_stage "$2"; exit 0
 fi
-[ -f $D/part00 ] || { echo "first half missing: the machine was not the warm one"; exit 3; }
-cat $D/part00 .model2/part01 > $D/smollm2.gguf
-echo "$(cat .model2/sha256)  $D/smollm2.gguf" | sha256sum -c - || exit 4
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/gguf-*.whl || exit 1
+gguf_join || exit $?
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-M=$D/smollm2.gguf
 if [ "${1:-}" = tp ]; then
   timeout 240 python3 benchmarks/tp_compare.py --model $M --dtype bfloat16 \
     --prompt-ids benchmarks/data/humaneval_smollm2_ids.json --num-prompts 16 \

@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
-# Train drafter heads for the default model on the H200, whose calls carry at most 64 MiB with
-# the working tree (about 48 MiB of it tracked now), over back-to-back calls to the same warm
-# machine (it is given back 30 s after a call ends: send the next call at once). The GGUF
-# travels in eighths (`split -n 8 -d FILE`, the ignored folders .modeli1/ .. .modeli8/, the
-# last with the file's sha256; PARTS / NPARTS name another split, e.g. PARTS=.modelp NPARTS=6):
+# Train drafter heads for the default model on the H200 over back-to-back calls to one warm
+# machine; the GGUF is staged in eighths (benchmarks/gguf_parts.sh):
 #   calls 1-7: `bash benchmarks/train_head_gpu.sh stage N`, N = 1 .. 7, carry [".modeliN"];
 #   call 8:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modeli8", ".whl_gguf"]:
 #              joins and checks the GGUF, unpacks the sequences of SEQDIR (`pack_sequences.py`:
@@ -25,9 +22,8 @@
 # 256 of the held-out split, the acceptance benchmark's prompts excluded.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-D=/tmp/dg_model S=/tmp/dg_seqs R=/tmp/dg_runs
-M=$D/smollm2.gguf
-P=${PARTS:-.modeli} NP=${NPARTS:-8} WHL=${WHL:-.whl_gguf}
+S=/tmp/dg_seqs R=/tmp/dg_runs
+. benchmarks/gguf_parts.sh  # D, M, gguf_stage, gguf_join
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 DATA=${DATA:-.traindata_all/sharegpt_train_all1024_ids.json.gz}
 EVAL=${EVAL:-.traindata_all/sharegpt_heldout256_ids.json.gz}
@@ -36,23 +32,15 @@ END=${END:-560}
 COMMON="--max-new-tokens ${NEW:-256} --max-len ${MAXLEN:-1024} --batch-tokens ${BATCH:-16384}
   --dtype bfloat16 --eval-prompts 256 --eval-every ${EVAL_EVERY:-250}"
 LOG="$OUT/train_log.txt"
-mkdir -p $D $S $R
+mkdir -p $S $R
 
 quiet() { tr '\r' '\n' | grep -v -i warn | grep -v "it/s]$" | grep -v "s/it]$"; }
 
 if [ "${1:-}" = stage ]; then
-  cp $P$2/part* $D/ && ls $D; exit 0
+  gguf_stage "$2"; exit 0
 fi
 if [ "${1:-}" = regen ]; then
-  if [ ! -f $M ]; then
-    staged=$(ls $D/part* 2>/dev/null | wc -l)
-    [ "$staged" -eq $((NP - 1)) ] || {
-      echo "$staged of $((NP - 1)) parts staged: the machine was not the warm one"; exit 3; }
-    cp $P$NP/part* $D/ && cat $D/part* > $M
-  fi
-  echo "$(cat $P$NP/sha256)  $M" | sha256sum -c - || exit 4
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site $WHL/gguf-*.whl || exit 1
+  gguf_join || exit $?
   [ -f $DATA ] && sha256sum $DATA $EVAL | tee -a "$LOG"
   SEQDIR=${SEQDIR-benchmarks/data/smollm2_allturns1024_seqs}
   if [ -n "$SEQDIR" ] && ls $SEQDIR/seqs.npz* > /dev/null 2>&1; then

@@ -1,0 +1,32 @@
+# Sourced by the device scripts that need the real default model (train_head_gpu.sh,
+# real_model_gpu.sh, deterministic_gpu.sh). A device call carries at most 64 MiB with the
+# working tree (~48 MiB tracked), so the GGUF (94 MiB) travels in eighths over back-to-back calls
+# to one warm machine (given back 30 s after a call: send the next at once):
+#   once, here: G=<the GGUF>; for i in 1 .. 8: mkdir .modeli$i; `split -n 8 -d $G part` puts
+#     part0(i-1) into .modeli$i; `sha256sum $G | cut -d' ' -f1 > .modeli8/sha256` (all ignored);
+#   calls 1-7: `SCRIPT stage N` with carry [".modeliN"]: gguf_stage N copies the part to D;
+#   the call that runs carries [".modeli8", ".whl_gguf"]: gguf_join puts the file together at
+#     $M, checks its sha256 and installs the gguf wheel under /tmp/site.
+# PARTS / NPARTS name another split (e.g. PARTS=.modelp NPARTS=6: sixths, for a smaller tree).
+P=${PARTS:-.modeli} NP=${NPARTS:-8} WHL=${WHL:-.whl_gguf}
+D=${GGUF_DIR:-/tmp/dg_model}
+M=$D/smollm2.gguf
+
+gguf_stage() {
+  mkdir -p "$D" && cp "$P$1"/part* "$D"/ && ls "$D"
+}
+
+gguf_join() {
+  if [ ! -f "$M" ]; then
+    local staged
+    staged=$(ls "$D"/part* 2>/dev/null | wc -l)
+    if [ "$staged" -ne $((NP - 1)) ]; then
+      echo "$staged of $((NP - 1)) parts staged: the machine was not the warm one"
+      return 3
+    fi
+    cp "$P$NP"/part* "$D"/ && cat "$D"/part* > "$M"
+  fi
+  echo "$(cat "$P$NP"/sha256)  $M" | sha256sum -c - || return 4
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHL"/gguf-*.whl || return 1
+}
