@@ -37,18 +37,24 @@ from draftgraph.train.loop import OracleBatch, Sequence, TargetOracle
 K = 4
 
 
-def replay_block_set(engine, head, oracle, prompts, outs, s) -> dict:
-    """The engine's block statistics against `replay_blocks` along its outputs."""
-    model = engine.model
+def walk_blocks(head, model, oracle, seqs: list[Sequence]) -> dict:
+    """`replay_blocks` along each sequence, its statistics summed: num_drafts,
+    num_accepted_tokens, steps."""
     walked = {"num_drafts": 0, "num_accepted_tokens": 0, "steps": 0}
-    for prompt, o in zip(prompts, outs, strict=True):
-        ids = list(prompt) + o.token_ids
-        streams, logits = oracle([ids])
-        batch = OracleBatch([Sequence(ids, len(prompt))], streams, logits, [0])
-        w = replay_blocks(head, model.embed_tokens.weight, model.lm_head_weight, batch,
-                          1024)[0]
+    for s in seqs:
+        streams, logits = oracle([s.ids])
+        w = replay_blocks(head, model.embed_tokens.weight, model.lm_head_weight,
+                          OracleBatch([s], streams, logits, [0]), 1024)[0]
         for key in walked:
             walked[key] += w[key]
+    return walked
+
+
+def replay_block_set(engine, head, oracle, prompts, outs, s) -> dict:
+    """The engine's block statistics against `replay_blocks` along its outputs."""
+    walked = walk_blocks(head, engine.model, oracle,
+                         [Sequence(list(p) + o.token_ids, len(p))
+                          for p, o in zip(prompts, outs, strict=True)])
     return {"num_prompts": len(prompts),
             "engine_accept_length": 1 + s["num_accepted_tokens"] / max(s["num_drafts"], 1),
             "engine_drafting_rounds": s["num_drafts"],

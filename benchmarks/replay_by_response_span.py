@@ -20,23 +20,17 @@ import tempfile
 
 import torch
 from _meta import run_header
+from accept_replay import walk_blocks
 
 from draftgraph.models.heads import load_head
 from draftgraph.models.loader import load_model
-from draftgraph.train.block import replay_blocks
-from draftgraph.train.loop import OracleBatch, Sequence, TargetOracle
+from draftgraph.train.loop import Sequence, TargetOracle
 
 SEQS = "benchmarks/data/smollm2_allturns1024_seqs/eval"
 
 
 def walk(head, model, oracle, seqs: list[Sequence]) -> dict:
-    n = {"num_drafts": 0, "num_accepted_tokens": 0}
-    for s in seqs:
-        streams, logits = oracle([s.ids])
-        w = replay_blocks(head, model.embed_tokens.weight, model.lm_head_weight,
-                          OracleBatch([s], streams, logits, [0]), 1024)[0]
-        for key in n:
-            n[key] += w[key]
+    n = walk_blocks(head, model, oracle, seqs)
     return {"accept_length": 1 + n["num_accepted_tokens"] / max(n["num_drafts"], 1),
             "drafting_rounds": n["num_drafts"]}
 

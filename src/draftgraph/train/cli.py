@@ -222,14 +222,20 @@ def cmd_train(args: argparse.Namespace) -> int:
                   max_len=args.max_len, seed=args.seed,
                   time_limit_s=args.time_limit * 60 if args.time_limit else None,
                   eval_every=args.eval_every)
+    if args.kind == "chain":  # (a block head was built before regenerating)
+        spec = ",".join(f"{k}={int(v)}" for k, v in (
+            ("layers", args.head_layers), ("draft_vocab", args.draft_vocab),
+            ("intermediate_size", args.intermediate_size),
+            ("share_lm_head", args.share_lm_head)) if v)
+        head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
+    if args.draft_vocab:  # the most frequent response tokens (a block head trains over all)
+        from draftgraph.train.loop import frequent_response_tokens
+
+        head.d2t.copy_(frequent_response_tokens(seqs, args.draft_vocab,
+                                                target.config.vocab_size).to(device))
     if args.kind == "block":
         from draftgraph.train.block import BlockTrainConfig, train_block_head
 
-        if args.draft_vocab:
-            from draftgraph.train.loop import frequent_response_tokens
-
-            head.d2t.copy_(frequent_response_tokens(seqs, args.draft_vocab,
-                                                    target.config.vocab_size).to(device))
         mask_id = head.head_config.mask_token_id
         seen = sum(s.ids.count(mask_id) for s in seqs)
         if seen:
@@ -239,16 +245,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         state = train_block_head(head, target, seqs, cfg, args.out, device, dtype, backend,
                                  eval_seqs=eval_seqs)
     else:
-        from draftgraph.train.loop import frequent_response_tokens
-
-        spec = ",".join(f"{k}={int(v)}" for k, v in (
-            ("layers", args.head_layers), ("draft_vocab", args.draft_vocab),
-            ("intermediate_size", args.intermediate_size),
-            ("share_lm_head", args.share_lm_head)) if v)
-        head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
-        if args.draft_vocab:
-            head.d2t.copy_(frequent_response_tokens(seqs, args.draft_vocab,
-                                                    target.config.vocab_size).to(device))
         cfg = TrainConfig(**common, ttt_steps=args.ttt_steps)
         state = train_head(head, target, seqs, cfg, args.out, device, dtype, backend,
                            eval_seqs=eval_seqs)
