@@ -248,6 +248,7 @@ def rows_sweep(models, ms, dtype, budget_s: float) -> list[dict]:
             big = ops_m[max(ms)]
             lone = Operands(mode, n, k, 1, dtype)
             lone.x, lone.residual = big.x[:1].contiguous(), big.residual[:1].contiguous()
+            lone.norm_w = big.norm_w
             cublas = {m: op.time(op.unfused) for m, op in ops_m.items()}
             tuned = G._config({"plain": 0, "norm": 1, "silu": 2}[mode], n, k, dtype)
             cands = [tuned] + [c for c in candidate_configs(1, n, k, dtype)
@@ -286,6 +287,87 @@ def rows_sweep(models, ms, dtype, budget_s: float) -> list[dict]:
                       flush=True)
             ops_m = big = lone = None
             torch.cuda.empty_cache()
+    return rows
+
+
+def dot_configs(n: int, k: int) -> list[G.GemvConfig]:
+    """Tensor-core configs (rows padded to 16) for a shape, the likeliest first (a time budget
+    cuts the sweep short: each config compiles once)."""
+    kmax = max(16, 1 << (k - 1).bit_length())
+    out = []
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256, 512),
+                                                   (2, 4, 8), (1, 2, 3, 4)):
+        if bk <= kmax and bn * bk <= 16384 and bn <= max(16, n // 8):
+            out.append(G.GemvConfig(16, bn, bk, warps, stages, True))
+    out.sort(key=lambda c: (abs(math.log2(c.block_k / 128)) + abs(math.log2(c.block_n / 16))
+                            + (c.num_warps != 4) + (c.num_stages not in (2, 3)), c))
+    return out
+
+
+def dot_sweep(models, ms, dtype, budget_s: float) -> list[dict]:
+    """Tensor-core rows (issue 16): per shape, every dot config (one per shape serves every M up
+    to 16: its rows are padded to 16, so a row's bits do not depend on M) timed at each M of
+    `ms`, next to norm / activation + cuBLAS and the single-row FMA config the dispatch runs
+    at M = 1. Each config is checked bitwise (row 0 at the largest M equals the lone row) and
+    against fp32 math. Prints a `TUNED_DOT` line per shape: the config fastest at the middle
+    M, with the largest M up to which it beats the cuBLAS chain."""
+    rows, lines = [], []
+    for model in models:
+        for proj, (mode, n, k) in model_shapes(model).items():
+            ops_m = {m: Operands(mode, n, k, m, dtype) for m in sorted(set(ms) | {1})}
+            big = ops_m[max(ms)]
+            lone = ops_m[1]
+            lone.x, lone.residual = big.x[:1].contiguous(), big.residual[:1].contiguous()
+            lone.norm_w = big.norm_w
+            cublas = {m: op.time(op.unfused) for m, op in ops_m.items()}
+            fma = G._config({"plain": 0, "norm": 1, "silu": 2}[mode], n, k, dtype)
+            fma_us = {1: lone.time(lambda w, op=lone, c=fma: op.fused(w, c))}
+            ref = big.reference(big.weights[0])
+            results, t0 = [], time.time()
+            for cfg in dot_configs(n, k):
+                if time.time() - t0 > budget_s:
+                    break
+                try:
+                    y = big.fused(big.weights[0], cfg)
+                    if rel_err(y, ref) > 2e-2:
+                        continue
+                    exact = torch.equal(y[:1], lone.fused(big.weights[0], cfg))
+                    us = {m: op.time(lambda w, c=cfg, op=op: op.fused(w, c))
+                          for m, op in ops_m.items()}
+                except Exception as e:  # a config the compiler rejects
+                    print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                results.append({"config": cfg._asdict(), "exact": exact, "us": us})
+            mid = sorted(ms)[len(ms) // 2]
+            ranked = sorted((r for r in results if r["exact"]), key=lambda r: r["us"][mid])
+            row = {"model": model, "proj": proj, "mode": mode, "N": n, "K": k,
+                   "cublas_chain_us": cublas, "fma_m1": {"config": fma._asdict(), "us": fma_us},
+                   "tried": len(results), "top": ranked[:8]}
+            rows.append(row)
+            if ranked:
+                best = ranked[0]
+                wins = [m for m in sorted(ms) if m > 1 and best["us"][m] < cublas[m]]
+                max_m = 0
+                for m in sorted(m for m in ms if m > 1):
+                    if m not in wins:
+                        break
+                    max_m = m
+                row["best"] = best
+                row["max_m"] = max_m
+                cfg = G.GemvConfig(**best["config"])
+                lines.append(f"    ({mode!r}, {n}, {k}): ({cfg!r}, {max_m}),  # {model} {proj}: "
+                             + ", ".join(f"M={m} {best['us'][m]:.2f}/{cublas[m]:.2f}"
+                                         for m in sorted(ms)) + " us (dot/cuBLAS)")
+            print(f"{model:14s} {proj:8s} cuBLAS {({m: round(v, 2) for m, v in cublas.items()})}"
+                  f"  FMA M=1 {fma_us[1]:.2f}", flush=True)
+            for r in ranked[:3]:
+                print(f"    {({m: round(v, 2) for m, v in r['us'].items()})}  {r['config']}",
+                      flush=True)
+            ops_m = big = lone = None
+            torch.cuda.empty_cache()
+    print("\n# TUNED_DOT = {")
+    print("\n".join(lines))
+    print("# }")
     return rows
 
 
@@ -417,6 +499,8 @@ def main() -> int:
     ap.add_argument("--no-chain", action="store_true", help="skip the whole-step chains")
     ap.add_argument("--tune", action="store_true", help="sweep block sizes instead")
     ap.add_argument("--tune-budget-s", type=float, default=25.0, help="seconds per shape")
+    ap.add_argument("--dot-sweep", action="store_true",
+                    help="tensor-core configs (rows padded to 16) per shape at every M")
     ap.add_argument("--rows-sweep", action="store_true",
                     help="multi-row single-row configs at several register budgets")
     args = ap.parse_args()
@@ -435,7 +519,10 @@ def main() -> int:
                          for p, s in model_shapes(mdl).items()} for mdl in models},
     }
     with torch.no_grad():
-        if args.rows_sweep:
+        if args.dot_sweep:
+            out["benchmark"] = "gemv_dot_sweep"
+            out["dot_sweep"] = dot_sweep(models, ms, dtype, args.tune_budget_s)
+        elif args.rows_sweep:
             out["benchmark"] = "gemv_rows_sweep"
             out["rows_sweep"] = rows_sweep(models, ms, dtype, args.tune_budget_s)
         elif args.tune:
@@ -449,7 +536,7 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    if not args.tune and not args.rows_sweep:
+    if not (args.tune or args.rows_sweep or args.dot_sweep):
         print(f"\n{'model':14s} {'proj':8s} {'M':>2s} {'cuBLAS us':>10s} {'unfused us':>10s} "
               f"{'fused us':>9s} {'fused TB/s':>10s} {'rel err':>8s}")
         for r in out["results"]:
