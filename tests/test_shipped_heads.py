@@ -53,3 +53,33 @@ def test_a_shipped_head_is_lossless_and_trained(default_model, prompts, plain, m
                                                                  draft_head="random",
                                                                  adaptive=False))
     assert tokens == plain and accept < 1.1, accept
+
+
+def test_the_default_gguf_by_path_gets_the_shipped_heads(tmp_path):
+    """The default model named by its file, or by a copy of it elsewhere (as on a machine the
+    GGUF was staged onto), gets the heads that ship for "default"; another file gets none."""
+    import shutil
+
+    from draftgraph.models.loader import default_model_path
+
+    try:
+        gguf = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model is not installed")
+    copy = tmp_path / "staged.gguf"
+    shutil.copyfile(gguf, copy)
+    for method in ("chain", "block"):
+        want = shipped_head(method, "default")
+        assert shipped_head(method, gguf) == want
+        assert shipped_head(method, str(copy)) == want
+    other = tmp_path / "other.gguf"
+    with open(gguf, "rb") as f:
+        other.write_bytes(f.read()[: 1 << 20])
+    with pytest.raises(ValueError, match="needs --draft-head"):
+        shipped_head("block", str(other))
+    # same size, one sampled block changed: not the default model
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="needs --draft-head"):
+        shipped_head("chain", str(copy))

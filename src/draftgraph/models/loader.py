@@ -62,6 +62,24 @@ def default_model_path() -> str:
     )
 
 
+def is_default_model(model: str | None) -> bool:
+    """Whether `model` names the default model: "default", or a path to its GGUF or a copy of
+    it (same size and sampled contents), so what ships for it (drafter heads) applies."""
+    if model == "default":
+        return True
+    if not model or not os.path.isfile(os.path.expanduser(model)):
+        return False
+    from draftgraph.models.weight_cache import file_fingerprint
+
+    try:
+        default = default_model_path()
+    except FileNotFoundError:
+        return False
+    path = os.path.expanduser(model)
+    return (os.path.getsize(path) == os.path.getsize(default)
+            and file_fingerprint(path, mtime=False) == file_fingerprint(default, mtime=False))
+
+
 def _usage() -> str:
     return (f"pass a .gguf file, a Hugging Face directory, 'default' or random:<preset> "
             f"(presets: {', '.join(presets.PRESETS)})")

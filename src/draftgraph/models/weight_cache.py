@@ -55,10 +55,11 @@ def cache_root() -> Path:
     return Path(base) / "draftgraph"
 
 
-def file_fingerprint(path: str) -> str:
-    """sha256 of the file's size, mtime and sampled contents (cheap: about 1 MiB read)."""
+def file_fingerprint(path: str, mtime: bool = True) -> str:
+    """sha256 of the file's size, mtime (unless `mtime` is False: a copy then fingerprints as
+    its original) and sampled contents (cheap: about 1 MiB read)."""
     st = os.stat(path)
-    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns if mtime else ''}".encode())
     with open(path, "rb") as f:
         step = max(1, st.st_size // _SAMPLES)
         for off in [*range(0, st.st_size, step), max(0, st.st_size - _BLOCK)]:

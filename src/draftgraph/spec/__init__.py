@@ -29,9 +29,14 @@ SHIPPED_HEADS = {"chain": {"default": "smollm2-135m-chain"},
 
 
 def shipped_head(method: str, model: str | None) -> str:
+    """The head directory that ships for `model` ("default", or the default GGUF by path)."""
     import os
 
+    from draftgraph.models.loader import is_default_model
+
     name = SHIPPED_HEADS[method].get(model or "")
+    if name is None and is_default_model(model):
+        name = SHIPPED_HEADS[method].get("default")
     if name is None:
         ships = ", ".join(SHIPPED_HEADS[method]) or "none yet"
         raise ValueError(f"--speculative {method} needs --draft-head: no {method} head ships "
