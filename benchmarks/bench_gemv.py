@@ -234,6 +234,17 @@ def tune(models, ms, dtype, budget_s: float) -> list[dict]:
     return rows
 
 
+def shape_operands(mode: str, n: int, k: int, ms, dtype):
+    """Operands at each M of `ms`, the largest of them, and a lone row: row 0 of the largest
+    (its x, residual and norm weight) as its own M = 1 operands, for the bitwise checks."""
+    ops_m = {m: Operands(mode, n, k, m, dtype) for m in ms}
+    big = ops_m[max(ms)]
+    lone = Operands(mode, n, k, 1, dtype)
+    lone.x, lone.residual = big.x[:1].contiguous(), big.residual[:1].contiguous()
+    lone.norm_w = big.norm_w
+    return ops_m, big, lone
+
+
 def rows_sweep(models, ms, dtype, budget_s: float) -> list[dict]:
     """Multi-row (exact rows) fused projections: single-row configs (block_m 1, every M runs
     the M = 1 config, so a row's bits never depend on M) at several rows-per-program register
@@ -244,13 +255,9 @@ def rows_sweep(models, ms, dtype, budget_s: float) -> list[dict]:
     budgets = (16, 32, 64, 128)
     for model in models:
         for proj, (mode, n, k) in model_shapes(model).items():
-            ops_m = {m: Operands(mode, n, k, m, dtype) for m in ms}
-            big = ops_m[max(ms)]
-            lone = Operands(mode, n, k, 1, dtype)
-            lone.x, lone.residual = big.x[:1].contiguous(), big.residual[:1].contiguous()
-            lone.norm_w = big.norm_w
+            ops_m, big, lone = shape_operands(mode, n, k, ms, dtype)
             cublas = {m: op.time(op.unfused) for m, op in ops_m.items()}
-            tuned = G._config({"plain": 0, "norm": 1, "silu": 2}[mode], n, k, dtype)
+            tuned = default_config(mode, 1, n, k, dtype)
             cands = [tuned] + [c for c in candidate_configs(1, n, k, dtype)
                                if c.block_m == 1 and c != tuned]
             results, t0 = [], time.time()
@@ -314,13 +321,9 @@ def dot_sweep(models, ms, dtype, budget_s: float) -> list[dict]:
     rows, lines = [], []
     for model in models:
         for proj, (mode, n, k) in model_shapes(model).items():
-            ops_m = {m: Operands(mode, n, k, m, dtype) for m in sorted(set(ms) | {1})}
-            big = ops_m[max(ms)]
-            lone = ops_m[1]
-            lone.x, lone.residual = big.x[:1].contiguous(), big.residual[:1].contiguous()
-            lone.norm_w = big.norm_w
+            ops_m, big, lone = shape_operands(mode, n, k, sorted(set(ms) | {1}), dtype)
             cublas = {m: op.time(op.unfused) for m, op in ops_m.items()}
-            fma = G._config({"plain": 0, "norm": 1, "silu": 2}[mode], n, k, dtype)
+            fma = default_config(mode, 1, n, k, dtype)
             fma_us = {1: lone.time(lambda w, op=lone, c=fma: op.fused(w, c))}
             ref = big.reference(big.weights[0])
             results, t0 = [], time.time()
@@ -346,10 +349,9 @@ def dot_sweep(models, ms, dtype, budget_s: float) -> list[dict]:
             rows.append(row)
             if ranked:
                 best = ranked[0]
-                wins = [m for m in sorted(ms) if m > 1 and best["us"][m] < cublas[m]]
-                max_m = 0
+                max_m = 0  # the largest M up to which it beats cuBLAS at every M swept
                 for m in sorted(m for m in ms if m > 1):
-                    if m not in wins:
+                    if best["us"][m] >= cublas[m]:
                         break
                     max_m = m
                 row["best"] = best

@@ -67,7 +67,8 @@ def is_default_model(model: str | None) -> bool:
     it (same size and sampled contents), so what ships for it (drafter heads) applies."""
     if model == "default":
         return True
-    if not model or not os.path.isfile(os.path.expanduser(model)):
+    path = os.path.expanduser(model or "")
+    if not os.path.isfile(path):
         return False
     from draftgraph.models.weight_cache import file_fingerprint
 
@@ -75,8 +76,7 @@ def is_default_model(model: str | None) -> bool:
         default = default_model_path()
     except FileNotFoundError:
         return False
-    path = os.path.expanduser(model)
-    return (os.path.getsize(path) == os.path.getsize(default)
+    return (os.path.getsize(path) == os.path.getsize(default)  # cheap first: most files differ
             and file_fingerprint(path, mtime=False) == file_fingerprint(default, mtime=False))
 
 
