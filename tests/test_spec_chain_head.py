@@ -229,6 +229,14 @@ def test_at_temperature_1_the_output_follows_the_target():
     assert_head_follows_the_target(_head_engine)
 
 
+def test_a_request_that_cuts_to_top_k_still_follows_the_target():
+    """The head drafts from its whole distribution (no sort in a draft step); the target's
+    top-k cut applies in the verify, and the output is plain top-k sampling's."""
+    from test_spec_draft_model import assert_head_follows_the_target
+
+    assert_head_follows_the_target(_head_engine, top_k=3)
+
+
 def test_a_head_directory_round_trips_in_shards(hf, tmp_path):
     cfg = tiny_loaded(hf).config
     head = random_head(cfg, "layers=2,draft_vocab=64", seed=1)

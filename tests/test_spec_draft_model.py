@@ -98,28 +98,30 @@ def _peaked(seed: int, vocab: int):
     return hf
 
 
-def _pair_counts(engine, n: int, vocab: int, batch: int = 128) -> torch.Tensor:
+def _pair_counts(engine, n: int, vocab: int, batch: int = 128, top_k: int = 0) -> torch.Tensor:
     """Histogram of the first two sampled tokens (as one joint bin) over n seeds. The first
     comes from the prefill, the second from a speculative step with one draft (max_tokens 3
     leaves room for one)."""
     counts = torch.zeros(vocab * vocab, dtype=torch.int64)
     for start in range(0, n, batch):
-        ps = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
+        ps = [SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, seed=s,
+                             ignore_eos=True)
               for s in range(start, start + batch)]
         for o in engine.generate([[3, 1, 4, 1, 5]] * batch, ps):
             counts[o.token_ids[0] * vocab + o.token_ids[1]] += 1
     return counts
 
 
-def assert_head_follows_the_target(make) -> None:
+def assert_head_follows_the_target(make, top_k: int = 0) -> None:
     """For a drafter head that samples its drafts: the first token a speculative step emits,
     drafted from the head's own q, has plain sampling's distribution (p-value > 1e-3); the same
     drafts verified against a wrong (uniform) q are biased (p-value < 1e-3).
-    `make(target, **engine_kw)` gives (engine, drafter) over the target."""
+    `make(target, **engine_kw)` gives (engine, drafter) over the target. With top_k the
+    requests cut the target's distribution (the drafts come from the head's whole q)."""
     vocab, n, batch = 8, 512, 128
     target = _peaked(3, vocab)
     kw = dict(max_num_seqs=batch, budget=1024)
-    plain = _pair_counts(tiny_engine(target, **kw), n, vocab, batch)
+    plain = _pair_counts(tiny_engine(target, **kw), n, vocab, batch, top_k)
     pvalues = {}
     for arm in ("true_q", "wrong_q"):
         engine, drafter = make(target, **kw)
@@ -133,9 +135,11 @@ def assert_head_follows_the_target(make) -> None:
             return p
 
         drafter.finish = finish
-        spec = _pair_counts(engine, n, vocab, batch)
+        spec = _pair_counts(engine, n, vocab, batch, top_k)
         assert engine.stats["num_draft_tokens"] == n  # one draft per request
         pvalues[arm] = _chi2_pvalue(plain, spec)
+    if top_k:  # the cut is real: no pair outside the top-k tokens is ever emitted
+        assert (plain > 0).sum() <= top_k * top_k
     assert pvalues["true_q"] > 1e-3 and pvalues["wrong_q"] < 1e-3, pvalues
 
 

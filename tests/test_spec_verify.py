@@ -310,3 +310,39 @@ def test_first_stop_index_per_request_stop_ids_padded_with_minus_one() -> None:
     stop_token_ids = torch.tensor([[2, -1], [-1, -1], [9, 8]])  # row 1: ignore_eos
     lens = first_stop_index(output_tokens, torch.tensor([3, 3, 3]), stop_token_ids)
     assert lens.tolist() == [2, 3, 2]
+
+
+def _prefix_cut(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """The definition, row by row in sorted order: the shortest prefix whose mass reaches
+    top_p, at most top_k long (<= 0: any length), renormalised."""
+    out = torch.zeros_like(probs)
+    for i, row in enumerate(probs):
+        values, order = row.sort(descending=True)
+        n = int((values.cumsum(0) < top_p).sum()) + 1
+        n = min(n, top_k) if top_k > 0 else n
+        out[i, order[:n]] = values[:n] / values[:n].sum()
+    return out
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.9, 0), (0.5, 0), (1.0, 5), (0.8, 3),
+                                         (0.3, 1)])
+def test_processed_probs_cut_is_the_sorted_prefix(top_p, top_k) -> None:
+    gen = torch.Generator().manual_seed(5)
+    n, vocab = 6, 40
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    t = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0, 0.9])
+    got = processed_probs(logits, t, torch.full((n,), top_p), torch.full((n,), top_k))
+    want = _prefix_cut(torch.softmax(logits / t[:, None], dim=-1), top_p, top_k)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert bool(((got > 0).sum(dim=1) >= 1).all())
+
+
+def test_processed_probs_keeps_tokens_tied_with_the_last_kept_and_greedy_rows_a_point() -> None:
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0], [0.0, 3.0, 1.0, 3.0]])
+    got = processed_probs(logits, torch.tensor([1.0, 0.0]), torch.ones(2),
+                          torch.tensor([2, 0]))
+    # row 0: top-2 cuts at the value of the second token, its twin (token 2) stays
+    assert (got[0] > 0).tolist() == [True, True, True, False]
+    assert got[0, 1] == got[0, 2]
+    torch.testing.assert_close(got[0].sum(), torch.tensor(1.0))
+    assert got[1].tolist() == [0.0, 1.0, 0.0, 0.0]  # temperature 0: the first argmax

@@ -35,7 +35,7 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.models.block_head import BlockHead
 from draftgraph.runtime.executor import ModelExecutor
-from draftgraph.runtime.sampling import STREAM_DRAFT, processed_probs, sample_from_probs
+from draftgraph.runtime.sampling import STREAM_DRAFT, draft_probs, sample_from_probs
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Proposal
@@ -137,8 +137,7 @@ class BlockHeadDrafter(StagedDrafter):
                     else logits[:, j]  # [bs, V']
                 tok = self.draft_argmax(lj)  # [bs] int64
                 if not ctx.greedy:
-                    p = processed_probs(self.target_vocab(lj), ctx.temperature, ctx.top_p,
-                                        ctx.top_k)  # [bs, V]
+                    p = draft_probs(self.target_vocab(lj), ctx.temperature)  # [bs, V]
                     drawn = sample_from_probs(p, ctx.seeds, ctx.seq_lens + j, STREAM_DRAFT)
                     tok = torch.where(ctx.temperature > 0, drawn, tok)
                     probs.append(p)

@@ -27,7 +27,7 @@ import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.kernels.argmax import row_argmax
-from draftgraph.runtime.sampling import STREAM_DRAFT, processed_probs, sample_from_probs
+from draftgraph.runtime.sampling import STREAM_DRAFT, draft_probs, sample_from_probs
 from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
 
 
@@ -163,8 +163,7 @@ class ChainDrafter(StagedDrafter):
         vocabulary, for rejection sampling."""
         tok = self.draft_argmax(logits)  # [bs] int64
         if not ctx.greedy:
-            p = processed_probs(self.target_vocab(logits), ctx.temperature, ctx.top_p,
-                                ctx.top_k)  # [bs, V]
+            p = draft_probs(self.target_vocab(logits), ctx.temperature)  # [bs, V]
             drawn = sample_from_probs(p, ctx.seeds, self.step_seq_lens[: tok.shape[0]],
                                       STREAM_DRAFT)
             tok = torch.where(ctx.temperature > 0, drawn, tok)

@@ -273,7 +273,8 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
                                                         target_argmax.view(bs, T))
     else:
         probs = processed_probs(logits, temperature.repeat_interleave(T),
-                                top_p.repeat_interleave(T), top_k.repeat_interleave(T))
+                                top_p.repeat_interleave(T), top_k.repeat_interleave(T),
+                                target_argmax)
         tokens, accept_lens = rejection_sample(draft_tokens, num_draft_tokens, draft_probs,
                                                probs.view(bs, T, -1), seeds, positions,
                                                temperature <= 0, target_argmax.view(bs, T))

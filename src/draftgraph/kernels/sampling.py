@@ -1,0 +1,345 @@
+"""Sampling kernels: seeded uniforms, draws by exponential race, the top-k / top-p cut.
+
+    uniform_noise(seeds [n], positions [n], stream, width) -> [n, width] fp32 in (0, 1)
+    race_draw(weights [n, V], seeds [n], positions [n], stream) -> [n] int64
+    race_draw(logits, ..., temperature=t [n], row_max=m [n])   w_i = exp((x_i - m) / t)
+    cut_probs(probs [n, V], temperature, top_p, top_k, argmax) -> probs, cut in place
+
+Each dispatches like `argmax.argmax_lse`: the Triton kernels on CUDA, the torch twin
+(`*_ref`) elsewhere.
+
+Race draws: argmax_i w_i / E_i, E_i = -log(u_i), in two launches.
+
+A token drawn this way has probability w_i / sum(w): the weights need no normalising, so a
+temperature softmax is drawn from its logits directly (`row_max` keeps the exponent <= 0).
+The uniforms u_i are `uniform_noise`'s counter hash (seed, position, stream,
+column) in 32-bit lanes: the same bits, so the draw is the twin's (`race_draw_ref`, torch)
+up to the last ulp of log and division, in which two keys would have to tie.
+
+Torch spends ~17 launches and [n, V] int64 temporaries on the hash alone; here stage 1
+(grid (n, chunks), CHUNK columns each, as `argmax.py`'s) hashes, weighs and keeps each
+chunk's best key and its first index, stage 2 (grid (n,)) the best chunk, first index on
+ties (torch.argmax's rule). Both graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usable
+
+CHUNK = 1024
+CHUNK_WARPS = 4
+
+
+@triton.jit
+def _mix32(x):
+    """`_hash32` (lowbias32) on uint32 lanes: products wrap mod 2^32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _uniforms(seeds, positions, row, cols, stream):
+    """`uniform_noise`'s (0, 1) uniforms of one row at `cols` (uint32 hash, fp32 result)."""
+    # the row's hash: _hash32(seed * 0x9E3779B1 + _hash32(position * 4 + stream)), low 32 bits
+    seed = tl.load(seeds + row).to(tl.uint32)
+    pos = tl.load(positions + row).to(tl.uint32)
+    rh = _mix32(seed * 0x9E3779B1 + _mix32(pos * 4 + stream))
+    h = _mix32(rh ^ _mix32(cols.to(tl.uint32) + 0x632BE5AB))
+    h = _mix32(h + rh)
+    return (h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+
+
+@triton.jit
+def _uniform_kernel(seeds, positions, out, width, stream, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = _uniforms(seeds, positions, row, cols, stream)
+    tl.store(out + row * width + cols, u, mask=cols < width)
+
+
+@triton.jit
+def _race_chunk_kernel(
+    w, seeds, positions, temperature, row_max, part_key, part_idx, vocab, stride_row,
+    num_chunks, stream, LOGITS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < vocab
+    x = tl.load(w + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if LOGITS:
+        t = tl.load(temperature + row)
+        m = tl.load(row_max + row)
+        x = tl.where(mask, tl.exp((x - m) / t), 0.0)
+    u = _uniforms(seeds, positions, row, cols, stream)
+    key = tl.where(mask, x / -tl.log(u), -1.0)  # weights >= 0: a masked column never wins
+    best = tl.max(key, axis=0)
+    first = tl.min(tl.where(key == best, cols, vocab), axis=0)
+    out = row * num_chunks + chunk
+    tl.store(part_key + out, best)
+    tl.store(part_idx + out, first)
+
+
+@triton.jit
+def _race_combine_kernel(part_key, part_idx, tokens, vocab, num_chunks,
+                         BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    cmask = c < num_chunks
+    key = tl.load(part_key + row * num_chunks + c, mask=cmask, other=-2.0)
+    idx = tl.load(part_idx + row * num_chunks + c, mask=cmask, other=0)
+    best = tl.max(key, axis=0)
+    first = tl.min(tl.where((key == best) & cmask, idx, vocab), axis=0)
+    tl.store(tokens + row, first.to(tl.int64))
+
+
+def race_draw_triton(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                     stream: int, temperature: torch.Tensor | None = None,
+                     row_max: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+    """`race_draw_ref`'s draw. weights [n, V] (fp32 / bf16 / fp16, read in fp32); with
+    `temperature` and `row_max` [n] fp32 the rows are logits (temperature > 0)."""
+    assert weights.dim() == 2, "race_draw takes [n, vocab] rows"
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
+    n, vocab = weights.shape
+    tokens = torch.empty(n, dtype=torch.int64, device=weights.device)
+    if n == 0:
+        return tokens
+    logits = temperature is not None
+    num_chunks = cdiv(vocab, chunk)
+    part_key = torch.empty(n, num_chunks, dtype=torch.float32, device=weights.device)
+    part_idx = torch.empty(n, num_chunks, dtype=torch.int32, device=weights.device)
+    _race_chunk_kernel[(n, num_chunks)](
+        weights, seeds.contiguous(), positions.contiguous(),
+        temperature if logits else part_key, row_max if logits else part_key,
+        part_key, part_idx, vocab, weights.stride(0), num_chunks, stream,
+        LOGITS=logits, CHUNK=chunk, num_warps=CHUNK_WARPS,
+    )
+    block_c = max(next_pow2(num_chunks), 2)
+    _race_combine_kernel[(n,)](part_key, part_idx, tokens, vocab, num_chunks,
+                               BLOCK_C=block_c, num_warps=1 if block_c <= 256 else 4)
+    return tokens
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (lowbias32) on int64 lanes holding values in [0, 2^32)."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    x = x ^ (x >> 16)
+    return x
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, stream: int,
+                  width: int) -> torch.Tensor:
+    """[n, width] fp32 uniforms in (0, 1), a pure function of (seed, position, stream, column).
+
+    seeds, positions: [n] int64. On CUDA one launch (`_uniform_kernel`, the same bits); else
+    `uniform_noise_ref`.
+    """
+    if seeds.is_cuda and triton_usable(seeds):
+        return uniform_noise_triton(seeds, positions, stream, width)
+    return uniform_noise_ref(seeds, positions, stream, width)
+
+
+def uniform_noise_triton(seeds: torch.Tensor, positions: torch.Tensor, stream: int,
+                         width: int, block: int = 1024) -> torch.Tensor:
+    n = seeds.shape[0]
+    out = torch.empty(n, width, dtype=torch.float32, device=seeds.device)
+    if n and width:
+        block = min(block, max(next_pow2(width), 16))
+        _uniform_kernel[(n, cdiv(width, block))](seeds.contiguous(), positions.contiguous(),
+                                                 out, width, stream, BLOCK=block)
+    return out
+
+
+def uniform_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, stream: int,
+                      width: int) -> torch.Tensor:
+    """`uniform_noise` in torch: the hash on int64 lanes."""
+    col = torch.arange(width, device=seeds.device, dtype=torch.int64)
+    row = _hash32(seeds * 0x9E3779B1 + _hash32(positions * 4 + stream))
+    h = _hash32(row[:, None] ^ _hash32(col[None, :] + 0x632BE5AB))
+    h = _hash32(h + row[:, None])
+    return (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+
+
+def race_draw_ref(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  stream: int, temperature: torch.Tensor | None = None,
+                  row_max: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax(w / -log(u)) with u = uniform_noise(seeds, positions, stream, V), first index on
+    ties; w = weights, or exp((logits - row_max) / temperature) when those are given."""
+    w = weights.float()
+    if temperature is not None:
+        w = torch.exp((w - row_max[:, None]) / temperature[:, None])
+    u = uniform_noise_ref(seeds, positions, stream, w.shape[-1])
+    return (w / -torch.log(u)).argmax(dim=-1)
+
+
+# ---- the top-k / top-p cut ------------------------------------------------------------------
+#
+# A row's cut is a threshold t: every token with p >= t stays (renormalised), the rest go.
+# t = max(t_p, t_k): t_p the largest t whose tokens p >= t hold at least top_p of the mass,
+# t_k the largest t that at least top_k tokens reach, i.e. the smallest probability of the
+# shortest sorted prefix reaching top_p / of the top_k (tokens tied with it stay too).
+# The twin sorts each row; the kernel never sorts: one program per row searches t over the
+# int32 bit patterns of fp32 probabilities in [0, 1] (ordered as the values are), FAN
+# candidates a pass, each pass summing the mass and the count at or above every candidate;
+# FAN = 8 and 10 passes pin all 30 bits below 1.0's. Each pass then compacts the tokens
+# inside the interval left into a scratch row, the mass and count above it carried as
+# numbers, so after the first passes (the exponent bits) the search reads a few tokens, not
+# the vocabulary (the scratch: [n, V] fp32 a call, from the graph's pool when captured).
+# Deterministic: no atomics, every sum in a fixed order. A row that cuts
+# nothing (top_p >= 1, top_k off or >= V) reads nothing: its softmax stays as it is, and a
+# temperature-0 row becomes a point mass on its argmax.
+
+CUT_FAN, CUT_BLOCK, CUT_WARPS = 8, 2048, 16
+
+
+def cut_passes(fan: int) -> int:
+    """Passes of a FAN-way search that pin a pattern below 2^30 (fan a power of two)."""
+    return -(-30 // (fan.bit_length() - 1))
+
+
+@triton.jit
+def _cut_kernel(probs, scratch, temperature, top_p, top_k, argmax, vocab, stride_row,
+                FAN: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = probs + row * stride_row
+    buf = scratch + row * vocab
+    t = tl.load(temperature + row)
+    tp = tl.load(top_p + row)
+    tk = tl.load(top_k + row)
+    offs = tl.arange(0, BLOCK)
+    if t <= 0:  # greedy: a point mass on the argmax
+        a = tl.load(argmax + row)
+        for start in range(0, vocab, BLOCK):
+            cols = start + offs
+            tl.store(base + cols, tl.where(cols == a, 1.0, 0.0), mask=cols < vocab)
+    else:
+        cut_p = (tp < 1.0).to(tl.int32)
+        cut_k = ((tk > 0) & (tk < vocab)).to(tl.int32)
+        if cut_p + cut_k > 0:
+            j = tl.arange(0, FAN)
+            lo = tl.full([], 0, tl.int32)  # a threshold's pattern that holds (0.0: all tokens)
+            span = tl.full([], 0x3F800001, tl.int32)  # lo + span: past 1.0's, never holds
+            # the tokens at or above lo + span (none yet): their mass and count
+            above_m = tl.full([], 0.0, tl.float32)
+            above_c = tl.full([], 0, tl.int32)
+            src = base  # the tokens inside [lo, lo + span): the row, then compacted in buf
+            m = vocab
+            for _ in range(PASSES):
+                step = (span + FAN - 1) // FAN
+                cand = lo + (j + 1) * step  # [FAN] int32 patterns
+                valid = cand < lo + span
+                cand_f = tl.where(valid, cand, 0x3F800001).to(tl.float32, bitcast=True)
+                # per-lane partial sums, reduced once a pass (a reduction per chunk would
+                # cost a cross-warp exchange every BLOCK columns)
+                acc_m = tl.zeros([BLOCK, FAN], dtype=tl.float32)
+                acc_c = tl.zeros([BLOCK, FAN], dtype=tl.int32)
+                for start in range(0, m, BLOCK):
+                    cols = start + offs
+                    x = tl.load(src + cols, mask=cols < m, other=-1.0)
+                    ge = x[:, None] >= cand_f[None, :]  # [BLOCK, FAN]
+                    acc_m += tl.where(ge, x[:, None], 0.0)
+                    acc_c += ge.to(tl.int32)
+                mass = above_m + tl.sum(acc_m, axis=0)
+                count = above_c + tl.sum(acc_c, axis=0)
+                holds = (mass >= tp).to(tl.int32) * cut_p + (count >= tk).to(tl.int32) * cut_k
+                # the candidates that hold are a prefix (mass and count fall as t rises);
+                # the first that fails bounds the new interval from above
+                nk = tl.sum(tl.where(valid & (holds > 0), 1, 0), axis=0)
+                stop = (j == nk) & valid
+                above_m = tl.where(tl.sum(stop.to(tl.int32), axis=0) > 0,
+                                   tl.sum(tl.where(stop, mass, 0.0), axis=0), above_m)
+                above_c = tl.where(tl.sum(stop.to(tl.int32), axis=0) > 0,
+                                   tl.sum(tl.where(stop, count, 0), axis=0), above_c)
+                lo = lo + nk * step
+                span = step
+                # keep only the tokens inside the new interval (order kept; in place in buf:
+                # a token is written at or before where it was read)
+                kept_n = tl.full([], 0, tl.int32)
+                for start in range(0, m, BLOCK):
+                    cols = start + offs
+                    x = tl.load(src + cols, mask=cols < m, other=-1.0)
+                    xb = x.to(tl.int32, bitcast=True)
+                    inside = (cols < m) & (xb >= lo) & (xb - lo < span)
+                    at = kept_n + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                    tl.store(buf + at, x, mask=inside)
+                    kept_n += tl.sum(inside.to(tl.int32), axis=0)
+                src = buf
+                m = kept_n
+            thr = lo.to(tl.float32, bitcast=True)
+            # the kept mass: the tokens above the last interval, and the m inside it, each
+            # exactly thr
+            total = above_m + m.to(tl.float32) * thr
+            for start in range(0, vocab, BLOCK):
+                cols = start + offs
+                x = tl.load(base + cols, mask=cols < vocab, other=0.0)
+                tl.store(base + cols, tl.where(x >= thr, x / total, 0.0), mask=cols < vocab)
+
+
+def cut_probs_triton(probs: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                     top_k: torch.Tensor, argmax: torch.Tensor, block: int = CUT_BLOCK,
+                     fan: int = CUT_FAN, num_warps: int = CUT_WARPS,
+                     num_stages: int | None = None) -> torch.Tensor:
+    """`cut_probs_ref` in place on probs [n, V] fp32 (contiguous rows)."""
+    assert probs.dtype == torch.float32 and probs.stride(-1) == 1
+    n, vocab = probs.shape
+    if n:
+        # the tokens still in the search, compacted row by row (graphs: from their pool)
+        scratch = torch.empty(n, vocab, dtype=torch.float32, device=probs.device)
+        _cut_kernel[(n,)](probs, scratch, temperature.contiguous(), top_p.contiguous(),
+                          top_k.contiguous(), argmax.contiguous(), vocab, probs.stride(0),
+                          FAN=fan, PASSES=cut_passes(fan), BLOCK=block, num_warps=num_warps,
+                          **({} if num_stages is None else {"num_stages": num_stages}))
+    return probs
+
+
+def cut_probs_ref(probs: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  top_k: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """The cut by sorting: probs [n, V] fp32 (each row a softmax at its temperature) ->
+    renormalised to the tokens at or above the row's threshold; temperature [n] fp32 (<= 0:
+    a point mass on argmax [n] int64); top_p [n] fp32; top_k [n] int64 (<= 0: off). New
+    tensor; graph-safe."""
+    n, vocab = probs.shape
+    sorted_p = probs.sort(dim=-1, descending=True).values
+    # the prefix up to the first position whose running mass reaches top_p
+    kept = (sorted_p.cumsum(dim=-1) < top_p[:, None]).sum(dim=-1) + 1  # [n] int64
+    # top_p 1 keeps everything: fp32's running mass can reach 1.0 before the tail's tokens
+    kept = torch.where(top_p >= 1.0, vocab, kept)
+    k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k)
+    kept = torch.minimum(kept, k).clamp(1, vocab)
+    threshold = sorted_p.gather(1, (kept - 1)[:, None])  # [n, 1]
+    cut = torch.where(probs >= threshold, probs, 0.0)
+    cut = cut / cut.sum(dim=-1, keepdim=True)
+    point = torch.arange(vocab, device=probs.device)[None, :] == argmax[:, None]
+    return torch.where((temperature <= 0)[:, None], point.to(cut.dtype), cut)
+
+
+def cut_probs(probs: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+              top_k: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """The kernel on CUDA (in place: rows that cut nothing are not touched), the twin
+    elsewhere (a new tensor). Returns the cut rows."""
+    if probs.is_cuda and triton_usable(probs):
+        return cut_probs_triton(probs, temperature, top_p, top_k, argmax)
+    return cut_probs_ref(probs, temperature, top_p, top_k, argmax)
+
+
+def race_draw(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+              stream: int, temperature: torch.Tensor | None = None,
+              row_max: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels on CUDA, the twin elsewhere (like `argmax.argmax_lse`)."""
+    if weights.is_cuda and triton_usable(weights):
+        return race_draw_triton(weights, seeds, positions, stream, temperature, row_max)
+    return race_draw_ref(weights, seeds, positions, stream, temperature, row_max)

@@ -1,0 +1,184 @@
+"""Sampling kernels vs their torch twins: uniforms, exponential-race draws (and their
+distribution), the top-k / top-p cut."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU: run the kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton kernels need the triton package")
+
+from draftgraph.kernels import sampling as R  # noqa: E402
+from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
+
+if compiled_for_cpu_missing(R._race_chunk_kernel):
+    pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "
+                "(set it in the environment to run them on CPU)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL_CHUNK = 64  # V = 1000: 15 full chunks and a tail of 40
+
+
+def _inputs(n, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    seeds = torch.randint(0, 2**62, (n,), generator=gen)
+    positions = torch.randint(0, 2**34, (n,), generator=gen)
+    return logits.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE)
+
+
+@pytest.mark.parametrize("stream", [0, 1, 2, 3])
+def test_draws_equal_the_twin_on_probabilities(stream):
+    logits, seeds, positions = _inputs(8, 1000)
+    probs = torch.softmax(logits, dim=-1)
+    probs[0, :500] = 0.0  # zero weights never win
+    probs[1] = 0.0
+    probs[1, 999] = 1.0  # a point mass in the tail chunk
+    got = R.race_draw_triton(probs, seeds, positions, stream, chunk=SMALL_CHUNK)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, R.race_draw_ref(probs, seeds, positions, stream))
+    assert got[0] >= 500 and got[1] == 999
+
+
+@pytest.mark.parametrize("width", [1, 7, 1000])
+def test_uniforms_are_the_twins_bit_for_bit(width):
+    _, seeds, positions = _inputs(5, 8, seed=4)
+    for stream in (0, 1, 3):
+        got = R.uniform_noise_triton(seeds, positions, stream, width, block=64)
+        want = R.uniform_noise_ref(seeds, positions, stream, width)
+        assert got.shape == (5, width) and torch.equal(got, want)
+        assert bool(((got > 0) & (got < 1)).all())
+
+
+def test_unnormalised_weights_draw_as_their_normalised_row():
+    logits, seeds, positions = _inputs(6, 1000, seed=1)
+    probs = torch.softmax(logits, dim=-1)
+    a = R.race_draw_triton(probs, seeds, positions, 0, chunk=SMALL_CHUNK)
+    b = R.race_draw_triton(probs * 37.0, seeds, positions, 0, chunk=SMALL_CHUNK)
+    assert torch.equal(a, b)
+
+
+def test_logits_mode_equals_the_twin_and_the_softmax_draw():
+    logits, seeds, positions = _inputs(6, 1000, seed=2)
+    t = torch.tensor([0.7, 1.0, 0.3, 2.0, 0.5, 1.5], device=DEVICE)
+    m = logits.max(dim=-1).values
+    got = R.race_draw_triton(logits, seeds, positions, 0, t, m, chunk=SMALL_CHUNK)
+    assert torch.equal(got, R.race_draw_ref(logits, seeds, positions, 0, t, m))
+    probs = torch.softmax(logits / t[:, None], dim=-1)
+    same = (got == R.race_draw_ref(probs, seeds, positions, 0)).float().mean()
+    assert same == 1.0  # the same keys up to a scale per row: ties aside, the same winner
+
+
+def test_a_row_draws_the_same_alone_or_batched():
+    logits, seeds, positions = _inputs(5, 1000, seed=3)
+    probs = torch.softmax(logits, dim=-1)
+    batched = R.race_draw_triton(probs, seeds, positions, 0, chunk=SMALL_CHUNK)
+    for i in range(5):
+        alone = R.race_draw_triton(probs[i : i + 1], seeds[i : i + 1], positions[i : i + 1],
+                                   0, chunk=SMALL_CHUNK)
+        assert alone.item() == batched[i].item()
+
+
+def test_draws_follow_the_distribution():
+    # one row per seed, 2000 draws over 6 tokens: a chi-square test against p
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
+    n = 2000
+    probs = p[None].expand(n, -1).contiguous().to(DEVICE)
+    seeds = torch.arange(n, device=DEVICE)
+    positions = torch.full((n,), 7, device=DEVICE)
+    draws = R.race_draw_triton(probs, seeds, positions, 0, chunk=SMALL_CHUNK).cpu()
+    counts = torch.bincount(draws, minlength=6).float()
+    expected = p * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001
+    # and another stream draws other tokens (independent uniforms)
+    other = R.race_draw_triton(probs, seeds, positions, 3, chunk=SMALL_CHUNK).cpu()
+    assert (other != draws).float().mean() > 0.5
+
+
+def _cut_case(n=10, vocab=300, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    t = torch.tensor([1.0, 0.7, 0.0, 1.3, 0.5, 2.0, 0.9, 1.0, 0.8, 1.0])[:n]
+    top_p = torch.tensor([0.9, 1.0, 0.9, 0.5, 1.0, 0.95, 0.3, 1.0, 1e-6, 1.0])[:n]
+    top_k = torch.tensor([0, 5, 0, 10, 0, 0, 3, 0, 0, vocab])[:n]
+    probs = torch.softmax(logits / torch.where(t > 0, t, 1.0)[:, None], dim=-1)
+    return [x.to(DEVICE) for x in (probs, t, top_p, top_k, logits.argmax(dim=-1))]
+
+
+def test_the_cut_equals_the_sorting_twin():
+    probs, t, top_p, top_k, argmax = _cut_case()
+    want = R.cut_probs_ref(probs, t, top_p, top_k, argmax)
+    got = R.cut_probs_triton(probs.clone(), t, top_p, top_k, argmax, block=64)
+    assert torch.equal(got > 0, want > 0)  # the same tokens kept
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    kept = (got > 0).sum(dim=1).tolist()
+    assert kept[1] == 5 and kept[3] <= 10 and kept[6] <= 3  # top-k, and the stricter of two
+    assert kept[2] == 1 and got[2, argmax[2]] == 1.0  # temperature 0: the argmax alone
+    assert kept[8] == 1  # a tiny top_p: the most likely token alone
+    assert kept[4] == kept[7] == kept[9] == 300  # no cut: top_p 1, top_k off or = V
+
+
+def test_rows_that_cut_nothing_are_left_as_they_are_and_ties_stay_together():
+    probs, t, top_p, top_k, argmax = _cut_case()
+    got = R.cut_probs_triton(probs.clone(), t, top_p, top_k, argmax, block=64)
+    for i in (4, 7, 9):
+        assert torch.equal(got[i], probs[i])  # bit for bit: not even renormalised
+    tied = torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1]], device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    for top_p, top_k, want in ((0.5, 0, [1, 1, 1, 0, 0]), (1.0, 2, [1, 1, 1, 0, 0]),
+                               (0.85, 0, [1, 1, 1, 1, 1]), (0.3, 0, [1, 0, 0, 0, 0])):
+        args = (one, one * top_p, torch.tensor([top_k], device=DEVICE),
+                torch.zeros(1, dtype=torch.int64, device=DEVICE))
+        got = R.cut_probs_triton(tied.clone(), *args, block=64)
+        assert (got[0] > 0).long().tolist() == want, (top_p, top_k)
+        assert torch.equal(got > 0, R.cut_probs_ref(tied, *args) > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_compiled_cut_equals_the_twin_at_model_vocabularies():
+    for vocab in (49152, 128256):
+        gen = torch.Generator().manual_seed(vocab)
+        logits = (torch.randn(6, vocab, generator=gen) * 3).cuda()
+        t = torch.tensor([0.7, 1.0, 0.7, 1.0, 0.0, 1.5], device="cuda")
+        top_p = torch.tensor([0.9, 0.95, 1.0, 0.5, 0.9, 0.8], device="cuda")
+        top_k = torch.tensor([0, 0, 50, 20, 0, 1000], device="cuda")
+        probs = torch.softmax(logits / torch.where(t > 0, t, 1.0)[:, None], dim=-1)
+        argmax = logits.argmax(dim=-1)
+        want = R.cut_probs_ref(probs, t, top_p, top_k, argmax)
+        got = R.cut_probs(probs.clone(), t, top_p, top_k, argmax)
+        assert torch.equal(got > 0, want > 0)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_kernel_draws_as_the_twin_on_the_gpu():
+    for vocab in (49152, 128256):
+        logits, seeds, positions = _inputs(64, vocab)
+        probs = torch.softmax(logits / 0.7, dim=-1)
+        got = R.race_draw(probs, seeds, positions, 0)
+        ref = R.race_draw_ref(probs, seeds, positions, 0)
+        assert (got == ref).float().mean() >= 0.98  # keys differ by an ulp of log at most
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_cut_equals_the_twin_on_random_settings(seed):
+    gen = torch.Generator().manual_seed(seed)
+    n, vocab = 12, 700
+    scale = torch.rand(n, 1, generator=gen) * 6  # flat rows to peaked ones
+    logits = torch.randn(n, vocab, generator=gen) * scale
+    t = torch.rand(n, generator=gen) + 0.3
+    top_p = torch.where(torch.rand(n, generator=gen) < 0.7, torch.rand(n, generator=gen), 1.0)
+    top_k = torch.where(torch.rand(n, generator=gen) < 0.4,
+                        torch.randint(1, vocab, (n,), generator=gen), 0)
+    probs = torch.softmax(logits / t[:, None], dim=-1)
+    args = [x.to(DEVICE) for x in (t, top_p, top_k, logits.argmax(dim=-1))]
+    probs = probs.to(DEVICE)
+    want = R.cut_probs_ref(probs, *args)
+    got = R.cut_probs_triton(probs.clone(), *args, block=128)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
