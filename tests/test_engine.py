@@ -237,6 +237,40 @@ def test_step_budget_and_batch_default_to_the_device(monkeypatch):
     assert batch_buckets(100)[-1] == 100 and batch_buckets(3) == [1, 2, 3]
 
 
+def test_graph_capture_runs_with_the_cycle_collector_paused_after_one_collection():
+    """A collection during a capture could free a dead engine's CUDA objects and invalidate
+    it: `gc_paused` collects once before and none during, and restores the collector."""
+    import gc
+
+    from draftgraph.runtime.graph_set import gc_paused
+
+    freed = []
+
+    class Node:
+        def __del__(self):
+            freed.append(True)
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a dead cycle: only the collector frees it
+    del a, b
+    assert gc.isenabled() and not freed
+    with gc_paused():
+        assert len(freed) == 2  # collected before the capture begins
+        assert not gc.isenabled()
+        c, d = Node(), Node()
+        c.other, d.other = d, c
+        del c, d
+        for _ in range(5000):  # allocations that would trigger generation-0 collections
+            [object()]
+        assert len(freed) == 2
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()  # restored on the way out of a failure too
+    gc.collect()
+    assert len(freed) == 4
+
+
 def test_prefill_chunks_are_cut_by_time_while_streams_decode(hf, prompts, monkeypatch):
     """max_step_seconds: with a stream decoding, the next prompt's chunks take what fits in
     the step time by the last measured costs; with none decoding, the whole token budget."""

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.runtime.graph_set import gc_paused
 from draftgraph.runtime.schema import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class ExtendGraphs:
         t0, mem0 = time.perf_counter(), torch.cuda.memory_allocated(dev)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), gc_paused():
             for bucket in tqdm(list(reversed(self.buckets)), desc="capturing prefill graphs",
                                disable=None, leave=False):
                 self._stage(None, bucket)

@@ -24,6 +24,8 @@ same buffers, the same results.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 
@@ -32,6 +34,24 @@ import torch
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cycle collector off for a capture, after one collection first. torch's graph
+    capture no longer collects (torch.compiler.config.force_cudagraph_gc), so a collection the
+    capture's own allocations trigger could free a dead object's CUDA resources (another
+    engine's graphs, events or pinned buffers) mid-capture, and any such call invalidates it
+    (cudaErrorStreamCaptureInvalidated; seen on the H200 when engines were built one after
+    another in one process)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -114,7 +134,7 @@ class GraphSet:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         todo = [(bs, greedy) for bs in reversed(self.buckets) for greedy in (True, False)]
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), gc_paused():
             # largest first: later graphs reuse its pool
             for bs, greedy in tqdm(todo, desc=f"capturing {self.body.name} graphs",
                                    disable=None, leave=False):
