@@ -36,10 +36,13 @@ from draftgraph.models.loader import load_model
 
 
 def run(engine: LLMEngine, ctx: int, steps: int, bs: int, draft_alone: bool,
-        kernels: bool = False) -> dict:
+        kernels: bool = False, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """Rounds of `bs` requests with `ctx`-token random prompts; sampled when temperature > 0
+    (seed 0 per request)."""
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(max_tokens=8 * steps + 64, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=8 * steps + 64, temperature=temperature, top_p=top_p,
+                        seed=0 if temperature > 0 else None, ignore_eos=True)
     for _ in range(bs):
         engine.add_request(torch.randint(0, vocab, (ctx,), generator=g).tolist(), sp)
     for _ in range(10):
@@ -59,18 +62,19 @@ def run(engine: LLMEngine, ctx: int, steps: int, bs: int, draft_alone: bool,
         out["kernels"] = table[:40]
         out["kernels_us_total"] = sum(k["us_per_step"] for k in table)
     if draft_alone:
-        out["draft_ms"] = time_propose(engine, bs, steps)
+        out["draft_ms"] = time_propose(engine, bs, steps, temperature <= 0)
     for rid in list(engine.requests):
         engine.abort(rid)
     engine.step()
     return out
 
 
-def time_propose(engine: LLMEngine, bs: int, steps: int) -> float:
+def time_propose(engine: LLMEngine, bs: int, steps: int, greedy: bool = True) -> float:
     """The k-step draft alone: the drafter's `propose` over the last round's raw inputs,
-    captured as one graph and replayed (it rewrites the same draft KV each time)."""
+    captured as one graph and replayed (it rewrites the same draft KV each time); sampled
+    drafts when not greedy."""
     body = engine.spec_graphs.body
-    ctx = body._ctx(bs, True)
+    ctx = body._ctx(bs, greedy)
     drafter = engine.drafter
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
