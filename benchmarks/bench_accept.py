@@ -89,8 +89,12 @@ def main() -> int:
            "temperature": a.temperature, "model_shape": model_shape(loaded.config), "sets": {}}
     for name in names:
         prompts = pick(sets[name], a.num_prompts, a.pick)
-        res, plain_tokens = {}, None
+        res, plain_tokens, plain_key = {}, None, None
+        out["sets"][name] = {"num_prompts": len(prompts)}
         for arm in arms:
+            # an arm named twice (plain before and after, say) is kept twice: arm, arm#2, ...
+            seen = sum(k.split("#")[0] == arm for k in res)
+            arm_key = arm if seen == 0 else f"{arm}#{seen + 1}"
             kind, _, head = arm.partition("@")
             kind, _, mode = kind.partition("+")  # "+adaptive": the engine's default policy
             adaptive = mode == "adaptive"
@@ -119,8 +123,12 @@ def main() -> int:
             s = engine.stats
             r = {"seconds": sec, "tokens": sum(map(len, tokens)),
                  "tokens_per_s": sum(map(len, tokens)) / sec}
-            if arm == "plain":
-                plain_tokens = tokens
+            if kind == "plain":
+                if plain_tokens is None:  # the first plain arm is what the others match
+                    plain_tokens, plain_key = tokens, arm_key
+                else:
+                    r["equal_to_plain"] = sum(x == y for x, y in zip(tokens, plain_tokens,
+                                                                     strict=True))
             else:
                 steps = s["num_drafts"]
                 # every step after a request's prefill emits 1 + its accepted drafts
@@ -133,14 +141,14 @@ def main() -> int:
                 if plain_tokens is not None:
                     r["equal_to_plain"] = sum(x == y for x, y in zip(tokens, plain_tokens,
                                                                      strict=True))
-                    r["speedup"] = r["tokens_per_s"] / res["plain"]["tokens_per_s"]
-            res[arm] = r
+                    r["speedup"] = r["tokens_per_s"] / res[plain_key]["tokens_per_s"]
+            res[arm_key] = r
             del engine
-            print(name, arm, json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+            out["sets"][name][arm_key] = r
+            with open(a.out, "w") as f:  # after every arm: a run cut short keeps what it has
+                json.dump(out, f, indent=1)
+            print(name, arm_key, json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                                          for k, v in r.items() if k != "tokens"}), flush=True)
-        out["sets"][name] = {"num_prompts": len(prompts), **res}
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
     return 0
 
 
