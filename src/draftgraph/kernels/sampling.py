@@ -2,7 +2,6 @@
 
     uniform_noise(seeds [n], positions [n], stream, width) -> [n, width] fp32 in (0, 1)
     race_draw(weights [n, V], seeds [n], positions [n], stream) -> [n] int64
-    race_draw(logits, ..., temperature=t [n], row_max=m [n])   w_i = exp((x_i - m) / t)
     cut_probs(probs [n, V], temperature, top_p, top_k, argmax) -> probs, cut in place
 
 Each dispatches like `argmax.argmax_lse`: the Triton kernels on CUDA, the torch twin
@@ -10,11 +9,10 @@ Each dispatches like `argmax.argmax_lse`: the Triton kernels on CUDA, the torch 
 
 Race draws: argmax_i w_i / E_i, E_i = -log(u_i), in two launches.
 
-A token drawn this way has probability w_i / sum(w): the weights need no normalising, so a
-temperature softmax is drawn from its logits directly (`row_max` keeps the exponent <= 0).
-The uniforms u_i are `uniform_noise`'s counter hash (seed, position, stream,
-column) in 32-bit lanes: the same bits, so the draw is the twin's (`race_draw_ref`, torch)
-up to the last ulp of log and division, in which two keys would have to tie.
+A token drawn this way has probability w_i / sum(w): the weights need no normalising. The
+uniforms u_i are `uniform_noise`'s counter hash (seed, position, stream, column) in 32-bit
+lanes: the same bits, so the draw is the twin's (`race_draw_ref`, torch) up to the last ulp
+of log and division, in which two keys would have to tie.
 
 Torch spends ~17 launches and [n, V] int64 temporaries on the hash alone; here stage 1
 (grid (n, chunks), CHUNK columns each, as `argmax.py`'s) hashes, weighs and keeps each
@@ -65,18 +63,14 @@ def _uniform_kernel(seeds, positions, out, width, stream, BLOCK: tl.constexpr):
 
 @triton.jit
 def _race_chunk_kernel(
-    w, seeds, positions, temperature, row_max, part_key, part_idx, vocab, stride_row,
-    num_chunks, stream, LOGITS: tl.constexpr, CHUNK: tl.constexpr,
+    w, seeds, positions, part_key, part_idx, vocab, stride_row, num_chunks, stream,
+    CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < vocab
     x = tl.load(w + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
-    if LOGITS:
-        t = tl.load(temperature + row)
-        m = tl.load(row_max + row)
-        x = tl.where(mask, tl.exp((x - m) / t), 0.0)
     u = _uniforms(seeds, positions, row, cols, stream)
     key = tl.where(mask, x / -tl.log(u), -1.0)  # weights >= 0: a masked column never wins
     best = tl.max(key, axis=0)
@@ -100,10 +94,8 @@ def _race_combine_kernel(part_key, part_idx, tokens, vocab, num_chunks,
 
 
 def race_draw_triton(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                     stream: int, temperature: torch.Tensor | None = None,
-                     row_max: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
-    """`race_draw_ref`'s draw. weights [n, V] (fp32 / bf16 / fp16, read in fp32); with
-    `temperature` and `row_max` [n] fp32 the rows are logits (temperature > 0)."""
+                     stream: int, chunk: int = CHUNK) -> torch.Tensor:
+    """`race_draw_ref`'s draw. weights [n, V] >= 0 (fp32 / bf16 / fp16, read in fp32)."""
     assert weights.dim() == 2, "race_draw takes [n, vocab] rows"
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
@@ -111,15 +103,12 @@ def race_draw_triton(weights: torch.Tensor, seeds: torch.Tensor, positions: torc
     tokens = torch.empty(n, dtype=torch.int64, device=weights.device)
     if n == 0:
         return tokens
-    logits = temperature is not None
     num_chunks = cdiv(vocab, chunk)
     part_key = torch.empty(n, num_chunks, dtype=torch.float32, device=weights.device)
     part_idx = torch.empty(n, num_chunks, dtype=torch.int32, device=weights.device)
     _race_chunk_kernel[(n, num_chunks)](
-        weights, seeds.contiguous(), positions.contiguous(),
-        temperature if logits else part_key, row_max if logits else part_key,
-        part_key, part_idx, vocab, weights.stride(0), num_chunks, stream,
-        LOGITS=logits, CHUNK=chunk, num_warps=CHUNK_WARPS,
+        weights, seeds.contiguous(), positions.contiguous(), part_key, part_idx, vocab,
+        weights.stride(0), num_chunks, stream, CHUNK=chunk, num_warps=CHUNK_WARPS,
     )
     block_c = max(next_pow2(num_chunks), 2)
     _race_combine_kernel[(n,)](part_key, part_idx, tokens, vocab, num_chunks,
@@ -175,13 +164,10 @@ def uniform_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, stream: int,
 
 
 def race_draw_ref(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  stream: int, temperature: torch.Tensor | None = None,
-                  row_max: torch.Tensor | None = None) -> torch.Tensor:
-    """argmax(w / -log(u)) with u = uniform_noise(seeds, positions, stream, V), first index on
-    ties; w = weights, or exp((logits - row_max) / temperature) when those are given."""
+                  stream: int) -> torch.Tensor:
+    """argmax(w / -log(u)) over weights w [n, V] >= 0, u = uniform_noise(seeds, positions,
+    stream, V), first index on ties."""
     w = weights.float()
-    if temperature is not None:
-        w = torch.exp((w - row_max[:, None]) / temperature[:, None])
     u = uniform_noise_ref(seeds, positions, stream, w.shape[-1])
     return (w / -torch.log(u)).argmax(dim=-1)
 
@@ -337,9 +323,8 @@ def cut_probs(probs: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tenso
 
 
 def race_draw(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-              stream: int, temperature: torch.Tensor | None = None,
-              row_max: torch.Tensor | None = None) -> torch.Tensor:
+              stream: int) -> torch.Tensor:
     """The kernels on CUDA, the twin elsewhere (like `argmax.argmax_lse`)."""
     if weights.is_cuda and triton_usable(weights):
-        return race_draw_triton(weights, seeds, positions, stream, temperature, row_max)
-    return race_draw_ref(weights, seeds, positions, stream, temperature, row_max)
+        return race_draw_triton(weights, seeds, positions, stream)
+    return race_draw_ref(weights, seeds, positions, stream)

@@ -14,8 +14,7 @@ import torch
 from draftgraph.kernels.sampling import cut_probs, race_draw, uniform_noise
 
 __all__ = ["STREAM_ACCEPT", "STREAM_DRAFT", "STREAM_RESIDUAL", "STREAM_SAMPLE", "draft_probs",
-           "processed_probs",
-           "sample", "sample_from_probs", "uniform_noise"]
+           "processed_probs", "sample", "sample_from_probs", "uniform_noise"]
 
 # streams of random numbers drawn at one position
 STREAM_SAMPLE = 0  # token choice of plain decoding / bonus token
