@@ -346,3 +346,20 @@ def test_processed_probs_keeps_tokens_tied_with_the_last_kept_and_greedy_rows_a_
     assert got[0, 1] == got[0, 2]
     torch.testing.assert_close(got[0].sum(), torch.tensor(1.0))
     assert got[1].tolist() == [0.0, 1.0, 0.0, 0.0]  # temperature 0: the first argmax
+
+
+def test_a_row_that_cuts_nothing_is_the_same_beside_a_row_that_cuts() -> None:
+    """Its probabilities are its softmax, bit for bit, whether a batch-mate cuts (the sort
+    runs) or none does (on the CPU the sort is skipped): a seeded draw cannot depend on
+    batch-mates."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4096, generator=gen) * 3
+    t = torch.tensor([0.7, 0.7])
+    soft = torch.softmax(logits[0] / 0.7, dim=-1)
+    assert not torch.equal(soft / soft.sum(), soft)  # renormalising it would change its bits
+    alone = processed_probs(logits[:1], t[:1], torch.ones(1), torch.zeros(1, dtype=torch.long))
+    both = processed_probs(logits, t, torch.tensor([1.0, 0.5]),
+                           torch.zeros(2, dtype=torch.long))
+    assert torch.equal(alone[0], both[0])
+    assert torch.equal(alone[0], soft)
+    assert (both[1] > 0).sum() < 4096  # the batch-mate did cut
