@@ -6,8 +6,9 @@ temperature-0.7 speed), A/B in one run.
 Part 1 (`micro`): the sampling functions alone, each captured as one CUDA graph and replayed,
 us per call, at the vocabularies of the models and n rows (1 = a draft step or a decode row,
 k + 1 = a verify): the temperature softmax, `processed_probs` (with its sort), the sort alone,
-`sample_from_probs` on the torch twin (`ref`) and on `kernels/race.py` (`kernel`), and
-`rejection_sample` with the drafter's distributions both ways.
+`sample_from_probs` on the torch twin (`ref`) and on `kernels/sampling.py` (`kernel`), and
+`rejection_sample` with the drafter's distributions three ways (its kernels; its torch ops
+with the draw kernels; torch throughout).
 
 Part 2 (`rounds`): per model, plain decoding, the chain head (k = 4) and the block head
 (its block size) at batch 1 with a 512-token random prompt, greedy and at temperature 0.7
@@ -118,13 +119,20 @@ def micro(vocab: int, n: int) -> dict:
 
         def rs():
             return verify.rejection_sample(drafts, nd, q, tp, seeds[:1], pos[:1], greedy)
+        # three arms: the rejection kernels (3 launches); verify's torch ops with the draw
+        # kernels (stop 36's path, ~40 launches); torch throughout (before stop 36)
         r["rejection_sample_kernel"] = graph_us(rs)
-        saved = verify.uniform_noise
-        sampling.race_draw, verify.uniform_noise = race_draw_ref, uniform_noise_ref
+        kernel_out = rs()
+        saved = verify.uniform_noise, verify.triton_usable
+        verify.triton_usable = lambda t: False
         try:
+            r["rejection_sample_torch_ops"] = graph_us(rs)
+            r["rejection_equal_torch_ops"] = bool(torch.equal(rs()[0], kernel_out[0]))
+            sampling.race_draw, verify.uniform_noise = race_draw_ref, uniform_noise_ref
             r["rejection_sample_ref"] = graph_us(rs)
         finally:
-            sampling.race_draw, verify.uniform_noise = race_draw, saved
+            sampling.race_draw = race_draw
+            verify.uniform_noise, verify.triton_usable = saved
     return r
 
 

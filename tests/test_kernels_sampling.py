@@ -171,3 +171,63 @@ def test_the_cut_equals_the_twin_on_random_settings(seed):
     got = R.cut_probs_triton(probs.clone(), *args, block=128)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _rejection_inputs(bs, k, vocab, seed=0):
+    """A verify step's inputs with every case in it: sampled and greedy requests, 0..k
+    active drafts, drafts drawn from q (accepted or not), a target cut to top-k, and rows
+    whose q is twice p (accepted half the time, their residual all zero: the fallback)."""
+    from draftgraph.runtime.sampling import processed_probs
+
+    gen = torch.Generator().manual_seed(seed)
+    T = k + 1
+    logits = torch.randn(bs, T, vocab, generator=gen) * 2
+    top_k = torch.where(torch.rand(bs, generator=gen) < 0.3, 50, 0).repeat_interleave(T)
+    # greedy requests decide on the argmax alone: their rows are not point masses here, so
+    # a kernel that sampled them would be seen
+    greedy = torch.rand(bs, generator=gen) < 0.25
+    target = processed_probs(logits.view(-1, vocab), torch.full((bs * T,), 0.8),
+                             torch.ones(bs * T), top_k).view(bs, T, vocab)
+    draft = torch.softmax(logits[:, :k] + torch.randn(bs, k, vocab, generator=gen), dim=-1)
+    draft[:4] = 2 * target[:4, :k]  # the residual's fallback
+    drafts = torch.multinomial(draft.reshape(-1, vocab), 1, generator=gen).view(bs, k)
+    num_draft = torch.randint(0, k + 1, (bs,), generator=gen)
+    num_draft[:4] = k
+    seeds = torch.randint(0, 2**62, (bs,), generator=gen)
+    positions = torch.randint(0, 2**34, (bs,), generator=gen)
+    return drafts, num_draft, draft, target, seeds, positions, greedy, target.argmax(dim=-1)
+
+
+def test_rejection_kernels_emit_the_twins_tokens():
+    from draftgraph.runtime.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE
+    from draftgraph.spec import verify
+
+    bs, k = 40, 3
+    args = _rejection_inputs(bs, k, 1000)
+    want_out, want_lens = verify.rejection_sample(*args)  # CPU tensors: the torch twin
+    got_out, got_lens = R.rejection_sample_triton(
+        *[a.to(DEVICE) for a in args], STREAM_ACCEPT, STREAM_SAMPLE, STREAM_RESIDUAL,
+        chunk=SMALL_CHUNK)
+    assert torch.equal(got_lens.cpu(), want_lens) and torch.equal(got_out.cpu(), want_out)
+    # the cases the test means to cover are there
+    drafts, num_draft, _, _, _, _, greedy, _ = args
+    sampled = ~greedy
+    assert bool((want_lens[sampled] == num_draft[sampled] + 1).any())  # all accepted
+    assert bool((want_lens[sampled] <= num_draft[sampled]).any())  # a rejection
+    assert bool((want_lens[:4] <= k).any()) and bool(greedy.any())
+    final = want_out.gather(1, (want_lens - 1)[:, None]).squeeze(1)
+    assert bool((final[sampled] != drafts.gather(
+        1, (want_lens - 1).clamp_max(k - 1)[:, None]).squeeze(1)[sampled]).any())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_rejection_emits_the_twins_tokens_on_the_gpu():
+    from draftgraph.spec import verify
+
+    for vocab in (49152, 128256):
+        args = _rejection_inputs(64, 4, vocab, seed=1)
+        want_out, want_lens = verify.rejection_sample(*args)
+        got_out, got_lens = verify.rejection_sample(*[a.cuda() for a in args])
+        same = (got_out.cpu() == want_out).all(dim=1) & (got_lens.cpu() == want_lens)
+        assert same.float().mean() >= 0.98  # keys differ by an ulp of log at most

@@ -224,7 +224,7 @@ def test_rejection_sample_statistical_test_catches_broken_samplers(
     else:
         monkeypatch.setattr(verify, *(("_accept_probs", _always_accept)
                                       if broken == "always_accept"
-                                      else ("_residual_probs", _never_resample_residual)))
+                                      else ("_residual_weights", _never_resample_residual)))
     out, _ = _spec_round(point_mass, draft_token)
     assert _tv(out[:, 0], P0) > 2 * TV_THRESHOLD
 
@@ -253,10 +253,12 @@ def test_rejection_sample_identical_draft_and_target_accepts_everything() -> Non
 
 def test_residual_falls_back_to_target_when_draft_equals_target() -> None:
     target_row = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
-    residual = verify._residual_probs(target_row, target_row)
+    residual = verify._residual_weights(target_row, target_row)
     assert torch.equal(residual, target_row)
-    residual = verify._residual_probs(target_row, torch.tensor([[1.0, 0, 0], [0.2, 0.3, 0.5]]))
-    assert torch.allclose(residual[0], torch.tensor([0.0, 1.0, 0.0]))
+    residual = verify._residual_weights(target_row,
+                                        torch.tensor([[1.0, 0, 0], [0.2, 0.3, 0.5]]))
+    # row 0: max(0, p - q), unnormalised (a race draw needs none); row 1: all 0, so p itself
+    assert torch.equal(residual, torch.tensor([[0.0, 0.5, 0.0], [0.2, 0.3, 0.5]]))
 
 
 def test_spec_verify_is_static_shape() -> None:

@@ -42,15 +42,22 @@ def _mix32(x):
 
 
 @triton.jit
-def _uniforms(seeds, positions, row, cols, stream):
-    """`uniform_noise`'s (0, 1) uniforms of one row at `cols` (uint32 hash, fp32 result)."""
+def _uniform_at(seed, pos, cols, stream):
+    """`uniform_noise`'s (0, 1) uniforms at (seed, position, stream, cols): seed and pos
+    uint32 (scalars, or vectors shaped like cols), stream uint32 / int; fp32 result."""
     # the row's hash: _hash32(seed * 0x9E3779B1 + _hash32(position * 4 + stream)), low 32 bits
-    seed = tl.load(seeds + row).to(tl.uint32)
-    pos = tl.load(positions + row).to(tl.uint32)
     rh = _mix32(seed * 0x9E3779B1 + _mix32(pos * 4 + stream))
     h = _mix32(rh ^ _mix32(cols.to(tl.uint32) + 0x632BE5AB))
     h = _mix32(h + rh)
     return (h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+
+
+@triton.jit
+def _uniforms(seeds, positions, row, cols, stream):
+    """`uniform_noise`'s (0, 1) uniforms of one row at `cols` (uint32 hash, fp32 result)."""
+    seed = tl.load(seeds + row).to(tl.uint32)
+    pos = tl.load(positions + row).to(tl.uint32)
+    return _uniform_at(seed, pos, cols, stream)
 
 
 @triton.jit
@@ -114,6 +121,148 @@ def race_draw_triton(weights: torch.Tensor, seeds: torch.Tensor, positions: torc
     _race_combine_kernel[(n,)](part_key, part_idx, tokens, vocab, num_chunks,
                                BLOCK_C=block_c, num_warps=1 if block_c <= 256 else 4)
     return tokens
+
+
+# ---- rejection sampling of one verify step --------------------------------------------------
+#
+# `spec.verify.rejection_sample` for drafts drawn from a distribution q, in three launches
+# (its torch form is ~40 small ones): `_accept_kernel` (one program a request) decides the
+# drafts, u < min(1, p(x) / q(x)) with u at the draft's position on the accept stream, or the
+# argmax match for a temperature-0 request; `_final_chunk_kernel` (grid (bs, chunks)) races the
+# final token's row, the residual max(0, p - q) after a rejection (q read only then) or the
+# target's row for the bonus token, with the target's row keyed on the same uniforms as the
+# residual's fallback; `_final_combine_kernel` picks each request's winner and writes the
+# emitted run. Every step is `rejection_sample`'s twin op for op, so the tokens are its tokens
+# up to the last ulp of log (as `race_draw`'s).
+
+
+@triton.jit
+def _accept_kernel(draft_tokens, num_draft, target_probs, draft_probs, seeds, positions,
+                   greedy, target_argmax, num_accepted, k, T, st_b, st_t, sd_b, sd_t,
+                   stream_accept, BLOCK_K: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_K)
+    live = i < tl.load(num_draft + b)  # the request's active drafts (<= k)
+    x = tl.load(draft_tokens + b * k + i, mask=i < k, other=0)
+    p = tl.load(target_probs + b * st_b + i * st_t + x, mask=live, other=0.0)
+    q = tl.load(draft_probs + b * sd_b + i * sd_t + x, mask=live, other=1.0)
+    # min(1, p / q); q = 0 cannot happen for a token drawn from q: accept iff p > 0
+    ratio = tl.where(q > 0, p / tl.where(q > 0, q, 1.0), (p > 0).to(tl.float32))
+    ratio = tl.minimum(tl.maximum(ratio, 0.0), 1.0)
+    seed = tl.load(seeds + b).to(tl.uint32)
+    pos = (tl.load(positions + b) + i).to(tl.uint32)
+    u = _uniform_at(seed, pos, i * 0, stream_accept)
+    match = x == tl.load(target_argmax + b * T + i, mask=live, other=-1)
+    ok = tl.where(tl.load(greedy + b) != 0, match, u < ratio) & live
+    # the leading run of accepted drafts
+    tl.store(num_accepted + b, tl.min(tl.where(ok, k, i), axis=0))
+
+
+@triton.jit
+def _final_chunk_kernel(target_probs, draft_probs, num_draft, num_accepted, greedy, seeds,
+                        positions, part_key, part_idx, vocab, k, st_b, st_t, sd_b, sd_t,
+                        num_chunks, stream_sample, stream_residual, CHUNK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    na = tl.load(num_accepted + b)
+    rejected = na < tl.load(num_draft + b)
+    read = (cols < vocab) & (tl.load(greedy + b) == 0)  # a greedy request reads nothing
+    p = tl.load(target_probs + b * st_b + na * st_t + cols, mask=read, other=0.0)
+    # after a rejection the residual max(0, p - q) of draft row na; else q = 0: the target's
+    # row itself, the bonus token
+    q = tl.load(draft_probs + b * sd_b + tl.minimum(na, k - 1) * sd_t + cols,
+                mask=read & rejected, other=0.0)
+    r = tl.maximum(p - q, 0.0)
+    seed = tl.load(seeds + b).to(tl.uint32)
+    pos = (tl.load(positions + b) + na).to(tl.uint32)
+    e = -tl.log(_uniform_at(seed, pos, cols, tl.where(rejected, stream_residual,
+                                                      stream_sample)))
+    key_r = tl.where(cols < vocab, r / e, -1.0)  # weights >= 0: a masked column never wins
+    key_p = tl.where(cols < vocab, p / e, -1.0)  # the residual's fallback when it is all 0
+    best_r = tl.max(key_r, axis=0)
+    best_p = tl.max(key_p, axis=0)
+    out = (b * num_chunks + chunk) * 3
+    tl.store(part_key + out, best_r)
+    tl.store(part_key + out + 1, best_p)
+    tl.store(part_key + out + 2, tl.max(r, axis=0))
+    tl.store(part_idx + out, tl.min(tl.where(key_r == best_r, cols, vocab), axis=0))
+    tl.store(part_idx + out + 1, tl.min(tl.where(key_p == best_p, cols, vocab), axis=0))
+
+
+@triton.jit
+def _final_combine_kernel(part_key, part_idx, draft_tokens, num_accepted, greedy,
+                          target_argmax, out_tokens, accept_lens, vocab, k, T, num_chunks,
+                          BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    cm = c < num_chunks
+    base = (b * num_chunks + c) * 3
+    key_r = tl.load(part_key + base, mask=cm, other=-2.0)
+    key_p = tl.load(part_key + base + 1, mask=cm, other=-2.0)
+    mass_r = tl.max(tl.load(part_key + base + 2, mask=cm, other=0.0), axis=0)
+    best_r = tl.max(key_r, axis=0)
+    best_p = tl.max(key_p, axis=0)
+    tok_r = tl.min(tl.where((key_r == best_r) & cm, tl.load(part_idx + base, mask=cm,
+                                                             other=vocab), vocab), axis=0)
+    tok_p = tl.min(tl.where((key_p == best_p) & cm, tl.load(part_idx + base + 1, mask=cm,
+                                                             other=vocab), vocab), axis=0)
+    na = tl.load(num_accepted + b)
+    final = tl.where(mass_r > 0, tok_r, tok_p).to(tl.int64)
+    final = tl.where(tl.load(greedy + b) != 0, tl.load(target_argmax + b * T + na), final)
+    j = tl.arange(0, BLOCK_T)
+    drafts = tl.load(draft_tokens + b * k + j, mask=j < na, other=-1)
+    run = tl.where(j == na, final, drafts)
+    tl.store(out_tokens + b * T + j, run, mask=j < T)
+    tl.store(accept_lens + b, (na + 1).to(tl.int64))
+
+
+def rejection_sample_triton(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
+                            draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                            seeds: torch.Tensor, positions: torch.Tensor,
+                            greedy_mask: torch.Tensor, target_argmax: torch.Tensor,
+                            stream_accept: int, stream_sample: int, stream_residual: int,
+                            chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`spec.verify.rejection_sample` for drafts with a distribution, in three launches.
+
+    draft_tokens [bs, k] int64 (k >= 1); num_draft_tokens [bs] int64; draft_probs [bs, k, V]
+    and target_probs [bs, k + 1, V] fp32 with unit stride over V; seeds, positions [bs]
+    int64; greedy_mask [bs] bool; target_argmax [bs, k + 1] int64; the three streams'
+    numbers. Returns (output_tokens [bs, k + 1] int64, -1 past accept_lens; accept_lens [bs]
+    int64)."""
+    bs, k = draft_tokens.shape
+    T = k + 1
+    vocab = target_probs.shape[-1]
+    assert k >= 1 and target_probs.shape[1] == T and draft_probs.shape[1] == k
+    assert target_probs.stride(-1) == 1 and draft_probs.stride(-1) == 1
+    dev = draft_tokens.device
+    out_tokens = torch.empty(bs, T, dtype=torch.int64, device=dev)
+    accept_lens = torch.empty(bs, dtype=torch.int64, device=dev)
+    if bs == 0:
+        return out_tokens, accept_lens
+    draft_tokens = draft_tokens.contiguous()
+    target_argmax = target_argmax.contiguous()
+    seeds, positions = seeds.contiguous(), positions.contiguous()
+    greedy = greedy_mask.to(torch.int8)
+    num_accepted = torch.empty(bs, dtype=torch.int32, device=dev)
+    strides = (target_probs.stride(0), target_probs.stride(1), draft_probs.stride(0),
+               draft_probs.stride(1))
+    _accept_kernel[(bs,)](draft_tokens, num_draft_tokens, target_probs, draft_probs, seeds,
+                          positions, greedy, target_argmax, num_accepted, k, T, *strides,
+                          stream_accept, BLOCK_K=max(next_pow2(k), 2), num_warps=1)
+    num_chunks = cdiv(vocab, chunk)
+    part_key = torch.empty(bs, num_chunks, 3, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(bs, num_chunks, 3, dtype=torch.int32, device=dev)
+    _final_chunk_kernel[(bs, num_chunks)](
+        target_probs, draft_probs, num_draft_tokens, num_accepted, greedy, seeds, positions,
+        part_key, part_idx, vocab, k, *strides, num_chunks, stream_sample, stream_residual,
+        CHUNK=chunk, num_warps=CHUNK_WARPS)
+    block_c = max(next_pow2(num_chunks), 2)
+    _final_combine_kernel[(bs,)](part_key, part_idx, draft_tokens, num_accepted, greedy,
+                                 target_argmax, out_tokens, accept_lens, vocab, k, T,
+                                 num_chunks, BLOCK_C=block_c, BLOCK_T=max(next_pow2(T), 2),
+                                 num_warps=1 if block_c <= 256 else 4)
+    return out_tokens, accept_lens
 
 
 _MASK32 = 0xFFFFFFFF

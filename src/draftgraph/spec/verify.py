@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.kernels._triton import triton_usable
 from draftgraph.kernels.argmax import argmax_lse
+from draftgraph.kernels.sampling import rejection_sample_triton
 from draftgraph.runtime.controls import ControlTables, StepControls, apply_controls
 from draftgraph.runtime.sampling import (
     STREAM_ACCEPT,
@@ -80,16 +82,11 @@ def greedy_accept(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
                                      target_logits.argmax(dim=-1))
 
 
-def _accept_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+def _accept_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                   target_probs: torch.Tensor) -> torch.Tensor:
-    """[bs, k] fp32: min(1, p_target(x) / p_draft(x)) for each draft token x.
-
-    A point-mass draft (draft_probs None) has p_draft(x) = 1, so this is p_target(x).
-    """
+    """[bs, k] fp32: min(1, p_target(x) / p_draft(x)) for each draft token x."""
     k = draft_tokens.shape[1]
     p_target = target_probs[:, :k].gather(2, draft_tokens[..., None]).squeeze(2)  # [bs, k]
-    if draft_probs is None:
-        return p_target.clamp(0.0, 1.0)
     p_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)  # [bs, k]
     # p_draft(x) = 0 cannot happen for a token drawn from the draft; accept iff p_target > 0
     ratio = p_target / torch.where(p_draft > 0, p_draft, 1.0)
@@ -97,14 +94,14 @@ def _accept_probs(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     return ratio.clamp(0.0, 1.0)
 
 
-def _residual_probs(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
-    """normalize(max(0, p_target - p_draft)) [n, vocab]; p_target where that is all zero.
+def _residual_weights(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """max(0, p_target - p_draft) [n, vocab], unnormalised (a race draw needs no normalising:
+    it draws in proportion to the weights); p_target where that is all zero.
 
     target_row, draft_row [n, vocab] fp32 (draft_row a one-hot for a point-mass draft).
     """
     residual = (target_row - draft_row).clamp_min(0.0)
-    mass = residual.sum(dim=-1, keepdim=True)  # [n, 1]
-    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_row)
+    return torch.where((residual > 0).any(dim=-1, keepdim=True), residual, target_row)
 
 
 def _coupled_accept(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
@@ -148,6 +145,9 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
     drafts are accepted the bonus token is drawn from target_probs[:, num_draft_tokens] on
     STREAM_SAMPLE.
     Returns (output_tokens [bs, k + 1] int64, -1 past accept_lens; accept_lens [bs] int64).
+
+    On CUDA, drafts with a distribution take `kernels.sampling.rejection_sample_triton`:
+    these steps in three launches, the same tokens.
     """
     bs, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -155,6 +155,12 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
     slots = torch.arange(k, device=device)
     if target_argmax is None:
         target_argmax = target_probs.argmax(dim=-1)
+    if (draft_probs is not None and k > 0 and draft_tokens.is_cuda
+            and triton_usable(draft_tokens)):
+        return rejection_sample_triton(
+            draft_tokens, num_draft_tokens, draft_probs.contiguous(),
+            target_probs.contiguous(), seeds, positions, greedy_mask, target_argmax,
+            STREAM_ACCEPT, STREAM_SAMPLE, STREAM_RESIDUAL)
     greedy_tokens, greedy_lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
                                                            target_argmax)
     if draft_probs is None:
@@ -180,13 +186,10 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
     row_in_draft = num_accepted.clamp_max(max(k - 1, 0))[:, None]  # [bs, 1]
     if k == 0:
         draft_row = torch.zeros_like(target_row)
-    elif draft_probs is None:
-        draft_token = draft_tokens.gather(1, row_in_draft).squeeze(1)  # [bs] int64
-        draft_row = torch.nn.functional.one_hot(draft_token, vocab).to(target_row.dtype)
     else:
         draft_row = draft_probs.gather(1, row_in_draft[..., None].expand(bs, 1, vocab))
         draft_row = draft_row.squeeze(1)  # [bs, vocab]
-    residual_token = sample_from_probs(_residual_probs(target_row, draft_row), seeds,
+    residual_token = sample_from_probs(_residual_weights(target_row, draft_row), seeds,
                                        final_positions, STREAM_RESIDUAL)  # [bs] int64
     bonus_token = sample_from_probs(target_row, seeds, final_positions, STREAM_SAMPLE)
     final_token = torch.where(rejected, residual_token, bonus_token)  # [bs] int64
