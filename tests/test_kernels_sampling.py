@@ -198,16 +198,32 @@ def _rejection_inputs(bs, k, vocab, seed=0):
     return drafts, num_draft, draft, target, seeds, positions, greedy, target.argmax(dim=-1)
 
 
-def test_rejection_kernels_emit_the_twins_tokens():
+def _reduced(args, vocab, keep):
+    """The same step with q over a reduced vocabulary: the first `keep` target tokens in a
+    shuffled order (q renormalised there, every draft inside it), and its index [V]."""
+    drafts, num_draft, draft, *rest = args
+    gen = torch.Generator().manual_seed(9)
+    d2t = torch.randperm(keep, generator=gen)  # column -> target id
+    q = draft[..., d2t] / draft[..., d2t].sum(-1, keepdim=True)
+    drafts = d2t[torch.multinomial(q.reshape(-1, keep), 1, generator=gen).view(drafts.shape)]
+    index = torch.full((vocab,), -1, dtype=torch.int32)
+    index[d2t] = torch.arange(keep, dtype=torch.int32)
+    return (drafts, num_draft, q, *rest), index
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_rejection_kernels_emit_the_twins_tokens(reduced):
     from draftgraph.runtime.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE
     from draftgraph.spec import verify
 
     bs, k = 40, 3
-    args = _rejection_inputs(bs, k, 1000)
-    want_out, want_lens = verify.rejection_sample(*args)  # CPU tensors: the torch twin
+    args, index = _rejection_inputs(bs, k, 1000), None
+    if reduced:
+        args, index = _reduced(args, 1000, 600)
+    want_out, want_lens = verify.rejection_sample(*args, draft_index=index)  # the twin (CPU)
     got_out, got_lens = R.rejection_sample_triton(
         *[a.to(DEVICE) for a in args], STREAM_ACCEPT, STREAM_SAMPLE, STREAM_RESIDUAL,
-        chunk=SMALL_CHUNK)
+        None if index is None else index.to(DEVICE), chunk=SMALL_CHUNK)
     assert torch.equal(got_lens.cpu(), want_lens) and torch.equal(got_out.cpu(), want_out)
     # the cases the test means to cover are there
     drafts, num_draft, _, _, _, _, greedy, _ = args
@@ -231,3 +247,70 @@ def test_compiled_rejection_emits_the_twins_tokens_on_the_gpu():
         got_out, got_lens = verify.rejection_sample(*[a.cuda() for a in args])
         same = (got_out.cpu() == want_out).all(dim=1) & (got_lens.cpu() == want_lens)
         assert same.float().mean() >= 0.98  # keys differ by an ulp of log at most
+
+
+def test_a_reduced_draft_vocabulary_reads_q_through_its_index():
+    """The twin's expansion: q over V' read through the index equals q scattered onto the
+    target's vocabulary by hand (0 outside V'), token for token."""
+    from draftgraph.spec import verify
+
+    args = _rejection_inputs(24, 3, 1000, seed=2)
+    reduced, index = _reduced(args, 1000, 600)
+    drafts, num_draft, q, *rest = reduced
+    full = torch.zeros(*q.shape[:2], 1000)
+    full[..., index >= 0] = q[..., index[index >= 0].long()]
+    want = verify.rejection_sample(drafts, num_draft, full, *rest)
+    got = verify.rejection_sample(*reduced, draft_index=index)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # a wrong index (q read at the target id) changes the outcome
+    bad = verify.rejection_sample(*reduced, draft_index=torch.arange(1000, dtype=torch.int32)
+                                  .where(torch.arange(1000) < 600, -1))
+    assert not torch.equal(bad[1], want[1])
+
+
+def test_draft_sampling_kernels_equal_the_twin():
+    from draftgraph.runtime.sampling import STREAM_DRAFT
+
+    logits, seeds, positions = _inputs(12, 1000, seed=6)
+    temperature = torch.tensor([0.7, 1.0, 0.0, 1.3] * 3).to(DEVICE)  # a greedy row in four
+    want_tok, want_q = R.draft_sample_ref(logits, temperature, seeds, positions, STREAM_DRAFT)
+    got_tok, got_q = R.draft_sample_triton(logits, temperature, seeds, positions,
+                                           STREAM_DRAFT, chunk=SMALL_CHUNK)
+    assert torch.equal(got_tok, want_tok)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-8)
+    greedy = temperature == 0
+    assert torch.equal(got_tok[greedy], logits[greedy].argmax(-1))
+    assert not torch.equal(got_tok[~greedy], logits[~greedy].argmax(-1))  # draws, not argmaxes
+    torch.testing.assert_close(got_q[greedy], torch.softmax(logits[greedy], -1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_draft_sampling_equals_the_twin_on_the_gpu():
+    for vocab in (16384, 49152, 128256):
+        logits, seeds, positions = _inputs(64, vocab, seed=7)
+        temperature = torch.tensor([0.7, 1.0, 0.0, 1.3] * 16, device="cuda")
+        tok, q = R.draft_sample(logits, temperature, seeds, positions, 3)
+        want_tok, want_q = R.draft_sample_ref(logits, temperature, seeds, positions, 3)
+        assert (tok == want_tok).float().mean() >= 0.98  # keys differ by an ulp of log at most
+        torch.testing.assert_close(q, want_q, rtol=1e-4, atol=1e-9)
+
+
+def test_draft_draws_follow_their_distribution():
+    """One row per seed, 4000 draws over 6 tokens at T = 0.5 (the Gumbel-max form of the
+    race, on the twin: the kernel draws its tokens, above): a chi-square test against
+    softmax(l / T); it fails against softmax(l), the temperature ignored."""
+    from draftgraph.runtime.sampling import STREAM_DRAFT
+
+    n = 4000
+    logits = torch.tensor([1.0, 0.5, 0.2, -0.3, -1.0, 0.0])
+    tok, _ = R.draft_sample_ref(logits.expand(n, 6), torch.full((n,), 0.5), torch.arange(n) * 7 + 1,
+                                torch.full((n,), 11), STREAM_DRAFT)
+    counts = torch.bincount(tok, minlength=6).double()
+
+    def chi2(p):
+        e = p.double() * n
+        return float(((counts - e) ** 2 / e).sum())
+
+    assert chi2(torch.softmax(logits / 0.5, 0)) < 20.5  # p = 0.001 at 5 degrees of freedom
+    assert chi2(torch.softmax(logits, 0)) > 100

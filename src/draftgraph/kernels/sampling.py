@@ -3,6 +3,8 @@
     uniform_noise(seeds [n], positions [n], stream, width) -> [n, width] fp32 in (0, 1)
     race_draw(weights [n, V], seeds [n], positions [n], stream) -> [n] int64
     cut_probs(probs [n, V], temperature, top_p, top_k, argmax) -> probs, cut in place
+    draft_sample(logits [n, V'], temperature, seeds, positions, stream) -> tokens, q
+    rejection_sample_triton(...): `spec.verify.rejection_sample` in three launches
 
 Each dispatches like `argmax.argmax_lse`: the Triton kernels on CUDA, the torch twin
 (`*_ref`) elsewhere.
@@ -123,6 +125,119 @@ def race_draw_triton(weights: torch.Tensor, seeds: torch.Tensor, positions: torc
     return tokens
 
 
+# ---- a drafter's sampled step -----------------------------------------------------------------
+#
+# A sampled draft is a draw from q = softmax(l / T) over the drafter's vocabulary, and q goes
+# on to rejection sampling. The draw is the exponential race in log space, argmax(l / T -
+# log(-log u)) (the Gumbel-max form of argmax(q / E): no normaliser needed), so one pass over
+# the logits gives both the draw and the softmax's partial sums: `_draft_chunk_kernel` (grid
+# (n, chunks)) keeps each chunk's max, sum of exp and best key, `_draft_write_kernel` (the same
+# grid) combines the row's partials, writes q and (chunk 0) the token. A temperature-0 row
+# takes its argmax (q then at T = 1, unused: such rows accept by matching). Two launches where
+# torch took ~8 over [n, V] and a reduced vocabulary's scatter into the target's.
+
+
+@triton.jit
+def _draft_chunk_kernel(logits, temperature, seeds, positions, part_f, part_idx, vocab,
+                        stride_row, num_chunks, stream, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < vocab
+    t = tl.load(temperature + row)
+    x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    x = x / tl.where(t > 0, t, 1.0)
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.where(mask, tl.exp(x - m), 0.0), axis=0)
+    u = _uniforms(seeds, positions, row, cols, stream)
+    key = tl.where(mask, tl.where(t > 0, x - tl.log(-tl.log(u)), x), float("-inf"))
+    best = tl.max(key, axis=0)
+    out = (row * num_chunks + chunk) * 3
+    tl.store(part_f + out, m)
+    tl.store(part_f + out + 1, s)
+    tl.store(part_f + out + 2, best)
+    tl.store(part_idx + row * num_chunks + chunk,
+             tl.min(tl.where(key == best, cols, vocab), axis=0))
+
+
+@triton.jit
+def _draft_write_kernel(logits, temperature, part_f, part_idx, probs, tokens, vocab, stride_row,
+                        num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    c = tl.arange(0, BLOCK_C)
+    cm = c < num_chunks
+    base = (row * num_chunks + c) * 3
+    m_c = tl.load(part_f + base, mask=cm, other=float("-inf"))
+    s_c = tl.load(part_f + base + 1, mask=cm, other=0.0)
+    m = tl.max(m_c, axis=0)
+    z = tl.sum(tl.where(cm, s_c * tl.exp(m_c - m), 0.0), axis=0)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < vocab
+    t = tl.load(temperature + row)
+    x = tl.load(logits + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
+    x = x / tl.where(t > 0, t, 1.0)
+    tl.store(probs + row * vocab + cols, tl.exp(x - m) / z, mask=mask)
+    if chunk == 0:
+        key = tl.load(part_f + base + 2, mask=cm, other=float("-inf"))
+        best = tl.max(key, axis=0)
+        idx = tl.load(part_idx + row * num_chunks + c, mask=cm, other=vocab)
+        tl.store(tokens + row, tl.min(tl.where((key == best) & cm, idx, vocab),
+                                      axis=0).to(tl.int64))
+
+
+def draft_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                        positions: torch.Tensor, stream: int,
+                        chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft_sample_ref`'s (tokens, q) in two launches. logits [n, V] (unit column stride)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n, vocab = logits.shape
+    dev = logits.device
+    tokens = torch.empty(n, dtype=torch.int64, device=dev)
+    probs = torch.empty(n, vocab, dtype=torch.float32, device=dev)
+    if n == 0:
+        return tokens, probs
+    num_chunks = cdiv(vocab, chunk)
+    part_f = torch.empty(n, num_chunks, 3, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(n, num_chunks, dtype=torch.int32, device=dev)
+    temperature = temperature.contiguous()
+    _draft_chunk_kernel[(n, num_chunks)](
+        logits, temperature, seeds.contiguous(), positions.contiguous(), part_f, part_idx,
+        vocab, logits.stride(0), num_chunks, stream, CHUNK=chunk, num_warps=CHUNK_WARPS)
+    _draft_write_kernel[(n, num_chunks)](
+        logits, temperature, part_f, part_idx, probs, tokens, vocab, logits.stride(0),
+        num_chunks, CHUNK=chunk, BLOCK_C=max(next_pow2(num_chunks), 2),
+        num_warps=CHUNK_WARPS)
+    return tokens, probs
+
+
+def draft_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                     positions: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's sampled step over its vocabulary: logits [n, V] -> (tokens [n] int64,
+    columns of V; q [n, V] fp32 = softmax(logits / T), T <= 0 read as 1). A row with T > 0
+    draws argmax(l / T - log(-log u)), u = uniform_noise(seeds, positions, stream, V) (a draw
+    from q); a row with T <= 0 takes its argmax.
+
+    No top-k / top-p here: rejection sampling is exact for any draft distribution q (accept
+    min(1, p / q), else draw from normalize(max(0, p - q))), so the request's cut applies
+    where it decides, to the target's rows in the verify, and a draft step sorts nothing; a
+    request that cuts accepts a little less often."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+    x = logits.float() / t
+    u = uniform_noise_ref(seeds, positions, stream, logits.shape[-1])
+    key = torch.where(temperature[:, None] > 0, x - torch.log(-torch.log(u)), x)
+    return key.argmax(dim=-1), torch.softmax(x, dim=-1)
+
+
+def draft_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                 positions: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels on CUDA, the twin elsewhere."""
+    if logits.is_cuda and triton_usable(logits):
+        return draft_sample_triton(logits, temperature, seeds, positions, stream)
+    return draft_sample_ref(logits, temperature, seeds, positions, stream)
+
+
 # ---- rejection sampling of one verify step --------------------------------------------------
 #
 # `spec.verify.rejection_sample` for drafts drawn from a distribution q, in three launches
@@ -137,15 +252,17 @@ def race_draw_triton(weights: torch.Tensor, seeds: torch.Tensor, positions: torc
 
 
 @triton.jit
-def _accept_kernel(draft_tokens, num_draft, target_probs, draft_probs, seeds, positions,
-                   greedy, target_argmax, num_accepted, k, T, st_b, st_t, sd_b, sd_t,
-                   stream_accept, BLOCK_K: tl.constexpr):
+def _accept_kernel(draft_tokens, num_draft, target_probs, draft_probs, draft_index, seeds,
+                   positions, greedy, target_argmax, num_accepted, k, T, st_b, st_t, sd_b,
+                   sd_t, stream_accept, BLOCK_K: tl.constexpr, HAS_INDEX: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_K)
     live = i < tl.load(num_draft + b)  # the request's active drafts (<= k)
     x = tl.load(draft_tokens + b * k + i, mask=i < k, other=0)
     p = tl.load(target_probs + b * st_b + i * st_t + x, mask=live, other=0.0)
-    q = tl.load(draft_probs + b * sd_b + i * sd_t + x, mask=live, other=1.0)
+    # q over the drafter's vocabulary: x's column there (a drawn draft always has one)
+    xq = tl.load(draft_index + x, mask=live, other=0) if HAS_INDEX else x
+    q = tl.load(draft_probs + b * sd_b + i * sd_t + xq, mask=live & (xq >= 0), other=0.0)
     # min(1, p / q); q = 0 cannot happen for a token drawn from q: accept iff p > 0
     ratio = tl.where(q > 0, p / tl.where(q > 0, q, 1.0), (p > 0).to(tl.float32))
     ratio = tl.minimum(tl.maximum(ratio, 0.0), 1.0)
@@ -159,9 +276,10 @@ def _accept_kernel(draft_tokens, num_draft, target_probs, draft_probs, seeds, po
 
 
 @triton.jit
-def _final_chunk_kernel(target_probs, draft_probs, num_draft, num_accepted, greedy, seeds,
-                        positions, part_key, part_idx, vocab, k, st_b, st_t, sd_b, sd_t,
-                        num_chunks, stream_sample, stream_residual, CHUNK: tl.constexpr):
+def _final_chunk_kernel(target_probs, draft_probs, draft_index, num_draft, num_accepted,
+                        greedy, seeds, positions, part_key, part_idx, vocab, k, st_b, st_t,
+                        sd_b, sd_t, num_chunks, stream_sample, stream_residual,
+                        CHUNK: tl.constexpr, HAS_INDEX: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -171,8 +289,10 @@ def _final_chunk_kernel(target_probs, draft_probs, num_draft, num_accepted, gree
     p = tl.load(target_probs + b * st_b + na * st_t + cols, mask=read, other=0.0)
     # after a rejection the residual max(0, p - q) of draft row na; else q = 0: the target's
     # row itself, the bonus token
-    q = tl.load(draft_probs + b * sd_b + tl.minimum(na, k - 1) * sd_t + cols,
-                mask=read & rejected, other=0.0)
+    # (q over the drafter's vocabulary: a target token outside it has probability 0)
+    qcols = tl.load(draft_index + cols, mask=read & rejected, other=-1) if HAS_INDEX else cols
+    q = tl.load(draft_probs + b * sd_b + tl.minimum(na, k - 1) * sd_t + qcols,
+                mask=read & rejected & (qcols >= 0), other=0.0)
     r = tl.maximum(p - q, 0.0)
     seed = tl.load(seeds + b).to(tl.uint32)
     pos = (tl.load(positions + b) + na).to(tl.uint32)
@@ -222,18 +342,21 @@ def rejection_sample_triton(draft_tokens: torch.Tensor, num_draft_tokens: torch.
                             seeds: torch.Tensor, positions: torch.Tensor,
                             greedy_mask: torch.Tensor, target_argmax: torch.Tensor,
                             stream_accept: int, stream_sample: int, stream_residual: int,
+                            draft_index: torch.Tensor | None = None,
                             chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """`spec.verify.rejection_sample` for drafts with a distribution, in three launches.
 
-    draft_tokens [bs, k] int64 (k >= 1); num_draft_tokens [bs] int64; draft_probs [bs, k, V]
-    and target_probs [bs, k + 1, V] fp32 with unit stride over V; seeds, positions [bs]
-    int64; greedy_mask [bs] bool; target_argmax [bs, k + 1] int64; the three streams'
-    numbers. Returns (output_tokens [bs, k + 1] int64, -1 past accept_lens; accept_lens [bs]
-    int64)."""
+    draft_tokens [bs, k] int64 (k >= 1); num_draft_tokens [bs] int64; target_probs [bs, k + 1,
+    V] and draft_probs [bs, k, V'] fp32 with unit stride over the vocabulary, V' = V, or the
+    drafter's own vocabulary with draft_index [V] int32 the column of each target token in it
+    (-1: q = 0); seeds, positions [bs] int64; greedy_mask [bs] bool; target_argmax [bs, k + 1]
+    int64; the three streams' numbers. Returns (output_tokens [bs, k + 1] int64, -1 past
+    accept_lens; accept_lens [bs] int64)."""
     bs, k = draft_tokens.shape
     T = k + 1
     vocab = target_probs.shape[-1]
     assert k >= 1 and target_probs.shape[1] == T and draft_probs.shape[1] == k
+    assert draft_index is not None or draft_probs.shape[-1] == vocab
     assert target_probs.stride(-1) == 1 and draft_probs.stride(-1) == 1
     dev = draft_tokens.device
     out_tokens = torch.empty(bs, T, dtype=torch.int64, device=dev)
@@ -247,16 +370,19 @@ def rejection_sample_triton(draft_tokens: torch.Tensor, num_draft_tokens: torch.
     num_accepted = torch.empty(bs, dtype=torch.int32, device=dev)
     strides = (target_probs.stride(0), target_probs.stride(1), draft_probs.stride(0),
                draft_probs.stride(1))
-    _accept_kernel[(bs,)](draft_tokens, num_draft_tokens, target_probs, draft_probs, seeds,
-                          positions, greedy, target_argmax, num_accepted, k, T, *strides,
-                          stream_accept, BLOCK_K=max(next_pow2(k), 2), num_warps=1)
+    has_index = draft_index is not None
+    index = draft_index if has_index else num_accepted  # a placeholder pointer, never read
+    _accept_kernel[(bs,)](draft_tokens, num_draft_tokens, target_probs, draft_probs, index,
+                          seeds, positions, greedy, target_argmax, num_accepted, k, T,
+                          *strides, stream_accept, BLOCK_K=max(next_pow2(k), 2),
+                          HAS_INDEX=has_index, num_warps=1)
     num_chunks = cdiv(vocab, chunk)
     part_key = torch.empty(bs, num_chunks, 3, dtype=torch.float32, device=dev)
     part_idx = torch.empty(bs, num_chunks, 3, dtype=torch.int32, device=dev)
     _final_chunk_kernel[(bs, num_chunks)](
-        target_probs, draft_probs, num_draft_tokens, num_accepted, greedy, seeds, positions,
-        part_key, part_idx, vocab, k, *strides, num_chunks, stream_sample, stream_residual,
-        CHUNK=chunk, num_warps=CHUNK_WARPS)
+        target_probs, draft_probs, index, num_draft_tokens, num_accepted, greedy, seeds,
+        positions, part_key, part_idx, vocab, k, *strides, num_chunks, stream_sample,
+        stream_residual, CHUNK=chunk, HAS_INDEX=has_index, num_warps=CHUNK_WARPS)
     block_c = max(next_pow2(num_chunks), 2)
     _final_combine_kernel[(bs,)](part_key, part_idx, draft_tokens, num_accepted, greedy,
                                  target_argmax, out_tokens, accept_lens, vocab, k, T,

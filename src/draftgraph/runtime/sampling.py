@@ -13,7 +13,7 @@ import torch
 
 from draftgraph.kernels.sampling import cut_probs, race_draw, uniform_noise
 
-__all__ = ["STREAM_ACCEPT", "STREAM_DRAFT", "STREAM_RESIDUAL", "STREAM_SAMPLE", "draft_probs",
+__all__ = ["STREAM_ACCEPT", "STREAM_DRAFT", "STREAM_RESIDUAL", "STREAM_SAMPLE",
            "processed_probs", "sample", "sample_from_probs", "uniform_noise"]
 
 # streams of random numbers drawn at one position
@@ -39,17 +39,6 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
     if argmax is None:
         argmax = logits.argmax(dim=-1)
     return cut_probs(probs, temperature, top_p, top_k, argmax)
-
-
-def draft_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T) [n, V], T <= 0 read as 1: the distribution a drafter draws its
-    sampled drafts from. No top-k / top-p here: rejection sampling is exact for any draft
-    distribution q (accept min(1, p / q), else draw from normalize(max(0, p - q))), so the
-    request's cut is applied where it decides, to the target's rows in the verify, and a
-    draft step sorts nothing (a sort per step cost 50-130 us on the H200); a request that
-    cuts accepts a little less often."""
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return torch.softmax(logits / t[:, None], dim=-1)
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,

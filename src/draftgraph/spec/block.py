@@ -35,7 +35,6 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.models.block_head import BlockHead
 from draftgraph.runtime.executor import ModelExecutor
-from draftgraph.runtime.sampling import STREAM_DRAFT, draft_probs, sample_from_probs
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Proposal
@@ -135,12 +134,11 @@ class BlockHeadDrafter(StagedDrafter):
             for j in range(k):  # left to right: the Markov head reads the draft before
                 lj = logits[:, j] + head.markov(prev, self.markov_w) if markov \
                     else logits[:, j]  # [bs, V']
-                tok = self.draft_argmax(lj)  # [bs] int64
-                if not ctx.greedy:
-                    p = draft_probs(self.target_vocab(lj), ctx.temperature)  # [bs, V]
-                    drawn = sample_from_probs(p, ctx.seeds, ctx.seq_lens + j, STREAM_DRAFT)
-                    tok = torch.where(ctx.temperature > 0, drawn, tok)
-                    probs.append(p)
+                if ctx.greedy:
+                    tok = self.draft_argmax(lj)  # [bs] int64
+                else:
+                    tok, q = self.sample_drafts(lj, ctx, ctx.seq_lens + j)
+                    probs.append(q)
                 self.drafts[:bs, j].copy_(tok)
                 prev = tok
         self._probs = torch.stack(probs, dim=1) if probs else None
@@ -155,7 +153,8 @@ class BlockHeadDrafter(StagedDrafter):
 
     def finish(self, ctx: DraftContext) -> Proposal:
         bs = ctx.seq_lens.shape[0]
-        return Proposal(self.drafts[:bs], self.num_drafts[:bs], self._probs)
+        return Proposal(self.drafts[:bs], self.num_drafts[:bs], self._probs,
+                        self.draft_index if self._probs is not None else None)
 
     # ---- KV injection -----------------------------------------------------------------------
     def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:

@@ -27,7 +27,8 @@ import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.kernels.argmax import row_argmax
-from draftgraph.runtime.sampling import STREAM_DRAFT, draft_probs, sample_from_probs
+from draftgraph.kernels.sampling import draft_sample
+from draftgraph.runtime.sampling import STREAM_DRAFT
 from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
 
 
@@ -37,8 +38,10 @@ class StagedDrafter(Drafter):
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self.executor = None  # the drafter's ModelExecutor, made in `bind`
-        # a reduced draft vocabulary: its tokens' target ids [V'] int64 (None: the target's)
+        # a reduced draft vocabulary: its tokens' target ids [V'] int64 (None: the target's),
+        # and each target token's column in it [V] int32 (-1 outside), for rejection sampling
         self.vocab: torch.Tensor | None = None
+        self.draft_index: torch.Tensor | None = None
         self.target_vocab_size = 0
 
     def bind_vocab(self, head, target) -> None:
@@ -48,10 +51,26 @@ class StagedDrafter(Drafter):
         self.lm_head = head.lm_head_weight(target.model.full_lm_head_weight()).contiguous()
         self.vocab = head.d2t if head.reduced_vocab else None
         self.target_vocab_size = target.config.vocab_size
+        if self.vocab is not None:
+            self.draft_index = torch.full((self.target_vocab_size,), -1, dtype=torch.int32,
+                                          device=self.vocab.device)
+            self.draft_index[self.vocab] = torch.arange(self.vocab.shape[0], dtype=torch.int32,
+                                                        device=self.vocab.device)
+
+    def sample_drafts(self, logits: torch.Tensor, ctx: DraftContext,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled drafts [bs] int64 (target ids) from logits [bs, V'] over the draft
+        vocabulary, drawn at `positions` on STREAM_DRAFT, and the distribution they were
+        drawn from, q [bs, V'] (softmax at the request's temperature, over V': rejection
+        sampling reads it through `draft_index`); a temperature-0 request takes its argmax.
+        Two launches on CUDA (`kernels.sampling.draft_sample`)."""
+        cols, q = draft_sample(logits, ctx.temperature, ctx.seeds, positions, STREAM_DRAFT)
+        return (self.vocab[cols] if self.vocab is not None else cols), q
 
     def target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [bs, V'] over the draft vocabulary onto the target's [bs, V] (-inf outside
-        `vocab`); the logits themselves without a reduced vocabulary."""
+        `vocab`); the logits themselves without a reduced vocabulary. (Drafting builds no
+        such rows; tests and tools read a step's logits this way.)"""
         if self.vocab is None:
             return logits
         full = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))
@@ -159,20 +178,19 @@ class ChainDrafter(StagedDrafter):
 
     def take(self, ctx: DraftContext, i: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft i from logits [bs, V'] over the drafter's vocabulary (the target's, or
-        `vocab`'s tokens): recorded, fed next. A draw needs the distribution over the target's
-        vocabulary, for rejection sampling."""
-        tok = self.draft_argmax(logits)  # [bs] int64
-        if not ctx.greedy:
-            p = draft_probs(self.target_vocab(logits), ctx.temperature)  # [bs, V]
-            drawn = sample_from_probs(p, ctx.seeds, self.step_seq_lens[: tok.shape[0]],
-                                      STREAM_DRAFT)
-            tok = torch.where(ctx.temperature > 0, drawn, tok)
-            self._probs.append(p)
+        `vocab`'s tokens): recorded, fed next. A draw keeps its distribution over V' for
+        rejection sampling."""
+        if ctx.greedy:
+            tok = self.draft_argmax(logits)  # [bs] int64
+        else:
+            tok, q = self.sample_drafts(logits, ctx, self.step_seq_lens[: logits.shape[0]])
+            self._probs.append(q)
         self.drafts[: tok.shape[0], i].copy_(tok)
         self.step_ids[: tok.shape[0]].copy_(tok)
         return tok
 
     def finish(self, ctx: DraftContext) -> Proposal:
         bs = ctx.seq_lens.shape[0]
-        probs = torch.stack(self._probs, dim=1) if self._probs else None  # [bs, k, V]
-        return Proposal(self.drafts[:bs], torch.clamp(ctx.max_draft, max=self.k), probs)
+        probs = torch.stack(self._probs, dim=1) if self._probs else None  # [bs, k, V']
+        return Proposal(self.drafts[:bs], torch.clamp(ctx.max_draft, max=self.k), probs,
+                        self.draft_index)

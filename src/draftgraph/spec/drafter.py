@@ -52,6 +52,9 @@ class Proposal:
     draft_tokens: torch.Tensor  # [bs, k] int64, 0 past num_drafts
     num_drafts: torch.Tensor  # [bs] int64 in 0..max_draft
     draft_probs: torch.Tensor | None = None  # [bs, k, V] fp32, None: point-mass drafts
+    # [V] int32: draft_probs is [bs, k, V'] over the drafter's reduced vocabulary, and this
+    # the column there of each target token (-1: probability 0); None: over the target's
+    draft_index: torch.Tensor | None = None
 
 
 @dataclass

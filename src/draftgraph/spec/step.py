@@ -124,7 +124,9 @@ class StepBody:
                     "metadata rebuilt eagerly before each (%s)",
                     drafter.executor.backend.name, drafter.name, drafter.num_steps,
                     "requested" if can else drafter.fallback_reason)
-        self._draft_probs: torch.Tensor | None = None  # [bs, k, V] of the last proposal
+        # the last proposal's draft distributions [bs, k, V'] and their vocabulary's index
+        self._draft_probs: torch.Tensor | None = None
+        self._draft_index: torch.Tensor | None = None
 
     def bind(self, raw: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
         """The graph set's persistent raw-input and result buffers."""
@@ -229,7 +231,7 @@ class StepBody:
         table = ctx.token_table
         self.draft_tokens[:bs].copy_(prop.draft_tokens)
         self.num_drafts[:bs].copy_(prop.num_drafts)
-        self._draft_probs = prop.draft_probs
+        self._draft_probs, self._draft_index = prop.draft_probs, prop.draft_index
         rows, seq, last = ctx.req_pool_indices, ctx.seq_lens, ctx.last_tokens
         ext = 1 + prop.num_drafts
         self.extend_lens[:bs].copy_(ext)
@@ -271,6 +273,7 @@ class StepBody:
             logits, drafts, num_drafts, probs, v["temperature"][:bs], v["top_p"][:bs],
             v["top_k"][:bs], v["seeds"][:bs], v["seq_lens"][:bs], greedy,
             out_tokens=o["tokens"][:bs], out_logprobs=o["logprobs"][:bs],
+            draft_index=self._draft_index if probs is not None else None,
             **step_extras(v, o, bs, self.target.controls))
         if T == 1:  # accept_lens (1) and num_drafts (0) were written once, at bind
             return

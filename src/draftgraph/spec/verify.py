@@ -121,6 +121,7 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
                      draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                      seeds: torch.Tensor, positions: torch.Tensor,
                      greedy_mask: torch.Tensor, target_argmax: torch.Tensor | None = None,
+                     draft_index: torch.Tensor | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), seeded and sync-free.
 
@@ -130,7 +131,9 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
     target_probs [bs, k + 1, vocab] fp32, already processed (temperature, top-k, top-p);
     seeds [bs] int64; positions [bs] int64, the position of the first draft token;
     greedy_mask [bs] bool, rows with temperature 0: these get exactly greedy_accept's result;
-    target_argmax [bs, k + 1] int64, the target's argmax when the caller has it already.
+    target_argmax [bs, k + 1] int64, the target's argmax when the caller has it already;
+    draft_index [V] int32: draft_probs is over the drafter's own (reduced) vocabulary, [bs, k,
+    V'], and draft_index the column there of each target token (-1: probability 0).
 
     Point-mass drafts (draft_probs None) are coupled to plain sampling: at every position the
     token plain decoding would draw (`sample_from_probs` on STREAM_SAMPLE at that position) is
@@ -160,7 +163,10 @@ def rejection_sample(draft_tokens: torch.Tensor, num_draft_tokens: torch.Tensor,
         return rejection_sample_triton(
             draft_tokens, num_draft_tokens, draft_probs.contiguous(),
             target_probs.contiguous(), seeds, positions, greedy_mask, target_argmax,
-            STREAM_ACCEPT, STREAM_SAMPLE, STREAM_RESIDUAL)
+            STREAM_ACCEPT, STREAM_SAMPLE, STREAM_RESIDUAL, draft_index)
+    if draft_probs is not None and draft_index is not None:  # q onto the target's vocabulary
+        q = draft_probs.index_select(-1, draft_index.clamp_min(0).to(torch.int64))
+        draft_probs = torch.where(draft_index >= 0, q, 0.0)
     greedy_tokens, greedy_lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
                                                            target_argmax)
     if draft_probs is None:
@@ -231,7 +237,7 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
          top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, greedy: bool,
          out_tokens: torch.Tensor | None = None, out_logprobs: torch.Tensor | None = None,
          out_top_ids: torch.Tensor | None = None, out_top_logprobs: torch.Tensor | None = None,
-         controls: StepControls | None = None,
+         controls: StepControls | None = None, draft_index: torch.Tensor | None = None,
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one sampling tail of every step (eager, host verify, graphs): logits -> emitted
     tokens and their logprobs. With k = 0 drafts it is plain sampling.
@@ -245,6 +251,7 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
     the N most likely tokens of every row and their logprobs, most likely first.
     controls: logit bias, min_tokens and penalties (runtime/controls.py), applied to every row
     before sampling, acceptance and the greedy argmax; None: none of them (no extra work).
+    draft_index: as `rejection_sample`'s (draft_probs over the drafter's own vocabulary).
     Logprobs (emitted and top) are those of the model's own distribution, log_softmax of the
     logits before any control (vLLM's default, "raw").
     Returns tokens [bs, k + 1] (-1 past accept_lens), accept_lens [bs], logprobs [bs, k + 1]
@@ -280,7 +287,8 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
                                 target_argmax)
         tokens, accept_lens = rejection_sample(draft_tokens, num_draft_tokens, draft_probs,
                                                probs.view(bs, T, -1), seeds, positions,
-                                               temperature <= 0, target_argmax.view(bs, T))
+                                               temperature <= 0, target_argmax.view(bs, T),
+                                               draft_index)
     out_tokens.copy_(tokens)
     # log_softmax of each emitted token (-1 past accept_lens reads token 0, never emitted)
     picked = raw.gather(1, tokens.reshape(-1, 1).clamp_min(0)).squeeze(1)
