@@ -36,9 +36,9 @@ from draftgraph.engine.engine import LLMEngine
 from draftgraph.models.loader import load_model
 from draftgraph.spec import make_drafter
 
-# the cut kernel's (fan, block, warps, stages) swept at top_p 0.9
-CUT_CONFIGS = [(4, 2048, 8, None), (8, 1024, 8, None), (4, 4096, 16, None), (8, 2048, 16, None),
-               (4, 2048, 8, 3), (8, 1024, 8, 3), (16, 1024, 16, None)]
+# the cut's (search fan, search block, search warps, chunk) swept at top_p 0.9
+CUT_CONFIGS = [(8, 1024, 8, 1024), (8, 512, 4, 1024), (8, 2048, 16, 1024), (4, 1024, 8, 1024),
+               (16, 1024, 8, 1024), (8, 1024, 8, 2048), (8, 1024, 8, 512)]
 VOCABS = {"smollm2-135m": 49152, "llama-3.2-1b": 128256, "llama-3.1-8b": 128256}
 HEADS = {"smollm2-135m": ("src/draftgraph/heads/smollm2-135m-chain",
                           "src/draftgraph/heads/smollm2-135m-block")}
@@ -99,12 +99,16 @@ def micro(vocab: int, n: int) -> dict:
                                                             top_k, am)),
          "cut_kernel_top_k_50": graph_us(lambda: cut_probs(probs.clone(), t, top_p,
                                                            top_k + 50, am)),
+         **{f"cut_kernel_top_p_0.9_bins{nb}_width{w}": graph_us(
+             lambda nb=nb, w=w: cut_probs_triton(probs.clone(), t, top_p * 0.9, top_k, am,
+                                                 bins=nb, width=w))
+            for nb, w in ((64, 1), (32, 1), (16, 2), (8, 4))},
          "clone": graph_us(lambda: probs.clone()),
-         **{f"cut_kernel_top_p_0.9_fan{f}_block{b}_warps{w}_stages{st}": graph_us(
-             lambda f=f, b=b, w=w, st=st: cut_probs_triton(
+         **{f"cut_kernel_top_p_0.9_fan{f}_block{b}_warps{w}_chunk{c}": graph_us(
+             lambda f=f, b=b, w=w, c=c: cut_probs_triton(
                  probs.clone(), t, top_p * 0.9, top_k, am, block=b, fan=f, num_warps=w,
-                 num_stages=st))
-            for f, b, w, st in CUT_CONFIGS},
+                 chunk=c))
+            for f, b, w, c in CUT_CONFIGS},
          "draw_ref": graph_us(lambda: race_draw_ref(probs, seeds, pos, 0)),
          "draw_kernel": graph_us(lambda: race_draw(probs, seeds, pos, 0))}
     agree = (race_draw_ref(probs, seeds, pos, 0) == race_draw(probs, seeds, pos, 0)).float()

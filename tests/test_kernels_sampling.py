@@ -100,7 +100,7 @@ def _cut_case(n=10, vocab=300, seed=5):
 def test_the_cut_equals_the_sorting_twin():
     probs, t, top_p, top_k, argmax = _cut_case()
     want = R.cut_probs_ref(probs, t, top_p, top_k, argmax)
-    got = R.cut_probs_triton(probs.clone(), t, top_p, top_k, argmax, block=64)
+    got = R.cut_probs_triton(probs.clone(), t, top_p, top_k, argmax, block=64, chunk=64)
     assert torch.equal(got > 0, want > 0)  # the same tokens kept
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     kept = (got > 0).sum(dim=1).tolist()
@@ -112,7 +112,7 @@ def test_the_cut_equals_the_sorting_twin():
 
 def test_rows_that_cut_nothing_are_left_as_they_are_and_ties_stay_together():
     probs, t, top_p, top_k, argmax = _cut_case()
-    got = R.cut_probs_triton(probs.clone(), t, top_p, top_k, argmax, block=64)
+    got = R.cut_probs_triton(probs.clone(), t, top_p, top_k, argmax, block=64, chunk=64)
     for i in (4, 7, 9):
         assert torch.equal(got[i], probs[i])  # bit for bit: not even renormalised
     tied = torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1]], device=DEVICE)
@@ -121,7 +121,7 @@ def test_rows_that_cut_nothing_are_left_as_they_are_and_ties_stay_together():
                                (0.85, 0, [1, 1, 1, 1, 1]), (0.3, 0, [1, 0, 0, 0, 0])):
         args = (one, one * top_p, torch.tensor([top_k], device=DEVICE),
                 torch.zeros(1, dtype=torch.int64, device=DEVICE))
-        got = R.cut_probs_triton(tied.clone(), *args, block=64)
+        got = R.cut_probs_triton(tied.clone(), *args, block=64, chunk=64)
         assert (got[0] > 0).long().tolist() == want, (top_p, top_k)
         assert torch.equal(got > 0, R.cut_probs_ref(tied, *args) > 0)
 
@@ -138,9 +138,12 @@ def test_the_compiled_cut_equals_the_twin_at_model_vocabularies():
         probs = torch.softmax(logits / torch.where(t > 0, t, 1.0)[:, None], dim=-1)
         argmax = logits.argmax(dim=-1)
         want = R.cut_probs_ref(probs, t, top_p, top_k, argmax)
-        got = R.cut_probs(probs.clone(), t, top_p, top_k, argmax)
+        got = R.cut_probs_triton(probs.clone(), t, top_p, top_k, argmax)
         assert torch.equal(got > 0, want > 0)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+        # compiled: a row alone gets the bits it gets in the batch
+        alone = R.cut_probs_triton(probs[:1].clone(), t[:1], top_p[:1], top_k[:1], argmax[:1])
+        assert torch.equal(alone[0], got[0])
 
 
 @pytest.mark.gpu
@@ -152,6 +155,58 @@ def test_compiled_kernel_draws_as_the_twin_on_the_gpu():
         got = R.race_draw(probs, seeds, positions, 0)
         ref = R.race_draw_ref(probs, seeds, positions, 0)
         assert (got == ref).float().mean() >= 0.98  # keys differ by an ulp of log at most
+
+
+def test_a_threshold_deep_in_the_tail_and_across_chunks():
+    """A row spanning 1 .. e^-80 cut by top-k at a token below 2^-62 (the last binade bin,
+    searched from pattern 0), and a flat row whose top-k threshold is one value shared by
+    tokens of every chunk: the twin's tokens kept."""
+    vocab = 640
+    logits = torch.stack([torch.linspace(0, -80, vocab), torch.zeros(vocab)])
+    probs = torch.softmax(logits, dim=-1)
+    args = (torch.ones(2), torch.ones(2), torch.tensor([600, 100]),
+            torch.zeros(2, dtype=torch.int64))
+    probs, args = probs.to(DEVICE), [a.to(DEVICE) for a in args]
+    want = R.cut_probs_ref(probs, *args)
+    got = R.cut_probs_triton(probs.clone(), *args, block=64, chunk=64)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    kept = (got > 0).sum(dim=1).tolist()
+    assert kept[0] == 600 and bool((probs[0][got[0] > 0].min() < 2.0 ** -62).item())
+    assert kept[1] == vocab  # all tied: the top 100 keep every token tied with the 100th
+
+
+def test_a_rows_cut_does_not_depend_on_its_batch(monkeypatch):
+    """The chunk launches spread a row over fewer programs as rows grow: the same chunks,
+    the same sums, so a row alone, in its batch and over one program gets the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    n, vocab = 6, 700
+    logits = torch.randn(n, vocab, generator=gen) * (torch.rand(n, 1, generator=gen) * 6)
+    t = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.9, 0.5])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.3, 0.97, 1.0])
+    top_k = torch.tensor([0, 40, 0, 5, 300, 0])
+    probs = torch.softmax(logits / torch.where(t > 0, t, 1.0)[:, None], dim=-1)
+    args = [x.to(DEVICE) for x in (t, top_p, top_k, logits.argmax(dim=-1))]
+    probs = probs.to(DEVICE)
+    batch = R.cut_probs_triton(probs.clone(), *args, block=64, chunk=128)
+    for i in (0, 3, 4):
+        alone = R.cut_probs_triton(probs[i:i + 1].clone(), *[a[i:i + 1] for a in args],
+                                   block=64, chunk=128)
+        assert torch.equal(alone[0], batch[i])
+    monkeypatch.setattr(R, "CUT_PROGRAMS", 1)  # one program a row walks every chunk
+    assert torch.equal(R.cut_probs_triton(probs.clone(), *args, block=64, chunk=128), batch)
+    assert torch.equal(batch[5], probs[5]) and (batch[2] > 0).sum() == 1  # untouched; greedy
+    assert torch.equal(batch > 0, R.cut_probs_ref(probs, *args) > 0)
+
+
+@pytest.mark.parametrize("bins,width", [(64, 1), (16, 2), (8, 4)])
+def test_the_cut_over_wider_bins_keeps_the_twins_tokens(bins, width):
+    probs, t, top_p, top_k, argmax = _cut_case()
+    want = R.cut_probs_ref(probs, t, top_p, top_k, argmax)
+    got = R.cut_probs_triton(probs.clone(), t, top_p, top_k, argmax, block=64, chunk=64,
+                             bins=bins, width=width)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -168,7 +223,7 @@ def test_the_cut_equals_the_twin_on_random_settings(seed):
     args = [x.to(DEVICE) for x in (t, top_p, top_k, logits.argmax(dim=-1))]
     probs = probs.to(DEVICE)
     want = R.cut_probs_ref(probs, *args)
-    got = R.cut_probs_triton(probs.clone(), *args, block=128)
+    got = R.cut_probs_triton(probs.clone(), *args, block=128, chunk=128)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 

@@ -453,18 +453,28 @@ def race_draw_ref(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.T
 # t = max(t_p, t_k): t_p the largest t whose tokens p >= t hold at least top_p of the mass,
 # t_k the largest t that at least top_k tokens reach, i.e. the smallest probability of the
 # shortest sorted prefix reaching top_p / of the top_k (tokens tied with it stay too).
-# The twin sorts each row; the kernel never sorts: one program per row searches t over the
-# int32 bit patterns of fp32 probabilities in [0, 1] (ordered as the values are), FAN
-# candidates a pass, each pass summing the mass and the count at or above every candidate;
-# FAN = 8 and 10 passes pin all 30 bits below 1.0's. Each pass then compacts the tokens
-# inside the interval left into a scratch row, the mass and count above it carried as
-# numbers, so after the first passes (the exponent bits) the search reads a few tokens, not
-# the vocabulary (the scratch: [n, V] fp32 a call, from the graph's pool when captured).
-# Deterministic: no atomics, every sum in a fixed order. A row that cuts
-# nothing (top_p >= 1, top_k off or >= V) reads nothing: its softmax stays as it is, and a
+# The twin sorts each row; the kernels never sort. t is searched over the int32 bit patterns
+# of fp32 probabilities in [0, 1] (ordered as the values are), in five launches:
+#   1. (row, chunk) programs: each chunk's count and mass per bin of CUT_WIDTH binades
+#      (bin j: 2^-(W (j + 1) - 1) <= p < 2^-(W j - 1)), everything below in the last bin;
+#   2. a program a row: the bin holding t (the mass and count at or above each bin's lower
+#      edge, summed over the chunks in a fixed order);
+#   3. (row, chunk) programs: the tokens of that bin, compacted into a scratch row (each
+#      chunk's offset is the count of the chunks before it: no atomics);
+#   4. a program a row: t inside the bin, FAN candidates a pass over the few tokens left,
+#      each pass compacting those still inside the interval (the mass and count above it
+#      carried as numbers); the kept mass;
+#   5. (row, chunk) programs: the cut written, renormalised.
+# Deterministic: no atomics, every sum in a fixed order. A row that cuts nothing (top_p >= 1,
+# top_k off or >= V) is read by none of them: its softmax stays as it is, and a
 # temperature-0 row becomes a point mass on its argmax.
 
-CUT_FAN, CUT_BLOCK, CUT_WARPS = 8, 2048, 16
+CUT_FAN, CUT_BLOCK, CUT_WARPS = 8, 1024, 8  # the per-row search (launch 4)
+# the chunk launches: 8 bins of 4 binades (the last bin: below 2^-28) beat 64 bins of one at
+# every row count swept on the H200 (`cut_bins_h200.json`: 80 against 183 us at 64 rows of
+# 49k); a threshold below 2^-28 (top_p above ~0.9995, a top_k deep in a peaked row) searches
+# the whole last bin
+CUT_CHUNK, CUT_BINS, CUT_WIDTH, CUT_SUB = 1024, 8, 4, 128
 
 
 def cut_passes(fan: int) -> int:
@@ -473,97 +483,259 @@ def cut_passes(fan: int) -> int:
 
 
 @triton.jit
-def _cut_kernel(probs, scratch, temperature, top_p, top_k, argmax, vocab, stride_row,
-                FAN: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = probs + row * stride_row
-    buf = scratch + row * vocab
-    t = tl.load(temperature + row)
+def _cut_flags(temperature, top_p, top_k, row, vocab):
+    """(cuts, top_p, top_k, cut_p, cut_k) of a row: cuts when sampled and top_p < 1 or
+    0 < top_k < V."""
     tp = tl.load(top_p + row)
     tk = tl.load(top_k + row)
+    cut_p = (tp < 1.0).to(tl.int32)
+    cut_k = ((tk > 0) & (tk < vocab)).to(tl.int32)
+    cuts = (tl.load(temperature + row) > 0) & (cut_p + cut_k > 0)
+    return cuts, tp, tk, cut_p, cut_k
+
+
+@triton.jit
+def _cut_bin(x, NB: tl.constexpr, W: tl.constexpr):
+    """A probability's bin of W binades: j for 2^-(W (j + 1) - 1) <= x < 2^-(W j - 1)
+    (bin 0 up to x = 1), NB - 1 for everything below."""
+    e = x.to(tl.int32, bitcast=True) >> 23
+    return tl.minimum(tl.maximum(127 - e, 0) // W, NB - 1)
+
+
+@triton.jit
+def _cut_hist(probs, hist_m, hist_c, row, chunk, vocab, stride_row, num_chunks,
+              CHUNK: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, SUB: tl.constexpr):
+    """Phase 1 for one chunk of a cutting row: its count and mass per binade bin."""
+    bins = tl.arange(0, NB)
+    acc_m = tl.zeros([SUB, NB], dtype=tl.float32)
+    acc_c = tl.zeros([SUB, NB], dtype=tl.int32)
+    for start in range(0, CHUNK, SUB):
+        cols = chunk * CHUNK + start + tl.arange(0, SUB)
+        x = tl.load(probs + row * stride_row + cols, mask=cols < vocab, other=-1.0)
+        hit = (_cut_bin(x, NB, W)[:, None] == bins[None, :]) & (x >= 0)[:, None]
+        acc_m += tl.where(hit, x[:, None], 0.0)
+        acc_c += hit.to(tl.int32)
+    out = (row * num_chunks + chunk) * NB + bins
+    tl.store(hist_m + out, tl.sum(acc_m, axis=0))
+    tl.store(hist_c + out, tl.sum(acc_c, axis=0))
+
+
+@triton.jit
+def _cut_pick(hist_m, hist_c, state_i, state_f, row, tp, tk, cut_p, cut_k, num_chunks,
+              NB: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Phase 2: the bin holding the row's threshold, its pattern interval and the mass and
+    count above it."""
+    c = tl.arange(0, BLOCK_C)
+    bins = tl.arange(0, NB)
+    at = (row * num_chunks + c[:, None]) * NB + bins[None, :]
+    cm = (c < num_chunks)[:, None]
+    per_m = tl.sum(tl.load(hist_m + at, mask=cm, other=0.0), axis=0)  # [NB]
+    per_c = tl.sum(tl.load(hist_c + at, mask=cm, other=0), axis=0)
+    mass = tl.cumsum(per_m, axis=0)  # at or above bin j's lower edge
+    count = tl.cumsum(per_c, axis=0)
+    holds = ((mass >= tp).to(tl.int32) * cut_p + (count >= tk).to(tl.int32) * cut_k) > 0
+    # the first bin (largest edge) that holds; the last bin's edge, 0, holds by rule
+    j = tl.min(tl.where(holds | (bins == NB - 1), bins, NB), axis=0)
+    above_m = tl.sum(tl.where(bins == j - 1, mass, 0.0), axis=0)  # 0 for j = 0
+    above_c = tl.sum(tl.where(bins == j - 1, count, 0), axis=0)
+    lo = tl.where(j == NB - 1, 0, (128 - W * (j + 1)) << 23)
+    hi = tl.where(j == 0, 0x3F800001, (128 - W * j) << 23)
+    tl.store(state_i + row * 4, j)
+    tl.store(state_i + row * 4 + 1, lo)
+    tl.store(state_i + row * 4 + 2, hi - lo)
+    tl.store(state_i + row * 4 + 3, above_c)
+    tl.store(state_f + row * 4, above_m)
+
+
+@triton.jit
+def _cut_gather(probs, hist_c, state_i, scratch, row, chunk, vocab, stride_row, num_chunks,
+                CHUNK: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """Phase 3 for one chunk: its tokens of the bin, at its offset in the scratch row."""
+    j = tl.load(state_i + row * 4)
+    c = tl.arange(0, BLOCK_C)
+    before = tl.load(hist_c + (row * num_chunks + c) * NB + j, mask=c < chunk, other=0)
+    offset = tl.sum(before, axis=0)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(probs + row * stride_row + cols, mask=cols < vocab, other=-1.0)
+    inside = (x >= 0) & (_cut_bin(x, NB, W) == j)
+    at = offset + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+    tl.store(scratch + row * vocab + at, x, mask=inside)
+
+
+@triton.jit
+def _cut_search(hist_c, state_i, state_f, scratch, row, tp, tk, cut_p, cut_k, vocab,
+                num_chunks, FAN: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr,
+                NB: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Phase 4: the threshold inside the bin's interval, and the kept mass."""
+    j0 = tl.load(state_i + row * 4)
+    lo = tl.load(state_i + row * 4 + 1)  # a threshold's pattern that holds
+    span = tl.load(state_i + row * 4 + 2)  # lo + span: a pattern that does not
+    above_c = tl.load(state_i + row * 4 + 3)  # the tokens at or above lo + span
+    above_m = tl.load(state_f + row * 4)
+    c = tl.arange(0, BLOCK_C)
+    m = tl.sum(tl.load(hist_c + (row * num_chunks + c) * NB + j0, mask=c < num_chunks,
+                       other=0), axis=0)  # the tokens inside [lo, lo + span)
+    buf = scratch + row * vocab
+    j = tl.arange(0, FAN)
     offs = tl.arange(0, BLOCK)
-    if t <= 0:  # greedy: a point mass on the argmax
-        a = tl.load(argmax + row)
-        for start in range(0, vocab, BLOCK):
+    for _ in range(PASSES):
+        step = (span + FAN - 1) // FAN
+        cand = lo + (j + 1) * step  # [FAN] int32 patterns
+        valid = cand < lo + span
+        cand_f = tl.where(valid, cand, 0x3F800001).to(tl.float32, bitcast=True)
+        # per-lane partial sums, reduced once a pass
+        acc_m = tl.zeros([BLOCK, FAN], dtype=tl.float32)
+        acc_c = tl.zeros([BLOCK, FAN], dtype=tl.int32)
+        for start in range(0, m, BLOCK):
             cols = start + offs
-            tl.store(base + cols, tl.where(cols == a, 1.0, 0.0), mask=cols < vocab)
-    else:
-        cut_p = (tp < 1.0).to(tl.int32)
-        cut_k = ((tk > 0) & (tk < vocab)).to(tl.int32)
-        if cut_p + cut_k > 0:
-            j = tl.arange(0, FAN)
-            lo = tl.full([], 0, tl.int32)  # a threshold's pattern that holds (0.0: all tokens)
-            span = tl.full([], 0x3F800001, tl.int32)  # lo + span: past 1.0's, never holds
-            # the tokens at or above lo + span (none yet): their mass and count
-            above_m = tl.full([], 0.0, tl.float32)
-            above_c = tl.full([], 0, tl.int32)
-            src = base  # the tokens inside [lo, lo + span): the row, then compacted in buf
-            m = vocab
-            for _ in range(PASSES):
-                step = (span + FAN - 1) // FAN
-                cand = lo + (j + 1) * step  # [FAN] int32 patterns
-                valid = cand < lo + span
-                cand_f = tl.where(valid, cand, 0x3F800001).to(tl.float32, bitcast=True)
-                # per-lane partial sums, reduced once a pass (a reduction per chunk would
-                # cost a cross-warp exchange every BLOCK columns)
-                acc_m = tl.zeros([BLOCK, FAN], dtype=tl.float32)
-                acc_c = tl.zeros([BLOCK, FAN], dtype=tl.int32)
-                for start in range(0, m, BLOCK):
-                    cols = start + offs
-                    x = tl.load(src + cols, mask=cols < m, other=-1.0)
-                    ge = x[:, None] >= cand_f[None, :]  # [BLOCK, FAN]
-                    acc_m += tl.where(ge, x[:, None], 0.0)
-                    acc_c += ge.to(tl.int32)
-                mass = above_m + tl.sum(acc_m, axis=0)
-                count = above_c + tl.sum(acc_c, axis=0)
-                holds = (mass >= tp).to(tl.int32) * cut_p + (count >= tk).to(tl.int32) * cut_k
-                # the candidates that hold are a prefix (mass and count fall as t rises);
-                # the first that fails bounds the new interval from above
-                nk = tl.sum(tl.where(valid & (holds > 0), 1, 0), axis=0)
-                stop = (j == nk) & valid
-                above_m = tl.where(tl.sum(stop.to(tl.int32), axis=0) > 0,
-                                   tl.sum(tl.where(stop, mass, 0.0), axis=0), above_m)
-                above_c = tl.where(tl.sum(stop.to(tl.int32), axis=0) > 0,
-                                   tl.sum(tl.where(stop, count, 0), axis=0), above_c)
-                lo = lo + nk * step
-                span = step
-                # keep only the tokens inside the new interval (order kept; in place in buf:
-                # a token is written at or before where it was read)
-                kept_n = tl.full([], 0, tl.int32)
-                for start in range(0, m, BLOCK):
-                    cols = start + offs
-                    x = tl.load(src + cols, mask=cols < m, other=-1.0)
-                    xb = x.to(tl.int32, bitcast=True)
-                    inside = (cols < m) & (xb >= lo) & (xb - lo < span)
-                    at = kept_n + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-                    tl.store(buf + at, x, mask=inside)
-                    kept_n += tl.sum(inside.to(tl.int32), axis=0)
-                src = buf
-                m = kept_n
-            thr = lo.to(tl.float32, bitcast=True)
-            # the kept mass: the tokens above the last interval, and the m inside it, each
-            # exactly thr
-            total = above_m + m.to(tl.float32) * thr
-            for start in range(0, vocab, BLOCK):
-                cols = start + offs
-                x = tl.load(base + cols, mask=cols < vocab, other=0.0)
-                tl.store(base + cols, tl.where(x >= thr, x / total, 0.0), mask=cols < vocab)
+            x = tl.load(buf + cols, mask=cols < m, other=-1.0)
+            ge = x[:, None] >= cand_f[None, :]  # [BLOCK, FAN]
+            acc_m += tl.where(ge, x[:, None], 0.0)
+            acc_c += ge.to(tl.int32)
+        mass = above_m + tl.sum(acc_m, axis=0)
+        count = above_c + tl.sum(acc_c, axis=0)
+        holds = (mass >= tp).to(tl.int32) * cut_p + (count >= tk).to(tl.int32) * cut_k
+        # the candidates that hold are a prefix (mass and count fall as t rises); the first
+        # that fails bounds the new interval from above
+        nk = tl.sum(tl.where(valid & (holds > 0), 1, 0), axis=0)
+        stop = (j == nk) & valid
+        found = tl.sum(stop.to(tl.int32), axis=0) > 0
+        above_m = tl.where(found, tl.sum(tl.where(stop, mass, 0.0), axis=0), above_m)
+        above_c = tl.where(found, tl.sum(tl.where(stop, count, 0), axis=0), above_c)
+        lo = lo + nk * step
+        span = step
+        # keep only the tokens inside the new interval (order kept, in place: a token is
+        # written at or before where it was read)
+        kept_n = tl.full([], 0, tl.int32)
+        for start in range(0, m, BLOCK):
+            cols = start + offs
+            x = tl.load(buf + cols, mask=cols < m, other=-1.0)
+            xb = x.to(tl.int32, bitcast=True)
+            inside = (cols < m) & (xb >= lo) & (xb - lo < span)
+            at = kept_n + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            tl.debug_barrier()  # every lane has read its block before any writes into it
+            tl.store(buf + at, x, mask=inside)
+            kept_n += tl.sum(inside.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the compacted tokens are written before the next pass reads
+        m = kept_n
+    thr = lo.to(tl.float32, bitcast=True)
+    # the kept mass: the tokens above the last interval, and the m inside it, each thr
+    tl.store(state_f + row * 4 + 1, thr)
+    tl.store(state_f + row * 4 + 2, above_m + m.to(tl.float32) * thr)
+
+
+@triton.jit
+def _cut_write(probs, temperature, argmax, state_f, row, chunk, cuts, vocab, stride_row,
+               CHUNK: tl.constexpr):
+    """Phase 5 for one chunk: the cut written, renormalised (greedy: the point mass)."""
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    base = probs + row * stride_row
+    if tl.load(temperature + row) <= 0:
+        a = tl.load(argmax + row)
+        tl.store(base + cols, tl.where(cols == a, 1.0, 0.0), mask=cols < vocab)
+    elif cuts:
+        thr = tl.load(state_f + row * 4 + 1)
+        total = tl.load(state_f + row * 4 + 2)
+        x = tl.load(base + cols, mask=cols < vocab, other=0.0)
+        tl.store(base + cols, tl.where(x >= thr, x / total, 0.0), mask=cols < vocab)
+
+
+# each phase one launch over (row, program) or row programs; program p of a row takes chunks
+# p, p + P, ... (P programs a row: the grid shrinks as rows grow; the chunks, and so every
+# sum, stay the same, so a row's cut does not depend on its batch)
+@triton.jit
+def _cut_hist_kernel(probs, temperature, top_p, top_k, hist_m, hist_c, vocab, stride_row,
+                     num_chunks, CHUNK: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+                     SUB: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cuts, tp, tk, cut_p, cut_k = _cut_flags(temperature, top_p, top_k, row, vocab)
+    if cuts:
+        for chunk in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
+            _cut_hist(probs, hist_m, hist_c, row, chunk, vocab, stride_row, num_chunks,
+                      CHUNK, NB, W, SUB)
+
+
+@triton.jit
+def _cut_pick_kernel(temperature, top_p, top_k, hist_m, hist_c, state_i, state_f, vocab,
+                     num_chunks, NB: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cuts, tp, tk, cut_p, cut_k = _cut_flags(temperature, top_p, top_k, row, vocab)
+    if cuts:
+        _cut_pick(hist_m, hist_c, state_i, state_f, row, tp, tk, cut_p, cut_k, num_chunks,
+                  NB, W, BLOCK_C)
+
+
+@triton.jit
+def _cut_gather_kernel(probs, temperature, top_p, top_k, hist_c, state_i, scratch, vocab,
+                       stride_row, num_chunks, CHUNK: tl.constexpr, NB: tl.constexpr,
+                       W: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cuts, tp, tk, cut_p, cut_k = _cut_flags(temperature, top_p, top_k, row, vocab)
+    if cuts:
+        for chunk in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
+            _cut_gather(probs, hist_c, state_i, scratch, row, chunk, vocab, stride_row,
+                        num_chunks, CHUNK, NB, W, BLOCK_C)
+
+
+@triton.jit
+def _cut_search_kernel(temperature, top_p, top_k, hist_c, state_i, state_f, scratch, vocab,
+                       num_chunks, FAN: tl.constexpr, PASSES: tl.constexpr,
+                       BLOCK: tl.constexpr, NB: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cuts, tp, tk, cut_p, cut_k = _cut_flags(temperature, top_p, top_k, row, vocab)
+    if cuts:
+        _cut_search(hist_c, state_i, state_f, scratch, row, tp, tk, cut_p, cut_k, vocab,
+                    num_chunks, FAN, PASSES, BLOCK, NB, BLOCK_C)
+
+
+@triton.jit
+def _cut_write_kernel(probs, temperature, top_p, top_k, argmax, state_f, vocab, stride_row,
+                      num_chunks, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cuts, tp, tk, cut_p, cut_k = _cut_flags(temperature, top_p, top_k, row, vocab)
+    for chunk in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
+        _cut_write(probs, temperature, argmax, state_f, row, chunk, cuts, vocab, stride_row,
+                   CHUNK)
+
+
+CUT_PROGRAMS = 512  # a chunk launch's programs over all rows (at least one a row)
 
 
 def cut_probs_triton(probs: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                      top_k: torch.Tensor, argmax: torch.Tensor, block: int = CUT_BLOCK,
-                     fan: int = CUT_FAN, num_warps: int = CUT_WARPS,
-                     num_stages: int | None = None) -> torch.Tensor:
-    """`cut_probs_ref` in place on probs [n, V] fp32 (contiguous rows)."""
+                     fan: int = CUT_FAN, num_warps: int = CUT_WARPS, chunk: int = CUT_CHUNK,
+                     bins: int = CUT_BINS, width: int = CUT_WIDTH) -> torch.Tensor:
+    """`cut_probs_ref` in place on probs [n, V] fp32 (contiguous rows), in five launches."""
     assert probs.dtype == torch.float32 and probs.stride(-1) == 1
     n, vocab = probs.shape
-    if n:
-        # the tokens still in the search, compacted row by row (graphs: from their pool)
-        scratch = torch.empty(n, vocab, dtype=torch.float32, device=probs.device)
-        _cut_kernel[(n,)](probs, scratch, temperature.contiguous(), top_p.contiguous(),
-                          top_k.contiguous(), argmax.contiguous(), vocab, probs.stride(0),
-                          FAN=fan, PASSES=cut_passes(fan), BLOCK=block, num_warps=num_warps,
-                          **({} if num_stages is None else {"num_stages": num_stages}))
+    if n == 0:
+        return probs
+    dev, nb = probs.device, bins
+    num_chunks = cdiv(vocab, chunk)
+    block_c = max(next_pow2(num_chunks), 2)
+    flags = (temperature.contiguous(), top_p.contiguous(), top_k.contiguous())
+    argmax = argmax.contiguous()
+    # graphs: all from their pool; scratch: the bin's tokens, compacted row by row
+    hist_m = torch.empty(n, num_chunks, nb, dtype=torch.float32, device=dev)
+    hist_c = torch.empty(n, num_chunks, nb, dtype=torch.int32, device=dev)
+    state_i = torch.empty(n, 4, dtype=torch.int32, device=dev)
+    state_f = torch.empty(n, 4, dtype=torch.float32, device=dev)
+    scratch = torch.empty(n, vocab, dtype=torch.float32, device=dev)
+    sub, passes = min(CUT_SUB, chunk), cut_passes(fan)
+    grid = (n, max(1, min(num_chunks, CUT_PROGRAMS // n)))
+    _cut_hist_kernel[grid](probs, *flags, hist_m, hist_c, vocab, probs.stride(0), num_chunks,
+                           CHUNK=chunk, NB=nb, W=width, SUB=sub, num_warps=num_warps)
+    _cut_pick_kernel[(n,)](*flags, hist_m, hist_c, state_i, state_f, vocab, num_chunks,
+                           NB=nb, W=width, BLOCK_C=block_c, num_warps=num_warps)
+    _cut_gather_kernel[grid](probs, *flags, hist_c, state_i, scratch, vocab, probs.stride(0),
+                             num_chunks, CHUNK=chunk, NB=nb, W=width, BLOCK_C=block_c,
+                             num_warps=num_warps)
+    _cut_search_kernel[(n,)](*flags, hist_c, state_i, state_f, scratch, vocab, num_chunks,
+                             FAN=fan, PASSES=passes, BLOCK=block, NB=nb, BLOCK_C=block_c,
+                             num_warps=num_warps)
+    _cut_write_kernel[grid](probs, *flags, argmax, state_f, vocab, probs.stride(0),
+                            num_chunks, CHUNK=chunk, num_warps=num_warps)
     return probs
 
 
