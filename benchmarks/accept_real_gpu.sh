@@ -10,11 +10,8 @@
 #   call 8:    `bash benchmarks/accept_real_gpu.sh run` with carry [".modeli8", ".whl_gguf"].
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-. benchmarks/gguf_parts.sh  # D, M, gguf_stage, gguf_join
-if [ "${1:-}" = stage ]; then
-  gguf_stage "$2"; exit 0
-fi
-gguf_join || exit $?
+. benchmarks/gguf_parts.sh  # D, M, gguf_stage_or_join
+gguf_stage_or_join "$@"
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 H=src/draftgraph/heads
 for T in ${TEMPS:-0.7}; do

@@ -30,3 +30,13 @@ gguf_join() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHL"/gguf-*.whl || return 1
 }
+
+# The opening of a script whose first argument may be `stage N`: that call copies part N and
+# ends the script; any other call puts the file together (or ends the script with the
+# reason).
+gguf_stage_or_join() {
+  if [ "${1:-}" = stage ]; then
+    gguf_stage "$2"; exit 0
+  fi
+  gguf_join || exit $?
+}

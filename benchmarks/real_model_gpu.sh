@@ -12,11 +12,8 @@
 # then the bf16 HumanEval share alone.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-. benchmarks/gguf_parts.sh  # D, M, gguf_stage, gguf_join
-if [ "${1:-}" = stage ]; then
-  gguf_stage "$2"; exit 0
-fi
-gguf_join || exit $?
+. benchmarks/gguf_parts.sh  # D, M, gguf_stage_or_join
+gguf_stage_or_join "$@"
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 if [ "${1:-}" = tp ]; then
   timeout 240 python3 benchmarks/tp_compare.py --model $M --dtype bfloat16 \
