@@ -158,7 +158,7 @@ def test_compiled_kernel_draws_as_the_twin_on_the_gpu():
 
 
 def test_a_threshold_deep_in_the_tail_and_across_chunks():
-    """A row spanning 1 .. e^-80 cut by top-k at a token below 2^-62 (the last binade bin,
+    """A row spanning 1 .. e^-80 cut by top-k at a token below 2^-62 (the last bin,
     searched from pattern 0), and a flat row whose top-k threshold is one value shared by
     tokens of every chunk: the twin's tokens kept."""
     vocab = 640
@@ -327,6 +327,7 @@ def test_draft_sampling_kernels_equal_the_twin():
     from draftgraph.runtime.sampling import STREAM_DRAFT
 
     logits, seeds, positions = _inputs(12, 1000, seed=6)
+    logits[1, :200] = float("-inf")  # whole chunks masked out (a drafter's banned tokens)
     temperature = torch.tensor([0.7, 1.0, 0.0, 1.3] * 3).to(DEVICE)  # a greedy row in four
     want_tok, want_q = R.draft_sample_ref(logits, temperature, seeds, positions, STREAM_DRAFT)
     got_tok, got_q = R.draft_sample_triton(logits, temperature, seeds, positions,

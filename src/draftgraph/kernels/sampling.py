@@ -148,7 +148,8 @@ def _draft_chunk_kernel(logits, temperature, seeds, positions, part_f, part_idx,
     x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
     x = x / tl.where(t > 0, t, 1.0)
     m = tl.max(x, axis=0)
-    s = tl.sum(tl.where(mask, tl.exp(x - m), 0.0), axis=0)
+    # (a chunk of -inf logits sums to 0, not exp(-inf + inf))
+    s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), axis=0)
     u = _uniforms(seeds, positions, row, cols, stream)
     key = tl.where(mask, tl.where(t > 0, x - tl.log(-tl.log(u)), x), float("-inf"))
     best = tl.max(key, axis=0)
@@ -505,7 +506,7 @@ def _cut_bin(x, NB: tl.constexpr, W: tl.constexpr):
 @triton.jit
 def _cut_hist(probs, hist_m, hist_c, row, chunk, vocab, stride_row, num_chunks,
               CHUNK: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, SUB: tl.constexpr):
-    """Phase 1 for one chunk of a cutting row: its count and mass per binade bin."""
+    """Phase 1 for one chunk of a cutting row: its count and mass per bin."""
     bins = tl.arange(0, NB)
     acc_m = tl.zeros([SUB, NB], dtype=tl.float32)
     acc_c = tl.zeros([SUB, NB], dtype=tl.int32)

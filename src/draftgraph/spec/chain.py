@@ -193,4 +193,4 @@ class ChainDrafter(StagedDrafter):
         bs = ctx.seq_lens.shape[0]
         probs = torch.stack(self._probs, dim=1) if self._probs else None  # [bs, k, V']
         return Proposal(self.drafts[:bs], torch.clamp(ctx.max_draft, max=self.k), probs,
-                        self.draft_index)
+                        self.draft_index if probs is not None else None)

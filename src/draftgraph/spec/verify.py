@@ -98,7 +98,7 @@ def _residual_weights(target_row: torch.Tensor, draft_row: torch.Tensor) -> torc
     """max(0, p_target - p_draft) [n, vocab], unnormalised (a race draw needs no normalising:
     it draws in proportion to the weights); p_target where that is all zero.
 
-    target_row, draft_row [n, vocab] fp32 (draft_row a one-hot for a point-mass draft).
+    target_row, draft_row [n, vocab] fp32.
     """
     residual = (target_row - draft_row).clamp_min(0.0)
     return torch.where((residual > 0).any(dim=-1, keepdim=True), residual, target_row)
