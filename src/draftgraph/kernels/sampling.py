@@ -63,6 +63,14 @@ def _uniforms(seeds, positions, row, cols, stream):
 
 
 @triton.jit
+def _max_first(key, idx, none):
+    """(max of key [N], the smallest idx holding it): the first index on ties, torch.argmax's
+    rule. Lanes to skip carry a key below every real one, or idx = none."""
+    best = tl.max(key, axis=0)
+    return best, tl.min(tl.where(key == best, idx, none), axis=0)
+
+
+@triton.jit
 def _uniform_kernel(seeds, positions, out, width, stream, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -82,8 +90,7 @@ def _race_chunk_kernel(
     x = tl.load(w + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     u = _uniforms(seeds, positions, row, cols, stream)
     key = tl.where(mask, x / -tl.log(u), -1.0)  # weights >= 0: a masked column never wins
-    best = tl.max(key, axis=0)
-    first = tl.min(tl.where(key == best, cols, vocab), axis=0)
+    best, first = _max_first(key, cols, vocab)
     out = row * num_chunks + chunk
     tl.store(part_key + out, best)
     tl.store(part_idx + out, first)
@@ -96,9 +103,8 @@ def _race_combine_kernel(part_key, part_idx, tokens, vocab, num_chunks,
     c = tl.arange(0, BLOCK_C)
     cmask = c < num_chunks
     key = tl.load(part_key + row * num_chunks + c, mask=cmask, other=-2.0)
-    idx = tl.load(part_idx + row * num_chunks + c, mask=cmask, other=0)
-    best = tl.max(key, axis=0)
-    first = tl.min(tl.where((key == best) & cmask, idx, vocab), axis=0)
+    idx = tl.load(part_idx + row * num_chunks + c, mask=cmask, other=vocab)
+    _, first = _max_first(key, idx, vocab)
     tl.store(tokens + row, first.to(tl.int64))
 
 
@@ -152,13 +158,12 @@ def _draft_chunk_kernel(logits, temperature, seeds, positions, part_f, part_idx,
     s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), axis=0)
     u = _uniforms(seeds, positions, row, cols, stream)
     key = tl.where(mask, tl.where(t > 0, x - tl.log(-tl.log(u)), x), float("-inf"))
-    best = tl.max(key, axis=0)
+    best, first = _max_first(key, cols, vocab)
     out = (row * num_chunks + chunk) * 3
     tl.store(part_f + out, m)
     tl.store(part_f + out + 1, s)
     tl.store(part_f + out + 2, best)
-    tl.store(part_idx + row * num_chunks + chunk,
-             tl.min(tl.where(key == best, cols, vocab), axis=0))
+    tl.store(part_idx + row * num_chunks + chunk, first)
 
 
 @triton.jit
@@ -181,10 +186,9 @@ def _draft_write_kernel(logits, temperature, part_f, part_idx, probs, tokens, vo
     tl.store(probs + row * vocab + cols, tl.exp(x - m) / z, mask=mask)
     if chunk == 0:
         key = tl.load(part_f + base + 2, mask=cm, other=float("-inf"))
-        best = tl.max(key, axis=0)
         idx = tl.load(part_idx + row * num_chunks + c, mask=cm, other=vocab)
-        tl.store(tokens + row, tl.min(tl.where((key == best) & cm, idx, vocab),
-                                      axis=0).to(tl.int64))
+        _, first = _max_first(key, idx, vocab)
+        tl.store(tokens + row, first.to(tl.int64))
 
 
 def draft_sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -301,14 +305,14 @@ def _final_chunk_kernel(target_probs, draft_probs, draft_index, num_draft, num_a
                                                       stream_sample)))
     key_r = tl.where(cols < vocab, r / e, -1.0)  # weights >= 0: a masked column never wins
     key_p = tl.where(cols < vocab, p / e, -1.0)  # the residual's fallback when it is all 0
-    best_r = tl.max(key_r, axis=0)
-    best_p = tl.max(key_p, axis=0)
+    best_r, first_r = _max_first(key_r, cols, vocab)
+    best_p, first_p = _max_first(key_p, cols, vocab)
     out = (b * num_chunks + chunk) * 3
     tl.store(part_key + out, best_r)
     tl.store(part_key + out + 1, best_p)
     tl.store(part_key + out + 2, tl.max(r, axis=0))
-    tl.store(part_idx + out, tl.min(tl.where(key_r == best_r, cols, vocab), axis=0))
-    tl.store(part_idx + out + 1, tl.min(tl.where(key_p == best_p, cols, vocab), axis=0))
+    tl.store(part_idx + out, first_r)
+    tl.store(part_idx + out + 1, first_p)
 
 
 @triton.jit
@@ -322,12 +326,8 @@ def _final_combine_kernel(part_key, part_idx, draft_tokens, num_accepted, greedy
     key_r = tl.load(part_key + base, mask=cm, other=-2.0)
     key_p = tl.load(part_key + base + 1, mask=cm, other=-2.0)
     mass_r = tl.max(tl.load(part_key + base + 2, mask=cm, other=0.0), axis=0)
-    best_r = tl.max(key_r, axis=0)
-    best_p = tl.max(key_p, axis=0)
-    tok_r = tl.min(tl.where((key_r == best_r) & cm, tl.load(part_idx + base, mask=cm,
-                                                             other=vocab), vocab), axis=0)
-    tok_p = tl.min(tl.where((key_p == best_p) & cm, tl.load(part_idx + base + 1, mask=cm,
-                                                             other=vocab), vocab), axis=0)
+    _, tok_r = _max_first(key_r, tl.load(part_idx + base, mask=cm, other=vocab), vocab)
+    _, tok_p = _max_first(key_p, tl.load(part_idx + base + 1, mask=cm, other=vocab), vocab)
     na = tl.load(num_accepted + b)
     final = tl.where(mass_r > 0, tok_r, tok_p).to(tl.int64)
     final = tl.where(tl.load(greedy + b) != 0, tl.load(target_argmax + b * T + na), final)
