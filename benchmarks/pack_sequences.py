@@ -3,11 +3,14 @@ the GPU machine's 16 MiB-per-file return path, and back.
 
     python benchmarks/pack_sequences.py pack RUN/sequences.json DIR    # DIR/seqs.npz[.partNN]
     python benchmarks/pack_sequences.py unpack DIR RUN/sequences.json
+    python benchmarks/pack_sequences.py merge A/sequences.json B/sequences.json RUN/sequences.json
 
 `pack` writes the token ids as uint16 (every vocabulary this project trains on has fewer than
 65536 entries), their lengths and prompt lengths, compressed, cut into pieces of at most
 --piece-mib MiB; `unpack` joins them, rebuilds sequences.json and checks its sha256 (the one
-train-drafter recorded) before writing it.
+train-drafter recorded) before writing it; `merge` concatenates two runs' sequences (the same
+model and response length) into one file with its own sha256, the parts' hashes kept in
+`merged_from`.
 """
 
 from __future__ import annotations
@@ -83,6 +86,28 @@ def unpack(src_dir: str, dst: str) -> int:
     return 0
 
 
+def merge(a: str, b: str, dst: str) -> int:
+    runs = []
+    for src in (a, b):
+        with open(src) as f:
+            runs.append(json.load(f))
+    for key in ("model", "max_new_tokens"):
+        if runs[0].get(key) != runs[1].get(key):
+            print(f"error: {a} and {b} differ in {key}: {runs[0].get(key)!r} against "
+                  f"{runs[1].get(key)!r}", file=sys.stderr)
+            return 1
+    seqs = runs[0]["sequences"] + runs[1]["sequences"]
+    sha = _sha256([s["ids"] for s in seqs], [s["prompt_len"] for s in seqs])
+    os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
+    with open(dst, "w") as f:
+        json.dump({"sha256": sha, "model": runs[0].get("model"),
+                   "max_new_tokens": runs[0].get("max_new_tokens"),
+                   "merged_from": [r.get("sha256") for r in runs], "sequences": seqs}, f)
+    print(json.dumps({"sequences": len(seqs), "sha256": sha,
+                      "merged_from": [r.get("sha256") for r in runs]}))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -93,7 +118,13 @@ def main() -> int:
     u = sub.add_parser("unpack")
     u.add_argument("src_dir")
     u.add_argument("dst")
+    m = sub.add_parser("merge")
+    m.add_argument("a")
+    m.add_argument("b")
+    m.add_argument("dst")
     a = ap.parse_args()
+    if a.cmd == "merge":
+        return merge(a.a, a.b, a.dst)
     return pack(a.src, a.out_dir, a.piece_mib) if a.cmd == "pack" else unpack(a.src_dir, a.dst)
 
 

@@ -4,13 +4,18 @@ GPU machine): `sharegpt_prompts(split, turns=...)` encoded with the engine's `en
 (the chat template), as `train/cli.py` does, keeping prompts of at most --max-len -
 --max-new-tokens tokens (those the context cannot hold at all are refused by the engine and
 counted) and none of the prompts of `--exclude` (a JSON {set: [ids, ...]} file: the acceptance
-benchmark's prompts stay out of the held-out set a run selects its head by). Prints the count
-and the sha256 of the ids' JSON (the value the head READMEs quote).
+benchmark's prompts stay out of the held-out set a run selects its head by). With
+--fit-history a prompt over the limit loses its oldest exchanges until it fits
+(`train.data.fit_history`: the later turns of long conversations, which the limit alone
+drops); --only-fitted keeps just those, the complement of the same command without the flag.
+Prints the count and the sha256 of the ids' JSON (the value the head READMEs quote).
 
     python benchmarks/sharegpt_train_ids.py --model default --turns all \
         --out .traindata_all/sharegpt_train_all_ids.json.gz
     python benchmarks/sharegpt_train_ids.py --split held_out --limit 256 \
         --exclude benchmarks/data/accept_sets_smollm2_ids.json --out .traindata_all/eval.json.gz
+    python benchmarks/sharegpt_train_ids.py --turns all --max-len 1024 --fit-history \
+        --only-fitted --out .traindata_fit/sharegpt_train_fitted_ids.json.gz
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import sys
 from draftgraph.config import EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.errors import EngineError
-from draftgraph.train.data import sharegpt_prompts
+from draftgraph.train.data import fit_history, sharegpt_prompts
 
 
 def main() -> int:
@@ -38,6 +43,10 @@ def main() -> int:
     ap.add_argument("--split", choices=["train", "held_out"], default="train")
     ap.add_argument("--exclude", default=None, help="JSON {set: [prompt ids, ...]}: prompts "
                     "to leave out")
+    ap.add_argument("--fit-history", action="store_true", help="drop a long prompt's oldest "
+                    "exchanges until it fits, instead of dropping the prompt")
+    ap.add_argument("--only-fitted", action="store_true", help="with --fit-history: keep only "
+                    "the prompts that lost history")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=a.model, device="cpu",
@@ -48,15 +57,25 @@ def main() -> int:
     if a.exclude:
         with open(a.exclude) as f:
             excluded = {tuple(p) for ps in json.load(f).values() for p in ps}
-    ids, refused, too_long, dropped = [], 0, 0, 0
+    if a.only_fitted and not a.fit_history:
+        ap.error("--only-fitted needs --fit-history")
+    ids, refused, too_long, dropped, fitted = [], 0, 0, 0, 0
     for m in messages:
         try:
             p = engine.encode_prompt(m)
         except EngineError:  # longer than the context (or not valid text)
+            p = None
+        cut = 0
+        if (p is None or len(p) > limit) and a.fit_history:
+            p, cut = fit_history(m, engine.encode_prompt, limit)
+        if p is None:
             refused += 1
             continue
         if len(p) > limit:
             too_long += 1
+            continue
+        fitted += cut > 0
+        if a.only_fitted and not cut:
             continue
         if tuple(p) in excluded:
             dropped += 1
@@ -69,7 +88,7 @@ def main() -> int:
         f.write(blob)
     print(json.dumps({"split": a.split, "turns": a.turns, "conversation_prompts": len(messages),
                       "refused_by_engine": refused, "over_limit": too_long,
-                      "excluded": dropped,
+                      "excluded": dropped, "fitted": fitted,
                       "kept": len(ids), "tokens": sum(map(len, ids)), "max_prompt_len": limit,
                       "sha256": hashlib.sha256(blob.encode()).hexdigest(),
                       "file_bytes": os.path.getsize(a.out)}))

@@ -59,6 +59,20 @@ if [ "${1:-}" = regen ]; then
     mkdir -p "$OUT/eval"
     python3 benchmarks/pack_sequences.py pack $S/eval_sequences.json "$OUT/eval" | tee -a "$LOG"
   fi
+  if [ -n "${EXTRA:-}" ] && [ ! -f $S/extra.merged ]; then
+    echo "== regenerate EXTRA $EXTRA from $(date +%T)" | tee -a "$LOG"
+    sha256sum $EXTRA | tee -a "$LOG"
+    timeout $(( END - 120 )) python3 -m draftgraph.cli train-drafter $M --out $S/extra \
+      --data $EXTRA --num-prompts 1000000 $COMMON --steps 0 --eval-prompts 0 \
+      --max-num-seqs ${SEQS:-1024} 2>&1 | quiet | tail -6 | tee -a "$LOG"
+    [ -f $S/extra/sequences.json ] || { echo "no EXTRA sequences"; exit 5; }
+    echo "== regenerated EXTRA by ${SECONDS}s" | tee -a "$LOG"
+    python3 benchmarks/pack_sequences.py pack $S/extra/sequences.json "$OUT/extra" \
+      | tee -a "$LOG"
+    python3 benchmarks/pack_sequences.py merge $S/sequences.json $S/extra/sequences.json \
+      $S/merged.json | tee -a "$LOG" && mv $S/merged.json $S/sequences.json \
+      && touch $S/extra.merged
+  fi
 elif [ "${1:-}" != train ]; then
   echo "usage: $0 stage N | regen | train"; exit 2
 fi

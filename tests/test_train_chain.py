@@ -23,6 +23,7 @@ from draftgraph.train.chain import (
     train_head,
 )
 from draftgraph.train.data import (
+    fit_history,
     held_out,
     jsonl_prompts,
     sharegpt_conversations,
@@ -59,6 +60,44 @@ def test_the_sharegpt_reader_survives_a_truncated_file(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         jsonl_prompts(str(tmp_path / "bad.jsonl"))
+
+
+def test_fit_history_drops_the_oldest_exchanges_until_the_prompt_fits():
+    msgs = [{"role": "user", "content": "a " * 30}, {"role": "assistant", "content": "b " * 30},
+            {"role": "user", "content": "c " * 10}, {"role": "assistant", "content": "d"},
+            {"role": "user", "content": "e " * 5}]
+
+    def encode(m):  # a word a token, and a context of 60 the way the engine refuses
+        ids = [0] * sum(len(x["content"].split()) for x in m)
+        if len(ids) > 60:
+            raise ValueError("longer than the context")
+        return ids
+
+    # whole, 76 tokens: past the context (the encoder refuses), so not fitting either
+    assert fit_history(msgs, encode, 100) == ([0] * 16, 2)  # a whole exchange dropped
+    assert fit_history(msgs, encode, 40) == ([0] * 16, 2)
+    assert fit_history(msgs, encode, 10) == ([0] * 5, 4)  # the last turn alone
+    assert fit_history(msgs, encode, 4) == (None, 5)  # not even that
+    # the kept history opens with a user turn, wherever the user turns fall
+    odd = [{"role": "user", "content": "x " * 50}, {"role": "user", "content": "y " * 20},
+           {"role": "assistant", "content": "z"}, {"role": "user", "content": "w"}]
+    assert fit_history(odd, encode, 30) == ([0] * 22, 1)
+
+
+def test_init_draft_vocab_starts_an_own_lm_head_at_the_targets_rows():
+    from draftgraph.models.config import ModelConfig
+    from draftgraph.train.loop import Sequence, init_draft_vocab
+
+    cfg = ModelConfig.from_hf_dict(tiny_hf_model().config.to_dict())
+    target_lm = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    seqs = [Sequence([1, 2, 3, 7, 7, 7, 9, 9], 3), Sequence([4, 5, 9, 7, 3], 2)]
+    head = random_head(cfg, "draft_vocab=3")
+    init_draft_vocab(head, seqs, 3, 128, target_lm)
+    assert head.d2t.tolist() == [3, 7, 9]  # the most frequent response tokens, ascending
+    assert torch.equal(head.lm_head.weight, target_lm[[3, 7, 9]])
+    shared = random_head(cfg, "draft_vocab=3,share_lm_head=1")
+    init_draft_vocab(shared, seqs, 3, 128, target_lm)  # no LM head of its own: d2t alone
+    assert shared.lm_head is None and shared.d2t.tolist() == [3, 7, 9]
 
 
 def test_expected_accept_length():

@@ -229,10 +229,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             ("share_lm_head", args.share_lm_head)) if v)
         head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
     if args.draft_vocab:  # the most frequent response tokens (a block head trains over all)
-        from draftgraph.train.loop import frequent_response_tokens
+        from draftgraph.train.loop import init_draft_vocab
 
-        head.d2t.copy_(frequent_response_tokens(seqs, args.draft_vocab,
-                                                target.config.vocab_size).to(device))
+        init_draft_vocab(head, seqs, args.draft_vocab, target.config.vocab_size,
+                         target.lm_head_weight.detach())
     if args.kind == "block":
         from draftgraph.train.block import BlockTrainConfig, train_block_head
 

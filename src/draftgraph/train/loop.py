@@ -109,6 +109,17 @@ def frequent_response_tokens(seqs: list[Sequence], n: int, vocab_size: int) -> t
     return counts.topk(n).indices.sort().values
 
 
+def init_draft_vocab(head: torch.nn.Module, seqs: list[Sequence], n: int, vocab_size: int,
+                     target_lm_head: torch.Tensor) -> None:
+    """A head's reduced draft vocabulary before training: `d2t` the n tokens most frequent in
+    the responses, and an LM head of its own (a chain head without `share_lm_head`) starting
+    as the target's rows of them, the logits the target would give those tokens, not noise."""
+    head.d2t.copy_(frequent_response_tokens(seqs, n, vocab_size).to(head.d2t.device))
+    if getattr(head, "lm_head", None) is not None:
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target_lm_head.index_select(0, head.d2t))
+
+
 def walk_rounds(leads: list[int], prompt_len: int, num_tokens: int, k: int,
                 included: list[int] | None = None) -> dict:
     """Greedy speculation walked along a target's own greedy sequence of `num_tokens` tokens,
