@@ -67,7 +67,8 @@ def main() -> int:
             p = None
         cut = 0
         if (p is None or len(p) > limit) and a.fit_history:
-            p, cut = fit_history(m, engine.encode_prompt, limit)
+            fitted_p, cut = fit_history(m, engine.encode_prompt, limit)
+            p = p if fitted_p is None else fitted_p  # unfittable: counted as before
         if p is None:
             refused += 1
             continue

@@ -715,28 +715,28 @@ def cut_probs_triton(probs: torch.Tensor, temperature: torch.Tensor, top_p: torc
     n, vocab = probs.shape
     if n == 0:
         return probs
-    dev, nb = probs.device, bins
+    dev = probs.device
     num_chunks = cdiv(vocab, chunk)
     block_c = max(next_pow2(num_chunks), 2)
     flags = (temperature.contiguous(), top_p.contiguous(), top_k.contiguous())
     argmax = argmax.contiguous()
     # graphs: all from their pool; scratch: the bin's tokens, compacted row by row
-    hist_m = torch.empty(n, num_chunks, nb, dtype=torch.float32, device=dev)
-    hist_c = torch.empty(n, num_chunks, nb, dtype=torch.int32, device=dev)
+    hist_m = torch.empty(n, num_chunks, bins, dtype=torch.float32, device=dev)
+    hist_c = torch.empty(n, num_chunks, bins, dtype=torch.int32, device=dev)
     state_i = torch.empty(n, 4, dtype=torch.int32, device=dev)
     state_f = torch.empty(n, 4, dtype=torch.float32, device=dev)
     scratch = torch.empty(n, vocab, dtype=torch.float32, device=dev)
     sub, passes = min(CUT_SUB, chunk), cut_passes(fan)
     grid = (n, max(1, min(num_chunks, CUT_PROGRAMS // n)))
     _cut_hist_kernel[grid](probs, *flags, hist_m, hist_c, vocab, probs.stride(0), num_chunks,
-                           CHUNK=chunk, NB=nb, W=width, SUB=sub, num_warps=num_warps)
+                           CHUNK=chunk, NB=bins, W=width, SUB=sub, num_warps=num_warps)
     _cut_pick_kernel[(n,)](*flags, hist_m, hist_c, state_i, state_f, vocab, num_chunks,
-                           NB=nb, W=width, BLOCK_C=block_c, num_warps=num_warps)
+                           NB=bins, W=width, BLOCK_C=block_c, num_warps=num_warps)
     _cut_gather_kernel[grid](probs, *flags, hist_c, state_i, scratch, vocab, probs.stride(0),
-                             num_chunks, CHUNK=chunk, NB=nb, W=width, BLOCK_C=block_c,
+                             num_chunks, CHUNK=chunk, NB=bins, W=width, BLOCK_C=block_c,
                              num_warps=num_warps)
     _cut_search_kernel[(n,)](*flags, hist_c, state_i, state_f, scratch, vocab, num_chunks,
-                             FAN=fan, PASSES=passes, BLOCK=block, NB=nb, BLOCK_C=block_c,
+                             FAN=fan, PASSES=passes, BLOCK=block, NB=bins, BLOCK_C=block_c,
                              num_warps=num_warps)
     _cut_write_kernel[grid](probs, *flags, argmax, state_f, vocab, probs.stride(0),
                             num_chunks, CHUNK=chunk, num_warps=num_warps)
