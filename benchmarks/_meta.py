@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import sys
 
@@ -20,6 +21,8 @@ def run_header(device: str | None = None) -> dict:
         "device": device,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        # engine switches set for the run (A/B arms such as DRAFTGRAPH_PDL=0)
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DRAFTGRAPH_")},
     }
 
 

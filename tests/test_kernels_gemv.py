@@ -328,3 +328,73 @@ def test_exact_rows_setting_is_checked():
     assert EngineConfig(device="cpu").exact_rows == "off"
     with pytest.raises(ValueError, match="--exact-rows must be auto, on or off"):
         EngineConfig(device="cpu", exact_rows="maybe")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs an sm_90+ GPU")
+def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
+    """A decode layer's chain of dependent kernels (norm + qkv + RoPE + KV store, attention,
+    o + residual, norm + gate_up, SwiGLU + down + residual, LM head, argmax), 8 layers deep,
+    captured with programmatic dependent launch and replayed on fresh inputs, is bitwise the
+    same chain launched without it: every kernel waits for the one before (a kernel reading
+    before its wait would see the previous replay's values)."""
+    from draftgraph.kernels import _triton
+    from draftgraph.kernels.argmax import argmax_lse_triton
+    from draftgraph.kernels.attention import decode_attention
+
+    dt, dev = torch.bfloat16, "cuda"
+    hidden, inter, vocab, hq, hkv, hd, slots = 576, 1536, 4096, 9, 3, 64, 64
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dt)
+
+    layers = [dict(n1=1 + rnd(hidden), qkv=rnd((hq + 2 * hkv) * hd, hidden),
+                   o=rnd(hidden, hq * hd), n2=1 + rnd(hidden), gu=rnd(2 * inter, hidden),
+                   down=rnd(hidden, inter)) for _ in range(8)]
+    lm, nf = rnd(vocab, hidden), 1 + rnd(hidden)
+    angle = torch.arange(slots, device=dev)[:, None] * 0.01 * torch.arange(hd // 2, device=dev)
+    cos_sin = torch.cat([torch.cos(angle), torch.sin(angle)], -1)
+    caches = [tuple(torch.zeros(slots, hkv, hd, dtype=dt, device=dev) for _ in range(2))
+              for _ in layers]
+    x_in = torch.empty(1, hidden, dtype=dt, device=dev)
+    pos = torch.zeros(1, dtype=torch.int64, device=dev)
+    indptr = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    indices = torch.zeros(slots, dtype=torch.int32, device=dev)
+    start = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def step():
+        x, res = x_in, None
+        for L, (kc, vc) in zip(layers, caches, strict=True):
+            qkv, res = G.rmsnorm_qkv_rope_triton(x, L["n1"], 1e-5, L["qkv"], None, res, pos,
+                                                 cos_sin, kc, vc, pos, hq, hkv)
+            attn = torch.empty(1, hq, hd, dtype=dt, device=dev)
+            decode_attention(qkv[:, : hq * hd].view(1, hq, hd), kc, vc, indptr, indices, start,
+                             pos, None, hd ** -0.5, attn)
+            res = G.gemv_triton(attn.view(1, -1), L["o"], residual=res)
+            gu, res = G.rmsnorm_gemv_triton(res, L["n2"], 1e-5, L["gu"])
+            x = G.silu_mul_gemv_triton(gu, L["down"], residual=res)
+            res = None
+        h, _ = G.rmsnorm_gemv_triton(x, nf, 1e-5, lm)
+        return argmax_lse_triton(h)
+
+    inputs = [rnd(1, hidden, scale=1.0) for _ in range(4)]
+    monkeypatch.setenv(_triton.PDL_ENV, "0")
+    want = []
+    for x in inputs:
+        x_in.copy_(x)
+        want.append(tuple(t.clone() for t in step()))
+    monkeypatch.setenv(_triton.PDL_ENV, "1")
+    assert _triton.pdl_on(x_in)
+    x_in.copy_(inputs[0])
+    step()  # compile the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        for x, (am, lse) in zip(inputs, want, strict=True):
+            x_in.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out[0], am) and torch.equal(out[1], lse)

@@ -33,7 +33,15 @@ from __future__ import annotations
 
 import torch
 
-from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usable
+from draftgraph.kernels._triton import (
+    cdiv,
+    next_pow2,
+    pdl_kwargs,
+    pdl_wait,
+    tl,
+    triton,
+    triton_usable,
+)
 from draftgraph.kernels.gemv import EXACT_ROWS_MAX_M
 
 CHUNK = 1024
@@ -43,8 +51,9 @@ CHUNK_WARPS = 2
 @triton.jit
 def _argmax_lse_chunk_kernel(
     logits, part_max, part_idx, part_sum, vocab, stride_row, num_chunks,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -67,8 +76,9 @@ def _argmax_lse_chunk_kernel(
 @triton.jit
 def _argmax_lse_combine_kernel(
     part_max, part_idx, part_sum, argmax, lse, top_logprob, vocab, num_chunks,
-    HAS_TOP_LP: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_TOP_LP: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     cmask = c < num_chunks
@@ -107,20 +117,21 @@ def argmax_lse_triton(
     if n == 0:
         return argmax, lse
     num_chunks = cdiv(vocab, chunk)
+    pdl = pdl_kwargs(logits)
     # per (row, chunk) partials; inside a capture these come from the graph's pool
     part_max = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
     part_sum = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     _argmax_lse_chunk_kernel[(n, num_chunks)](
         logits, part_max, part_idx, part_sum, vocab, logits.stride(0), num_chunks,
-        CHUNK=chunk, num_warps=CHUNK_WARPS,
+        CHUNK=chunk, num_warps=CHUNK_WARPS, **pdl,
     )
     block_c = max(next_pow2(num_chunks), 2)
     _argmax_lse_combine_kernel[(n,)](
         part_max, part_idx, part_sum, argmax, lse,
         top_logprob if top_logprob is not None else lse, vocab, num_chunks,
         HAS_TOP_LP=top_logprob is not None, BLOCK_C=block_c,
-        num_warps=1 if block_c <= 256 else 4,
+        num_warps=1 if block_c <= 256 else 4, **pdl,
     )
     return argmax, lse
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton
+from draftgraph.kernels._triton import cdiv, next_pow2, pdl_kwargs, pdl_wait, tl, triton
 
 _LOG2E = 1.4426950408889634
 # running-max start inside kernels is -1.0e30: finite, so exp2(m_old - m_new) never sees
@@ -162,8 +162,9 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MIN_TILES: tl.constexpr, TOKEN_ROWS: tl.constexpr, SPLIT_LEN: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every program, before its first load (the keys, the lists)
     # TOKEN_ROWS: a program row is a query token of a multi-token request (verify), which
     # attends over the part of its request's list that a decode row at its position would
     # own (the same list, splits and tiles: the decode row's arithmetic).
@@ -502,7 +503,7 @@ def decode_attention(
         BLOCK_D=next_pow2(head_dim), SLIDING=window is not None,
         DOT_PRECISION=_precision(q.dtype), MIN_TILES=cfg.min_tiles,
         TOKEN_ROWS=token_rows is not None, SPLIT_LEN=cfg.split_len, MAX_SPLITS=max_splits,
-        CHUNK=min(next_pow2(max_splits), 32),
+        CHUNK=min(next_pow2(max_splits), 32), **pdl_kwargs(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -40,7 +40,15 @@ import torch
 import torch.nn.functional as F
 
 from draftgraph.kernels import matmul
-from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usable
+from draftgraph.kernels._triton import (
+    cdiv,
+    next_pow2,
+    pdl_kwargs,
+    pdl_wait,
+    tl,
+    triton,
+    triton_usable,
+)
 
 # Rows up to which the fused kernels run. Measured on the H200 (benchmarks/results/gemv_h200.json):
 # at M = 1 the fused chain of a SmolLM2-135M step takes 458 us against 680 us unfused; at M = 8
@@ -229,7 +237,7 @@ def _gemv_kernel(
     MODE: tl.constexpr, HAS_RES_IN: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES_ADD: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     # MODE 0: a = x. MODE 1: h = x (+ res_in), a = rmsnorm(h) * norm_w, program 0 of each row
     # block writes h to res_out. MODE 2: x = [gate | up] of width 2K, a = silu(gate) * up.
@@ -246,6 +254,7 @@ def _gemv_kernel(
     w_rows = w + rn_w[:, None] * stride_wn
     act_dtype = w.dtype.element_ty
     mask_n = rn < N
+    pdl_wait(PDL)  # every program, before its first load of an activation
     if BLOCK_M == 1:
         rms = ()
         rstds = ()
@@ -337,6 +346,7 @@ def _qkv_rope_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_RES_IN: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # qkv = rmsnorm(x (+ res_in)) @ W^T (+ bias), then neox RoPE on the q and k heads, k and v
     # stored into each token's KV slot. A program owns BLOCK_P column pairs (d, d + HEAD_DIM /
@@ -354,6 +364,7 @@ def _qkv_rope_kernel(
     c1 = (head * HEAD_DIM + d).to(tl.int64)
     c2 = c1 + HALF
     act_dtype = w.dtype.element_ty
+    pdl_wait(PDL)
     rms = ()
     rstds = ()
     accs1 = ()
@@ -481,7 +492,7 @@ def _launch(mode: int, x2, weight, k: int, *, norm_w=None, eps=0.0, res_in=None,
         HAS_RES_ADD=res_add is not None, EVEN_K=k % cfg.block_k == 0, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM_BLOCK=norm_block(k, cfg.block_m, cfg.block_k), ROWS=rows,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kwargs(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y, res_out
 
@@ -553,7 +564,7 @@ def rmsnorm_qkv_rope_triton(x, norm_weight, eps, weight, bias, residual, positio
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HAS_RES_IN=res is not None, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         BLOCK_P=block_p, BLOCK_K=cfg.block_k, NORM_BLOCK=norm_block(k, 1, cfg.block_k),
-        ROWS=rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROWS=rows, **pdl_kwargs(x2), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     new_residual = res_out.view(x.shape) if res_out is not None else x
     return y.view(*x.shape[:-1], n), new_residual
