@@ -333,18 +333,27 @@ def test_exact_rows_setting_is_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs an sm_90+ GPU")
-def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
-    """A decode layer's chain of dependent kernels (norm + qkv + RoPE + KV store, attention,
-    o + residual, norm + gate_up, SwiGLU + down + residual, LM head, argmax), 8 layers deep,
+@pytest.mark.parametrize("path", ["decode", "verify"])
+def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, path):
+    """A layer's chain of dependent kernels, 8 layers deep, then the LM head and argmax,
     captured with programmatic dependent launch and replayed on fresh inputs, is bitwise the
     same chain launched without it: every kernel waits for the one before (a kernel reading
-    before its wait would see the previous replay's values)."""
+    before its wait would see the previous replay's values). decode: one row through the
+    fused kernels (norm + qkv + RoPE + KV store, decode attention, o + residual, norm +
+    gate_up, SwiGLU + down + residual); verify: 4 rows through norm, cuBLAS, RoPE + KV store,
+    extend attention and SwiGLU kernels between the cuBLAS projections."""
     from draftgraph.kernels import _triton
     from draftgraph.kernels.argmax import argmax_lse_triton
-    from draftgraph.kernels.attention import decode_attention
+    from draftgraph.kernels.attention import decode_attention, extend_attention
+    from draftgraph.kernels.elementwise import (
+        rms_norm_triton,
+        rope_and_store_kv,
+        silu_and_mul_triton,
+    )
 
     dt, dev = torch.bfloat16, "cuda"
     hidden, inter, vocab, hq, hkv, hd, slots = 576, 1536, 4096, 9, 3, 64, 64
+    rows = 1 if path == "decode" else 4
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(*shape, scale=0.05):
@@ -358,28 +367,46 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
     cos_sin = torch.cat([torch.cos(angle), torch.sin(angle)], -1)
     caches = [tuple(torch.zeros(slots, hkv, hd, dtype=dt, device=dev) for _ in range(2))
               for _ in layers]
-    x_in = torch.empty(1, hidden, dtype=dt, device=dev)
-    pos = torch.zeros(1, dtype=torch.int64, device=dev)
-    indptr = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-    indices = torch.zeros(slots, dtype=torch.int32, device=dev)
+    x_in = torch.empty(rows, hidden, dtype=dt, device=dev)
+    pos = torch.arange(rows, dtype=torch.int64, device=dev)  # also the KV slots
+    qo_indptr = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+    indptr = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+    indices = torch.arange(slots, dtype=torch.int32, device=dev)
     start = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def decode_layer(x, res, L, kc, vc):
+        qkv, res = G.rmsnorm_qkv_rope_triton(x, L["n1"], 1e-5, L["qkv"], None, res, pos,
+                                             cos_sin, kc, vc, pos, hq, hkv)
+        attn = torch.empty(1, hq, hd, dtype=dt, device=dev)
+        decode_attention(qkv[:, : hq * hd].view(1, hq, hd), kc, vc, indptr, indices, start,
+                         pos, None, hd ** -0.5, attn)
+        res = G.gemv_triton(attn.view(1, -1), L["o"], residual=res)
+        gu, res = G.rmsnorm_gemv_triton(res, L["n2"], 1e-5, L["gu"])
+        return G.silu_mul_gemv_triton(gu, L["down"], residual=res)
+
+    def verify_layer(x, res, L, kc, vc):
+        h, res = rms_norm_triton(x, L["n1"], 1e-5, res)
+        q, k, v = F.linear(h, L["qkv"]).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        q = rope_and_store_kv(q.reshape(rows, hq, hd), k.reshape(rows, hkv, hd),
+                              v.reshape(rows, hkv, hd), pos, cos_sin, kc, vc, pos)
+        attn = torch.empty(rows, hq, hd, dtype=dt, device=dev)
+        extend_attention(q, kc, vc, qo_indptr, indptr, indices, start, pos, None, hd ** -0.5,
+                         attn, 1)
+        h, res = rms_norm_triton(F.linear(attn.view(rows, -1), L["o"]), L["n2"], 1e-5,
+                                 res if res is not None else x)
+        return F.linear(silu_and_mul_triton(F.linear(h, L["gu"])), L["down"]) + res
+
+    layer = decode_layer if path == "decode" else verify_layer
 
     def step():
         x, res = x_in, None
         for L, (kc, vc) in zip(layers, caches, strict=True):
-            qkv, res = G.rmsnorm_qkv_rope_triton(x, L["n1"], 1e-5, L["qkv"], None, res, pos,
-                                                 cos_sin, kc, vc, pos, hq, hkv)
-            attn = torch.empty(1, hq, hd, dtype=dt, device=dev)
-            decode_attention(qkv[:, : hq * hd].view(1, hq, hd), kc, vc, indptr, indices, start,
-                             pos, None, hd ** -0.5, attn)
-            res = G.gemv_triton(attn.view(1, -1), L["o"], residual=res)
-            gu, res = G.rmsnorm_gemv_triton(res, L["n2"], 1e-5, L["gu"])
-            x = G.silu_mul_gemv_triton(gu, L["down"], residual=res)
-            res = None
-        h, _ = G.rmsnorm_gemv_triton(x, nf, 1e-5, lm)
+            x = layer(x, res, L, kc, vc)
+        h, _ = G.rmsnorm_gemv_triton(x, nf, 1e-5, lm) if path == "decode" else \
+            (F.linear(rms_norm_triton(x, nf, 1e-5)[0], lm), None)
         return argmax_lse_triton(h)
 
-    inputs = [rnd(1, hidden, scale=1.0) for _ in range(4)]
+    inputs = [rnd(rows, hidden, scale=1.0) for _ in range(4)]
     monkeypatch.setenv(_triton.PDL_ENV, "0")
     want = []
     for x in inputs:

@@ -261,8 +261,9 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN_BLOCK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NONCAUSAL: tl.constexpr,
+    NONCAUSAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every program, before its first load (the request table)
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
     # find this program's (request, tile): tiles are numbered request after request
@@ -545,7 +546,7 @@ def extend_attention(
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SCAN_BLOCK=128,
         SLIDING=window is not None and not noncausal, DOT_PRECISION=_precision(q.dtype),
-        NONCAUSAL=noncausal, num_warps=4, num_stages=2,
+        NONCAUSAL=noncausal, num_warps=4, num_stages=2, **pdl_kwargs(q),
     )
     return out
 

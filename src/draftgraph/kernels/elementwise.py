@@ -2,12 +2,13 @@
 
 Twins: `rms_norm_ref`, `rope_ref`, `silu_and_mul_ref` in `draftgraph.kernels.ops`. Each kernel is
 one launch with one program per token (silu_and_mul: per token and column block); math in fp32,
-one rounding to the output dtype.
+one rounding to the output dtype. Each waits for the kernel before under programmatic dependent
+launch (`_triton.pdl_kwargs`).
 """
 
 import torch
 
-from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton
+from draftgraph.kernels._triton import cdiv, next_pow2, pdl_kwargs, pdl_wait, tl, triton
 
 
 def _warps(block: int) -> int:
@@ -18,8 +19,9 @@ def _warps(block: int) -> int:
 def _rms_norm_kernel(
     x, weight, residual, out, residual_out, n_cols, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -57,6 +59,7 @@ def rms_norm_triton(
             x2, weight, r2, out, residual_out, n_cols, eps,
             x2.stride(0), r2.stride(0), out.stride(0), residual_out.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+            **pdl_kwargs(x2),
         )
     new_residual = residual_out.view(shape) if residual is not None else None
     return out.view(shape), new_residual
@@ -101,8 +104,9 @@ def _rope_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_TAIL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     cos, sin = _cos_sin(cos_sin_cache, pos, stride_cs, HALF, BLOCK_HALF)
@@ -140,7 +144,7 @@ def rope_triton(
             COPY_TAIL=(not inplace) and 2 * half < head_dim,
             BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(num_kv_heads),
             BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(head_dim),
-            num_warps=_warps(num_q_heads * head_dim),
+            num_warps=_warps(num_q_heads * head_dim), **pdl_kwargs(q),
         )
     return q_out, k_out
 
@@ -153,9 +157,10 @@ def _rope_store_kv_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_TAIL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     # RoPE on q (into q_out) and on k straight into its KV slot; v copied to its slot.
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     slot = tl.load(out_cache_loc + t).to(tl.int64)
@@ -201,13 +206,15 @@ def rope_and_store_kv(
             COPY_TAIL=2 * half < head_dim,
             BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(num_kv_heads),
             BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(head_dim),
-            num_warps=_warps(num_q_heads * head_dim),
+            num_warps=_warps(num_q_heads * head_dim), **pdl_kwargs(q),
         )
     return q_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up, out, n_cols, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up, out, n_cols, stride_in, stride_out, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -229,5 +236,6 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, next_pow2(n_cols))
         _silu_and_mul_kernel[(rows, cdiv(n_cols, block))](
             x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=_warps(block),
+            **pdl_kwargs(x),
         )
     return out.view(*shape[:-1], n_cols)

@@ -2,7 +2,7 @@
 
 import torch
 
-from draftgraph.kernels._triton import next_pow2, tl, triton
+from draftgraph.kernels._triton import next_pow2, pdl_kwargs, pdl_wait, tl, triton
 
 
 @triton.jit
@@ -11,9 +11,10 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per token: all KV heads of K and V.
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(out_cache_loc + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -46,7 +47,7 @@ def store_kv(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
-        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4, **pdl_kwargs(k),
     )
 
 
