@@ -289,8 +289,11 @@ def _final_chunk_kernel(target_probs, draft_probs, draft_index, num_draft, num_a
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     na = tl.load(num_accepted + b)
-    rejected = na < tl.load(num_draft + b)
-    read = (cols < vocab) & (tl.load(greedy + b) == 0)  # a greedy request reads nothing
+    # the request's flags as [CHUNK] blocks (a block & a scalar bool trips Triton 3.9's
+    # interpreter: "mask has unsupported dtype")
+    zero = tl.zeros([CHUNK], dtype=tl.int32)
+    rejected = (zero + na) < tl.load(num_draft + b)
+    read = (cols < vocab) & ((zero + tl.load(greedy + b)) == 0)  # greedy: reads nothing
     p = tl.load(target_probs + b * st_b + na * st_t + cols, mask=read, other=0.0)
     # after a rejection the residual max(0, p - q) of draft row na; else q = 0: the target's
     # row itself, the bonus token
