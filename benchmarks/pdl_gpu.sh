@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Programmatic dependent launch A/B on the H200 (issues 12 / 13 / 16 and the decode step): the
-# decode step with PDL off (DRAFTGRAPH_PDL=0), on with the weights prefetched into L2 before
-# each GEMV's wait (the default), and on without the prefetch, arms alternating; then the
-# speculative rounds. `tests` first runs the GPU tests that cover the PDL kernels.
+# Programmatic dependent launch A/B (issues 12 / 13 / 16 and the decode step): the decode step
+# with PDL off (DRAFTGRAPH_PDL=0) and on, arms alternating (ARMS; "prefetch" and "wait" were
+# the two variants of stop 39's first call: the L2 prefetch is gone, both now run the same
+# code). `tests` first runs the GPU tests that cover the PDL kernels; `rounds` times the
+# default model's chain and block rounds (shipped heads, random smollm2 weights) instead.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks
@@ -10,8 +11,22 @@ MODELS=${MODELS:-smollm2-135m llama-3.1-8b}
 REPS=${REPS:-2}
 if [ "${1:-}" = tests ]; then
   python3 -c "import triton; print('triton', triton.__version__)"
-  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -k "pdl or graph" \
-    tests/test_kernels_gemv.py tests/test_gpu_graphs.py 2>&1 | tail -15 | tee "$OUT/pdl_tests.log"
+  { timeout 120 python3 -m pytest -q -x -p no:cacheprovider -k pdl tests/test_kernels_gemv.py
+    timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_graphs.py \
+      tests/test_gpu_chain_head.py tests/test_gpu_block.py; } 2>&1 | tail -15 \
+    | tee "$OUT/pdl_tests.log"
+fi
+if [ "${1:-}" = rounds ]; then
+  H=src/draftgraph/heads
+  for i in $(seq 1 "$REPS"); do
+    for pdl in 0 1; do
+      DRAFTGRAPH_PDL=$pdl timeout 240 python3 benchmarks/bench_block.py \
+        --target random:smollm2-135m --steps 200 --out "$OUT/pdl_rounds_smollm2_pdl${pdl}_$i.json" \
+        --arms "block|$H/smollm2-135m-block|in_graph;chain|$H/smollm2-135m-chain|4" 2>&1 \
+        | grep -E "ms|rror" | grep -v -i warn | tail -6
+    done
+  done
+  exit 0
 fi
 arm() {  # name, env...
   local name=$1; shift
@@ -22,13 +37,12 @@ arm() {  # name, env...
       | grep -E "ms|Error|error" | grep -v -i warn | tail -4
   done
 }
-ARMS=${ARMS:-off prefetch wait}
+ARMS=${ARMS:-off on}
 for i in $(seq 1 "$REPS"); do
   for a in $ARMS; do
     case $a in
       off) arm off DRAFTGRAPH_PDL=0 ;;
-      prefetch) arm prefetch DRAFTGRAPH_PDL=1 ;;
-      wait) arm wait DRAFTGRAPH_PDL=1 DRAFTGRAPH_PDL_PREFETCH=0 ;;
+      on) arm on DRAFTGRAPH_PDL=1 ;;
     esac
   done
 done
