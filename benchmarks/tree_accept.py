@@ -5,18 +5,18 @@
         --trees 1x4:4,2x4:8,4x5:16,8x6:32 --out r.json
 
 Greedy, the default model, CPU fp32. The target's own greedy outputs (plain decoding, 128
-tokens) are walked as the engine walks them (`train.loop.walk_rounds`): a round starting at
-the last emitted token t drafts a tree and accepts the deepest path whose tokens equal the
-sequence's next ones, then emits one more. The tree is EAGLE-2's dynamic tree: the head's
-step at depth d runs on the `width` nodes of depth d with the best cumulative draft
-log-probability (its beam), each proposing its `width` most likely children; after `depth`
-steps the `nodes` best nodes of all depths by cumulative log-probability are the drafts the
-target would verify in one forward of 1 + nodes rows (a tree mask). A node at depth d reads
-(its parent's stream, its token) at position t + d and attends to the sequence's level-0
-entries up to t and to its own ancestors' entries, the way chain step d attends (the training
-loss's `_ttt_attend`); so width 1 with nodes = depth = k is the engine's chain of k, and the
-`1xK:K` tree's accept length must equal the chain replay's (`train.chain.replay_acceptance`,
-printed beside it as a check).
+tokens, or up to the EOS with --stop-at-eos, as bench_accept.py's) are walked as the engine
+walks them (`train.loop.walk_rounds`): a round starting at the last emitted token t drafts a
+tree and accepts the deepest path whose tokens equal the sequence's next ones, then emits one
+more. The tree is EAGLE-2's dynamic tree: the head's step at depth d runs on the `width` nodes
+of depth d with the best cumulative draft log-probability (its beam), each proposing its
+`width` most likely children; after `depth` steps the `nodes` best nodes of all depths by
+cumulative log-probability are the drafts the target would verify in one forward of 1 + nodes
+rows (a tree mask). A node at depth d reads (its parent's stream, its token) at position t + d
+and attends to the sequence's level-0 entries up to t and to its own ancestors' entries, the
+way chain step d attends (the training loss's `_ttt_attend`); so width 1 with nodes = depth =
+k is the engine's chain of k, and the `1xK:K` tree's accept length must equal the chain
+replay's (`train.chain.replay_acceptance`, printed beside it as a check).
 
 Tree "WxD:N": width W, depth D, N verified nodes.
 """
@@ -112,9 +112,10 @@ class TreeDrafter:
         d2t = self.head.d2t if self.head.reduced_vocab else torch.arange(logits.shape[-1])
         return torch.log_softmax(logits.float(), -1), d2t
 
-    def lead(self, ctx_kv, ctx_stream, ids: list[int], t: int, width: int, depth: int,
-             nodes: int, cap: int) -> int:
-        """The round at t: the deepest verified tree path equal to ids[t + 1 ..] (<= cap)."""
+    def grow(self, ctx_kv, ctx_stream, t: int, width: int, depth: int):
+        """The tree of a round at t: (parent, token, score) per node (parent -1: the root,
+        token a target id, score the cumulative draft log-probability) and the stream of
+        every expanded node (node -> [H])."""
         ctx = [(k[: t + 1], v[: t + 1]) for k, v in ctx_kv]
         tree = [[None, None] for _ in self.head.layers]
         # the tree's nodes: parent (-1: the root), token, cumulative draft log-probability;
@@ -152,6 +153,12 @@ class TreeDrafter:
                 for v, j in zip(top.values[r].tolist(), top.indices[r].tolist(), strict=True):
                     parent.append(i), token.append(int(d2t[j])), score.append(score[i] + v)
                     frontier.append(len(token) - 1)
+        return parent, token, score, streams_of
+
+    def lead(self, ctx_kv, ctx_stream, ids: list[int], t: int, width: int, depth: int,
+             nodes: int, cap: int) -> int:
+        """The round at t: the deepest verified tree path equal to ids[t + 1 ..] (<= cap)."""
+        parent, token, score, _ = self.grow(ctx_kv, ctx_stream, t, width, depth)
         chosen = set(sorted(range(len(token)), key=lambda i: -score[i])[:nodes])
         cur, a = -1, 0
         while a < cap:
@@ -196,6 +203,9 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--trees", default="1x4:4,2x4:8,4x5:16,8x6:32")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="end each output at its EOS, as bench_accept.py does (default: "
+                         "max-tokens tokens each, as accept_replay.py)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -209,7 +219,7 @@ def main() -> int:
         sets = json.load(f)
     out = {"benchmark": "tree_accept", **run_header(), "model": a.model, "head": a.head,
            "max_tokens": a.max_tokens, "model_shape": model_shape(loaded.config),
-           "trees": a.trees, "sets": {}}
+           "trees": a.trees, "ignore_eos": not a.stop_at_eos, "sets": {}}
     oracle = TargetOracle(model, head.head_config.hidden_layer_ids, 2048, 1, 2048, "cpu",
                           torch.float32, "torch")
     for name, prompts in sets.items():
@@ -220,7 +230,7 @@ def main() -> int:
             loaded=loaded)
         t0 = time.time()
         outs = engine.generate(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0,
-                                                       ignore_eos=True))
+                                                       ignore_eos=not a.stop_at_eos))
         del engine
         print(f"{name}: {len(prompts)} plain outputs in {time.time() - t0:.0f} s", flush=True)
         sums = {f"{w}x{d}:{n}": {"rounds": 0, "accepted": 0, "steps": 0} for w, d, n in trees}

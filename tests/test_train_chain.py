@@ -189,6 +189,57 @@ def test_acceptance_replayed_from_the_training_forward_is_the_engines(trained):
     assert replayed == {key: s[key] for key in replayed}
 
 
+def test_a_one_wide_draft_tree_is_the_chain(trained):
+    """benchmarks/tree_accept.py's tree of width 1 is the chain: its node at depth d has the
+    stream of training-time-test level d at t + d (it attends to the sequence's level-0
+    entries up to t and to its ancestors, at the chain's positions: a node that missed its
+    ancestors, or sat at a wrong position, has another stream), and walks exactly the chain
+    replay's rounds along the trained head's sequences; a wider tree with every node
+    verified accepts no fewer tokens here."""
+    import sys
+    from pathlib import Path
+
+    from draftgraph.train.chain import replay_acceptance, ttt_loss, ttt_streams
+    from draftgraph.train.loop import TargetOracle
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tree_accept
+
+    hf, _, out, _, _, seqs, engine = trained
+    head = load_head(os.path.join(out, "head"), tiny_loaded(hf).config).float()
+    model = engine.model
+    drafter = tree_accept.TreeDrafter(head, model.embed_tokens.weight, model.lm_head_weight)
+    oracle = TargetOracle(model, head.head_config.hidden_layer_ids, 64, 1, 64, "cpu",
+                          torch.float32, "torch")
+    chain = tree = wide = compared = 0
+    with torch.no_grad():
+        for s in seqs[:4]:
+            streams, logits = oracle([s.ids])
+            mask = torch.zeros(1, len(s.ids), dtype=torch.bool)
+            mask[0, s.prompt_len - 1 : len(s.ids) - 1] = True
+            _, _, preds = ttt_loss(head, model.embed_tokens.weight, model.lm_head_weight,
+                                   streams[None], logits[None], torch.tensor([s.ids]), mask,
+                                   4, 0.8)
+            chain += replay_acceptance(preds[:, 0], s.ids, s.prompt_len, 4)[
+                "num_accepted_tokens"]
+            context = drafter.context(streams, s.ids)
+            levels = ttt_streams(head, model.embed_tokens.weight, streams[None],
+                                 torch.tensor([s.ids]), 4)
+            for t in range(s.prompt_len, len(s.ids) - 4):
+                parent, token, _, node_streams = drafter.grow(*context, t, 1, 4)
+                assert parent == [-1, 0, 1, 2]  # one node a depth, each the last one's child
+                for d in (1, 2, 3):  # node d - 1 (depth d), as level d reads the sequence's
+                    if token[d - 1] != s.ids[t + d]:  # tokens: equal while the drafts are
+                        break
+                    torch.testing.assert_close(node_streams[d - 1], levels[d][0, t + d],
+                                               rtol=1e-5, atol=1e-5)
+                    compared += 1
+            tree += tree_accept.walk(drafter, context, s.ids, s.prompt_len, 1, 4, 4)["accepted"]
+            wide += tree_accept.walk(drafter, context, s.ids, s.prompt_len, 3, 4, 30)["accepted"]
+    assert compared > 20 and chain > 10 and tree == chain
+    assert wide >= chain
+
+
 def test_the_held_out_evaluation_scores_the_head_as_the_loss_does(trained):
     """The history's held-out entries are the training loss and agreement of the head at that
     step on the held-out sequences (here the first three training ones), computed directly."""
