@@ -3,7 +3,9 @@
 # with PDL off (DRAFTGRAPH_PDL=0) and on, arms alternating (ARMS; "prefetch" and "wait" were
 # the two variants of stop 39's first call: the L2 prefetch is gone, both now run the same
 # code). `tests` first runs the GPU tests that cover the PDL kernels; `rounds` times the
-# default model's chain and block rounds (shipped heads, random smollm2 weights) instead.
+# default model's chain and block rounds (shipped heads, random smollm2 weights) instead;
+# `exact` the n-gram step with exact rows (all-Triton verify rows, PDL throughout) against
+# cuBLAS rows (whose launches PDL cannot overlap), each with PDL off and on.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks
@@ -15,6 +17,16 @@ if [ "${1:-}" = tests ]; then
     timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_graphs.py \
       tests/test_gpu_chain_head.py tests/test_gpu_block.py; } 2>&1 | tail -15 \
     | tee "$OUT/pdl_tests.log"
+fi
+if [ "${1:-}" = exact ]; then  # exact rows (every verify row through the PDL GEMVs) vs cuBLAS
+  for i in $(seq 1 "$REPS"); do
+    for pdl in 0 1; do
+      DRAFTGRAPH_PDL=$pdl timeout 280 python3 benchmarks/bench_exact_rows.py \
+        --target random:smollm2-135m --arms "off;on:16" \
+        --out "$OUT/pdl_exact_rows_smollm2_pdl${pdl}_$i.json" 2>&1 | grep -v -i warn | tail -4
+    done
+  done
+  exit 0
 fi
 if [ "${1:-}" = rounds ]; then
   H=src/draftgraph/heads

@@ -254,7 +254,7 @@ def _gemv_kernel(
     w_rows = w + rn_w[:, None] * stride_wn
     act_dtype = w.dtype.element_ty
     mask_n = rn < N
-    pdl_wait(PDL)  # every program, before its first load of an activation
+    pdl_wait(PDL)  # every program, before its first load
     if BLOCK_M == 1:
         rms = ()
         rstds = ()
