@@ -18,6 +18,9 @@ way chain step d attends (the training loss's `_ttt_attend`); so width 1 with no
 k is the engine's chain of k, and the `1xK:K` tree's accept length must equal the chain
 replay's (`train.chain.replay_acceptance`, printed beside it as a check).
 
+A block head (`--head` of kind block) grows the same trees from its one forward
+(`BlockTree`); its `1x7:7` tree is the engine's block of 8 without a confidence cut.
+
 Tree "WxD:N": width W, depth D, N verified nodes.
 """
 
@@ -37,8 +40,9 @@ from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.kernels.ops import rope_ref
-from draftgraph.models.heads import load_head
+from draftgraph.models.heads import head_kind, load_head
 from draftgraph.models.loader import load_model
+from draftgraph.train.block import block_forward
 from draftgraph.train.chain import replay_acceptance, ttt_loss
 from draftgraph.train.loop import TargetOracle
 from draftgraph.train.loop import rms as _rms
@@ -159,14 +163,70 @@ class TreeDrafter:
              nodes: int, cap: int) -> int:
         """The round at t: the deepest verified tree path equal to ids[t + 1 ..] (<= cap)."""
         parent, token, score, _ = self.grow(ctx_kv, ctx_stream, t, width, depth)
-        chosen = set(sorted(range(len(token)), key=lambda i: -score[i])[:nodes])
-        cur, a = -1, 0
-        while a < cap:
-            nxt = [i for i in chosen if parent[i] == cur and token[i] == ids[t + a + 1]]
-            if not nxt:
-                break
-            cur, a = nxt[0], a + 1
-        return a
+        return _deepest(parent, token, score, ids, t, nodes, cap)
+
+
+class BlockTree:
+    """The same trees from a block head (DSpark-style: one forward drafts rows 1 .. g - 1 of
+    the block anchored at t; row j's logits gain the Markov head's term for the token before
+    it): a node at depth d takes row d - 1's logits with its parent's token as the Markov
+    head's input, so only the Markov term differs between siblings' children. Over the
+    head's draft vocabulary (`d2t`), as the engine drafts; no confidence cut (the shipped
+    head's threshold is 0: it keeps every draft)."""
+
+    def __init__(self, head, embed_w: torch.Tensor, target_lm: torch.Tensor) -> None:
+        self.head, self.embed_w = head, embed_w
+        self.lm_w = head.lm_head_weight(target_lm)  # [V', H]
+        self.markov_w = head.markov_weight() if head.markov_in is not None else None
+        self.d2t = head.d2t if head.reduced_vocab else torch.arange(self.lm_w.shape[0])
+
+    def context(self, streams: torch.Tensor, ids: list[int], prompt_len: int):
+        """(draft logits before the Markov term of the block anchored at every response
+        position [A, g - 1, V'], the first anchor)."""
+        anchors = torch.arange(prompt_len, len(ids) - 1)[None]
+        hidden = block_forward(self.head, self.embed_w, streams[None], torch.tensor([ids]),
+                               anchors, torch.ones_like(anchors, dtype=torch.bool))[0]
+        return F.linear(hidden[:, 1:], self.lm_w).float(), prompt_len
+
+    def grow(self, base, first, t: int, prev: int, width: int, depth: int):
+        rows = base[t - first]  # [g - 1, V']
+        depth = min(depth, rows.shape[0])
+
+        def children(j: int, prev_ids: list[int]):
+            lg = rows[j].expand(len(prev_ids), -1)
+            if self.markov_w is not None:
+                lg = lg + self.head.markov(torch.tensor(prev_ids), self.markov_w)
+            return torch.log_softmax(lg, -1).topk(width, dim=-1)
+
+        parent, token, score = [], [], []
+        frontier = [-1]
+        for d in range(depth):
+            beam = frontier if d == 0 else sorted(frontier, key=lambda i: -score[i])[:width]
+            top = children(d, [prev if i < 0 else token[i] for i in beam])
+            frontier = []
+            for r, i in enumerate(beam):
+                for v, j in zip(top.values[r].tolist(), top.indices[r].tolist(), strict=True):
+                    parent.append(i), token.append(int(self.d2t[j]))
+                    score.append((score[i] if i >= 0 else 0.0) + v)
+                    frontier.append(len(token) - 1)
+        return parent, token, score, {}
+
+    def lead(self, base, first, ids: list[int], t: int, width: int, depth: int, nodes: int,
+             cap: int) -> int:
+        parent, token, score, _ = self.grow(base, first, t, ids[t], width, depth)
+        return _deepest(parent, token, score, ids, t, nodes, cap)
+
+
+def _deepest(parent, token, score, ids, t, nodes, cap) -> int:
+    """The deepest path of the `nodes` best nodes whose tokens equal ids[t + 1 ..] (<= cap)."""
+    chosen = set(sorted(range(len(token)), key=lambda i: -score[i])[:nodes])
+    cur, a = -1, 0
+    while a < cap:
+        nxt = [i for i in chosen if parent[i] == cur and token[i] == ids[t + a + 1]]
+        if not nxt:
+            break
+        cur, a = nxt[0], a + 1
+    return a
 
 
 def walk(drafter, context, ids, prompt_len, width, depth, nodes) -> dict:
@@ -212,8 +272,10 @@ def main() -> int:
     loaded = load_model(a.model, device="cpu")
     model = loaded.model
     head = load_head(a.head, model.config)
-    drafter = TreeDrafter(head, model.embed_tokens.weight, head.lm_head_weight(
-        model.lm_head_weight))
+    block = head_kind(a.head) == "block"
+    drafter = (BlockTree(head, model.embed_tokens.weight, model.lm_head_weight) if block
+               else TreeDrafter(head, model.embed_tokens.weight,
+                                head.lm_head_weight(model.lm_head_weight)))
     trees = parse_trees(a.trees)
     with open(a.sets) as f:
         sets = json.load(f)
@@ -238,11 +300,14 @@ def main() -> int:
         for prompt, o in zip(prompts, outs, strict=True):
             ids = list(prompt) + o.token_ids
             streams, logits = oracle([ids])
-            context = drafter.context(streams, ids)
+            context = (drafter.context(streams, ids, len(prompt)) if block
+                       else drafter.context(streams, ids))
             for w, d, n in trees:
                 r = walk(drafter, context, ids, len(prompt), w, d, n)
                 for key in r:
                     sums[f"{w}x{d}:{n}"][key] += r[key]
+            if block:  # no chain replay to check against: its 1x(g-1) tree is the block
+                continue
             mask = torch.zeros(1, len(ids), dtype=torch.bool)
             mask[0, len(prompt) - 1 : len(ids) - 1] = True
             _, _, preds = ttt_loss(head, model.embed_tokens.weight, drafter.lm_w, streams[None],
@@ -251,8 +316,9 @@ def main() -> int:
             for key in chain:
                 chain[key] += c[key]
         print(f"{name}: walked in {time.time() - t0:.0f} s", flush=True)
-        res = {"num_prompts": len(prompts),
-               "chain_k4_replayed": 1 + chain["num_accepted_tokens"] / chain["num_drafts"]}
+        res = {"num_prompts": len(prompts)}
+        if not block:
+            res["chain_k4_replayed"] = 1 + chain["num_accepted_tokens"] / chain["num_drafts"]
         for key, s in sums.items():
             res[key] = {"accept_length": 1 + s["accepted"] / max(s["rounds"], 1),
                         "tokens_per_step": (s["accepted"] + s["steps"]) / max(s["steps"], 1),
