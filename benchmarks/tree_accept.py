@@ -43,8 +43,8 @@ from draftgraph.kernels.ops import rope_ref
 from draftgraph.models.heads import head_kind, load_head
 from draftgraph.models.loader import load_model
 from draftgraph.train.block import block_forward
-from draftgraph.train.chain import replay_acceptance, ttt_loss
-from draftgraph.train.loop import TargetOracle
+from draftgraph.train.chain import _mlp_block, replay_acceptance, ttt_loss
+from draftgraph.train.loop import TargetOracle, walk_rounds
 from draftgraph.train.loop import rms as _rms
 
 
@@ -88,10 +88,7 @@ class TreeDrafter:
                 qkv = F.linear(_rms(stream, layer.input_layernorm.weight, self.eps),
                                attn.qkv_proj.weight, attn.qkv_proj.bias)
             o = self._attend(attn, qkv, pos, ctx[li], tree[li], visible)
-            h = F.linear(o, attn.o_proj.weight) + stream
-            g, u = F.linear(_rms(h, layer.post_attention_layernorm.weight, self.eps),
-                            layer.mlp.gate_up_proj.weight).chunk(2, dim=-1)
-            stream = F.linear(F.silu(g) * u, layer.mlp.down_proj.weight) + h
+            stream = _mlp_block(layer, F.linear(o, attn.o_proj.weight) + stream, self.eps)
         return stream
 
     def context(self, streams: torch.Tensor, ids: list[int]):
@@ -229,21 +226,28 @@ def _deepest(parent, token, score, ids, t, nodes, cap) -> int:
     return a
 
 
+class _Leads:
+    """`walk_rounds`' leads, each computed when the walk reads it (where a round starts)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __getitem__(self, i: int) -> int:
+        return self.fn(i)
+
+
 def walk(drafter, context, ids, prompt_len, width, depth, nodes) -> dict:
-    """walk_rounds with the tree's leads, computed where rounds start; context: the
-    sequence's `TreeDrafter.context`."""
-    ctx_kv, ctx_stream = context
-    last, t = len(ids) - 1, prompt_len
-    rounds, accepted, steps = 0, 0, 0
-    while t < last:
-        steps += 1
-        cap = min(depth, last - t - 1)
-        if cap <= 0:
-            t += 1
-            continue
-        a = drafter.lead(ctx_kv, ctx_stream, ids, t, width, depth, nodes, cap)
-        rounds, accepted, t = rounds + 1, accepted + a, t + a + 1
-    return {"rounds": rounds, "accepted": accepted, "steps": steps}
+    """`walk_rounds` with the tree's leads; context: the drafter's `context` of the
+    sequence. Returns rounds (that drafted), accepted (tokens) and steps (all)."""
+    last = len(ids) - 1
+
+    def lead(i: int) -> int:
+        t = prompt_len + i
+        return drafter.lead(*context, ids, t, width, depth, nodes, min(depth, last - t - 1))
+
+    s = walk_rounds(_Leads(lead), prompt_len, len(ids), depth)
+    return {"rounds": s["num_drafts"], "accepted": s["num_accepted_tokens"],
+            "steps": s["steps"]}
 
 
 def parse_trees(spec: str) -> list[tuple[int, int, int]]:
