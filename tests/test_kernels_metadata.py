@@ -195,3 +195,49 @@ def test_a_noop_block_builder_is_caught():
     tri.build_positions_and_slots(*batch, r2t["tri"], bufs["tri"])  # the lists left undone
     with pytest.raises(AssertionError):
         assert_same(bufs, r2t, batch, draft_block=True)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_tree_rows_read_their_own_paths(window):
+    """Draft-tree rows (`RowPaths`): each row's list is its request's slots below `base`, then
+    its own path's; the Triton twin builds the same. A builder that ignores the paths (reads
+    the table's racy entries instead) is caught by the explicit lists."""
+    bufs, r2t = make_state(window)
+    gen = torch.Generator().manual_seed(3)
+    # two requests of 6 and 9 tokens (bases 6 and 9), 1 + 3 tree rows each: the root (depth
+    # 0, the last token), two siblings at depth 1, a child of the second at depth 2; plus a
+    # dead row (request row 0, position 0) as padded tree rows are
+    reqs, bases, depths = [5, 11], [6, 9], [0, 1, 1, 2]
+    P = 3
+    rows, seq, base, paths, loc = [], [], [], [], []
+    for req, n in zip(reqs, bases, strict=True):
+        slots = (torch.randperm(1000, generator=gen)[:4] + 300_000).tolist()
+        own = [[], [slots[1]], [slots[2]], [slots[2], slots[3]]]
+        for i, d in enumerate(depths):
+            rows.append(req), seq.append(n + d), base.append(n), loc.append(slots[i])
+            paths.append(own[i] + [0] * (P - len(own[i])))
+    rows.append(0), seq.append(1), base.append(1), loc.append(0), paths.append([0] * P)
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)
+    batch = (t(rows), t(seq), torch.ones(len(rows), dtype=torch.int64, device=DEVICE), t(loc))
+    tree = ref.RowPaths(t(paths), t(base))
+    for name, build in (("ref", ref.build_metadata), ("tri", tri.build_metadata)):
+        poison(bufs[name])
+        build(*batch, r2t[name], bufs[name], False, tree)
+    for kind in bufs["ref"].kinds(False):
+        la, lb = bufs["ref"].lists[kind], bufs["tri"].lists[kind]
+        total = int(la.kv_indptr[len(rows)])
+        assert torch.equal(la.kv_indptr[: len(rows) + 1], lb.kv_indptr[: len(rows) + 1])
+        assert torch.equal(la.kv_indices[:total], lb.kv_indices[:total])
+        for r in range(len(rows)):
+            got = la.kv_indices[la.kv_indptr[r] : la.kv_indptr[r + 1]].tolist()
+            pos = seq[r] - 1
+            w = la.window
+            start = 0 if w is None else max(0, pos - w + 1)
+            table = r2t["ref"][rows[r]].tolist()
+            want = [table[p] if p < base[r] else paths[r][p - base[r]]
+                    for p in range(start, pos + 1)]
+            assert got == want, (kind, r)
+    # every row's position is the last of its list; the root's slot is recorded in the table
+    assert bufs["ref"].positions[: len(rows)].tolist() == [s - 1 for s in seq]
+    for req, n, first in zip(reqs, bases, (0, 4), strict=True):
+        assert int(r2t["tri"][req, n - 1]) == loc[first]

@@ -24,6 +24,14 @@ list starts at max(0, first_block_position - W) and ends with the block's own sl
 query row of the block sees all of it (`noncausal`). Entries past a buffer's live part are left
 as they are and never read (a builder never sweeps the whole capacity).
 
+Tree rows (`RowPaths`, a draft tree's nodes): decode-shaped rows (extend_lens 1), each with a
+list of its own. Row r's positions below `base[r]` are its request's (`req_to_token`), the
+positions base[r] .. seq_lens[r] - 1 are its path's slots `path[r, :]` (its ancestors', then
+its own), so siblings at one position each see their own branch and no mask is needed. A
+tree row's `req_to_token` write (its position, its slot) is left to race with its siblings':
+positions from `base` on are read from the paths, never from the table, and the step that
+accepts a path rewrites them.
+
 The Triton twins in `draftgraph.kernels.metadata` must produce exactly these values.
 """
 
@@ -37,6 +45,14 @@ import torch
 FULL = "full"
 SLIDING = "sliding"
 BLOCK = "block"  # a draft block's window of context + the block itself (DRAFT_BLOCK only)
+
+
+@dataclass
+class RowPaths:
+    """Per-row key paths of tree rows (see the module docstring)."""
+
+    slots: torch.Tensor  # [R, P] int64: slots of positions base .. base + P - 1 of row r
+    base: torch.Tensor  # [R] int64: the first position read from `slots`
 
 
 @dataclass
@@ -144,8 +160,10 @@ def build_kv_index_lists(
     extend_lens: torch.Tensor,
     req_to_token: torch.Tensor,
     lists: KVIndexLists,
+    paths: RowPaths | None = None,
 ) -> None:
-    """kv_indptr / kv_indices / kv_start for one layer kind (full or sliding window)."""
+    """kv_indptr / kv_indices / kv_start for one layer kind (full or sliding window); tree
+    rows' positions from `paths.base` on from their paths."""
     bs = req_pool_indices.shape[0]
     start = lists.first_visible(seq_lens, extend_lens)
     counts = seq_lens - start
@@ -160,7 +178,14 @@ def build_kv_index_lists(
     row = torch.repeat_interleave(torch.arange(bs, device=seq_lens.device), counts,
                                   output_size=total)
     col = torch.arange(total, device=seq_lens.device) - lists.kv_indptr[row] + start[row]
-    lists.kv_indices[:total] = req_to_token[req_pool_indices[row], col]
+    if paths is None:
+        lists.kv_indices[:total] = req_to_token[req_pool_indices[row], col]
+        return
+    base = paths.base[row]
+    from_table = col < base
+    table = req_to_token[req_pool_indices[row], torch.where(from_table, col, 0)]
+    on_path = (col - base).clamp(0, paths.slots.shape[1] - 1)
+    lists.kv_indices[:total] = torch.where(from_table, table, paths.slots[row, on_path])
 
 
 def run_starts(kv_indices: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
@@ -187,11 +212,12 @@ def build_metadata(
     req_to_token: torch.Tensor,
     bufs: MetadataBuffers,
     draft_block: bool = False,
+    paths: RowPaths | None = None,
 ) -> None:
     """All metadata of one forward, in dependency order (slots before index lists); a draft
-    block builds its own lists alone."""
+    block builds its own lists alone; tree rows read their paths."""
     build_positions_and_slots(req_pool_indices, seq_lens, extend_lens, out_cache_loc,
                               req_to_token, bufs)
     for kind in bufs.kinds(draft_block):
         build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, req_to_token,
-                             bufs.lists[kind])
+                             bufs.lists[kind], paths)

@@ -101,19 +101,27 @@ def _scan_inplace_kernel(indptr, bs, SCAN_BLOCK: tl.constexpr):
 @triton.jit
 def _kv_compact_kernel(
     req_pool_indices, seq_lens, req_to_token, r2t_stride, kv_indptr, kv_start, kv_indices,
-    capacity, BLOCK: tl.constexpr,
+    capacity, path_slots, path_stride, path_base, BLOCK: tl.constexpr, PATHS: tl.constexpr,
 ):
-    # One program per request: kv_indices[indptr[r] + j] = req_to_token[req, start + j].
+    # One program per request: kv_indices[indptr[r] + j] = req_to_token[req, start + j]; a tree
+    # row (PATHS) reads positions from path_base[r] on from its path instead.
     r = tl.program_id(0)
     req = tl.load(req_pool_indices + r).to(tl.int64)
     start = tl.load(kv_start + r)
     count = tl.load(seq_lens + r).to(tl.int64) - start
     dst0 = tl.load(kv_indptr + r)
     src = req_to_token + req * r2t_stride + start
+    if PATHS:
+        base = tl.load(path_base + r).to(tl.int64) - start
+        path = path_slots + r.to(tl.int64) * path_stride - base
     for j in range(0, count, BLOCK):
         offs = j + tl.arange(0, BLOCK)
         mask = offs < count
-        slot = tl.load(src + offs, mask=mask)
+        if PATHS:
+            slot = tl.load(src + offs, mask=mask & (offs < base))
+            slot = tl.where(offs < base, slot, tl.load(path + offs, mask=mask & (offs >= base)))
+        else:
+            slot = tl.load(src + offs, mask=mask)
         dst = dst0 + offs
         tl.store(kv_indices + dst, slot, mask=mask & (dst < capacity))
 
@@ -178,8 +186,10 @@ def build_kv_index_lists(
     extend_lens: torch.Tensor,
     req_to_token: torch.Tensor,
     lists,
+    paths=None,
 ) -> None:
-    """kv_indptr / kv_indices / kv_start for one layer kind: count+scan, then compact.
+    """kv_indptr / kv_indices / kv_start for one layer kind: count+scan, then compact (tree
+    rows' positions from `paths.base` on from their paths: `RowPaths`).
 
     NOTE: the reference raises when the lists overflow kv_indices; this graph-safe version
     cannot read the total back, so it drops entries past the capacity instead. Buffers sized
@@ -195,10 +205,11 @@ def build_kv_index_lists(
     )
     if bs == 0:
         return
+    slots, base = (paths.slots, paths.base) if paths is not None else (seq_lens, seq_lens)
     _kv_compact_kernel[(bs,)](
         req_pool_indices, seq_lens, req_to_token, req_to_token.stride(0), lists.kv_indptr,
-        lists.kv_start, lists.kv_indices, lists.kv_indices.shape[0],
-        BLOCK=COPY_BLOCK, num_warps=4,
+        lists.kv_start, lists.kv_indices, lists.kv_indices.shape[0], slots,
+        slots.stride(0), base, BLOCK=COPY_BLOCK, PATHS=paths is not None, num_warps=4,
     )
 
 
@@ -210,14 +221,15 @@ def build_metadata(
     req_to_token: torch.Tensor,
     bufs,
     draft_block: bool = False,
+    paths=None,
 ) -> None:
     """All metadata of one forward, in dependency order (slots before index lists); a draft
-    block builds its own lists alone."""
+    block builds its own lists alone; tree rows read their paths."""
     build_positions_and_slots(req_pool_indices, seq_lens, extend_lens, out_cache_loc,
                               req_to_token, bufs)
     for kind in bufs.kinds(draft_block):
         build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, req_to_token,
-                             bufs.lists[kind])
+                             bufs.lists[kind], paths)
 
 
 def exclusive_scan_inplace(indptr: torch.Tensor, bs: int) -> None:
