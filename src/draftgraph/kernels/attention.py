@@ -177,7 +177,17 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     if TOKEN_ROWS:
         if r >= tl.load(qo_indptr + num_reqs):
-            return  # padding past the live tokens
+            # padding past the live tokens: a zero output, never the buffer's old bytes (a
+            # NaN there would flow into the dead token's K / V, stored in the dummy slot that
+            # padded rows attend to)
+            if split == 0:
+                pad_h = hkv * GROUP + tl.arange(0, BLOCK_H)
+                pad_d = tl.arange(0, BLOCK_D)
+                tl.store(o + r * stride_ot + pad_h[:, None] * stride_oh + pad_d[None, :],
+                         tl.zeros([BLOCK_H, BLOCK_D], dtype=o.dtype.element_ty),
+                         mask=(tl.arange(0, BLOCK_H) < GROUP)[:, None]
+                         & (pad_d < HEAD_DIM)[None, :])
+            return
         req = tl.load(token_req + r)
     else:
         req = r
