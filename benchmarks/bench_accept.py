@@ -14,7 +14,8 @@ no draft included (DSpark's accepted length).
 An arm `chain@DIR` (or `block@DIR`) drafts with the head directory DIR instead of --head
 (--block-head), so several heads run in one process on the same prompts; drafters run k drafts
 every step, `chain+adaptive` (`ngram+adaptive`, ...) with the engine's default adaptive draft
-length instead:
+length instead, `chain+4x5:16` with draft trees (width 4, depth 5, 16 verified nodes:
+`--speculative-tree`):
 
     python benchmarks/bench_accept.py --arms plain,chain@runs/a/head,chain@runs/b/head ...
 
@@ -33,7 +34,7 @@ import time
 
 from _meta import model_shape, run_header
 
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.loader import load_model
@@ -98,9 +99,10 @@ def main() -> int:
             kind, _, head = arm.partition("@")
             kind, _, mode = kind.partition("+")  # "+adaptive": the engine's default policy
             adaptive = mode == "adaptive"
+            tree = TreeShape.parse(mode) if ":" in mode else None  # "+WxD:N": draft trees
             spec = {"plain": SpecConfig(),
                     "chain": SpecConfig(method="chain", draft_head=head or a.head,
-                                        num_draft_tokens=a.k, adaptive=adaptive),
+                                        num_draft_tokens=a.k, adaptive=adaptive, tree=tree),
                     "block": SpecConfig(method="block", draft_head=head or a.block_head,
                                         block_size=a.block_size, adaptive=adaptive),
                     "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,

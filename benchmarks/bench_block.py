@@ -5,6 +5,8 @@ run over one target: the plain decode step, then per arm the speculative round (
     block|<head>|in_graph     the block head, its metadata built inside the replay
     block|<head>|eager        the fallback: block metadata rebuilt eagerly before each replay
     chain|<head>|<k>          a chain head drafting k tokens (fused chain)
+    chain|<head>|<W>x<D>:<N>  the chain head drafting trees (spec/tree.py: width W, depth D, N
+                              verified nodes)
     <method>|<head>|batchplan the in-graph arm (k = 4) with verify attention planned by the
                               requests, not the rows (the A arm of that plan)
 
@@ -30,7 +32,7 @@ from _meta import model_shape, run_header
 from bench_chain import run
 
 from draftgraph.attention.triton_backend import TritonBackend
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.models.loader import load_model
 from draftgraph.spec import make_drafter
@@ -70,7 +72,8 @@ def main() -> int:
     del e
     for arm in a.arms.split(";"):
         method, head, mode = arm.split("|")
-        spec = SpecConfig(method=method, draft_head=head,
+        tree = TreeShape.parse(mode) if ":" in mode else None
+        spec = SpecConfig(method=method, draft_head=head, tree=tree,
                           num_draft_tokens=int(mode) if mode.isdigit() else 4)
         d = make_drafter(spec, "cuda", dtype, target.config)
         patched = method == "block" and mode == "eager"

@@ -5,6 +5,7 @@ Errors name the command-line flag to change.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,41 @@ class SchedulerConfig:
 SPEC_METHODS = ("ngram", "chain", "draft", "block")
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """Width W (beam and children per node), depth D (steps: the deepest node), nodes N
+    (verified drafts)."""
+
+    width: int
+    depth: int
+    nodes: int
+
+    @classmethod
+    def parse(cls, spec: str) -> TreeShape:
+        m = re.fullmatch(r"(\d+)x(\d+):(\d+)", spec.strip())
+        if not m:
+            raise ValueError(f"--speculative-tree must look like WxD:N (width x depth : "
+                             f"verified nodes, e.g. 4x5:16), got {spec!r}")
+        return cls(*map(int, m.groups()))
+
+    def __post_init__(self) -> None:
+        w, d, n = self.width, self.depth, self.nodes
+        if w < 1 or d < 1 or not d <= n <= 16:
+            raise ValueError(f"--speculative-tree {w}x{d}:{n}: need width >= 1, depth >= 1 "
+                             f"and depth <= nodes <= 16")
+        if n > self.total:
+            raise ValueError(f"--speculative-tree {w}x{d}:{n}: a tree of width {w} and depth "
+                             f"{d} has {self.total} nodes, fewer than {n}")
+        if (d - 1) * w > n:  # each beam row writes its KV into a verify row's slot
+            raise ValueError(f"--speculative-tree {w}x{d}:{n}: the head's {(d - 1) * w} beam "
+                             f"rows need (depth - 1) x width <= nodes")
+
+    @property
+    def total(self) -> int:
+        """Nodes grown: W at depth 1, W^2 at each deeper level."""
+        return self.width + (self.depth - 1) * self.width ** 2
+
+
 @dataclass
 class SpecConfig:
     method: str | None = None  # None | "ngram" | "chain" | "draft" | "block" (--speculative)
@@ -98,6 +134,8 @@ class SpecConfig:
     # block_size - 1 (--block-size)
     block_size: int | None = None
     confidence_threshold: float | None = None  # block: None: the head's (--confidence-threshold)
+    # chain: draft a tree (spec/tree.py) instead of a chain in greedy steps (--speculative-tree)
+    tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
         _need(self.method is None or self.method in SPEC_METHODS,
@@ -117,6 +155,8 @@ class SpecConfig:
             _need(self.draft_model is not None, "--speculative draft needs --draft-model")
         _need(self.draft_head is None or self.method in ("chain", "block"),
               "--draft-head is for --speculative chain or block")
+        _need(self.tree is None or self.method == "chain",
+              "--speculative-tree is for --speculative chain")
         _need(self.draft_model is None or self.method == "draft",
               "--draft-model is for --speculative draft")
 

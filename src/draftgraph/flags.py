@@ -21,6 +21,7 @@ from draftgraph.config import (
     EngineConfig,
     SchedulerConfig,
     SpecConfig,
+    TreeShape,
 )
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "train-drafter writes one), or random[:layers=N,draft_vocab=V]")
     s.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens proposed per step")
+    s.add_argument("--speculative-tree", default=None, metavar="WxD:N",
+                   help="--speculative chain: in greedy steps of small batches, draft a tree "
+                   "(width W: beam and children per node, depth D, N <= 16 verified nodes, "
+                   "e.g. 4x5:16) and accept its deepest path the target agrees with")
     s.add_argument("--block-size", type=int, default=None,
                    help="--speculative block: the anchor + this many - 1 mask tokens, "
                    "block-size - 1 drafts per step (default: the head's)")
@@ -202,7 +207,9 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
                       ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                       adaptive=not args.no_adaptive_draft, draft_model=args.draft_model,
                       draft_head=args.draft_head, block_size=args.block_size,
-                      confidence_threshold=args.confidence_threshold)
+                      confidence_threshold=args.confidence_threshold,
+                      tree=TreeShape.parse(args.speculative_tree)
+                      if args.speculative_tree else None)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

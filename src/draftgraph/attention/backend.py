@@ -29,6 +29,7 @@ from draftgraph.attention.metadata import (
     SLIDING,
     KVIndexLists,
     MetadataBuffers,
+    RowPaths,
     build_metadata,
     run_starts,
 )
@@ -55,6 +56,8 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [bs] int64, new tokens per request
     out_cache_loc: torch.Tensor  # [num_tokens] int64
     meta: MetadataBuffers
+    # tree rows (a draft tree's nodes as decode rows): each row's own key path
+    paths: RowPaths | None = None
     # what every layer of this forward may share (kernels.ops.rope_tables), built once
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -152,7 +155,7 @@ class TorchBackend(AttentionBackend):
 
     def build_metadata(self, fb: ForwardBatch) -> None:
         build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens, fb.out_cache_loc,
-                       self.req_to_token, fb.meta, fb.phase is Phase.DRAFT_BLOCK)
+                       self.req_to_token, fb.meta, fb.phase is Phase.DRAFT_BLOCK, fb.paths)
         # NOTE: the per-request loop needs the offsets on the host: read them once here,
         # for every layer of this forward (this backend is eager-only)
         bs = fb.bs
@@ -173,7 +176,7 @@ class TorchBackend(AttentionBackend):
         qo = self._offsets["qo"]
         kv_indptr, kv_start, run = self._offsets[BLOCK if lists.noncausal else
                                                  SLIDING if sliding else FULL]
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)  # dead packed tokens (past the live ones) read zeros
         by_row = self.exact_rows and fb.phase is Phase.VERIFY
         for r in range(fb.bs):
             q0, q1 = qo[r], qo[r + 1]

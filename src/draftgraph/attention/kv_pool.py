@@ -26,3 +26,9 @@ class KVPool:
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_buffers + self.v_buffers)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V of slots `src` into slots `dst` ([n] int64 each; every source
+        is read before any destination is written, so they may overlap)."""
+        for buf in self.k_buffers + self.v_buffers:
+            buf[dst] = buf[src]

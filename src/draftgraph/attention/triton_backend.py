@@ -100,7 +100,7 @@ class TritonBackend(AttentionBackend):
     def build_metadata(self, fb: ForwardBatch) -> None:
         meta_kernels.build_metadata(fb.req_pool_indices, fb.seq_lens, fb.extend_lens,
                                     fb.out_cache_loc, self.req_to_token, fb.meta,
-                                    fb.phase is Phase.DRAFT_BLOCK)
+                                    fb.phase is Phase.DRAFT_BLOCK, fb.paths)
 
     def advance_metadata(self, fb: ForwardBatch) -> None:
         """The next draft step's metadata, inside the graph: the builders are capturable, so
@@ -155,7 +155,7 @@ class TritonBackend(AttentionBackend):
                     num_splits, cfg = plan(rows, hq, self.num_kv_heads, self.head_dim,
                                            self.max_kv_splits)
                 slots = num_splits
-            if (bs > self.max_bs or rows * slots * hq > self.mid_lse.numel()
+            if (rows * slots * hq > self.mid_lse.numel()
                     or rows * self.num_kv_heads > self.kv_counters.numel()):
                 raise ValueError(
                     f"decode batch of {rows} rows ({bs} requests) x {hq} query heads does not "

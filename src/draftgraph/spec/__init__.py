@@ -79,6 +79,10 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
         if kind != cfg.method:
             raise ValueError(f"--draft-head {path!r} is a {kind} head; use --speculative {kind}")
         head = load_head(path, target_config, device, dtype)
+    if cfg.method == "chain" and cfg.tree is not None:
+        from draftgraph.spec.tree import TreeHeadDrafter
+
+        return TreeHeadDrafter(head, cfg.tree)
     if cfg.method == "chain":
         from draftgraph.spec.chain_head import ChainHeadDrafter
 

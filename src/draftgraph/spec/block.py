@@ -115,7 +115,7 @@ class BlockHeadDrafter(StagedDrafter):
         self.block_loc[: bs * self.block_size].copy_(ctx.reserved_slots.flatten())
         torch.add(ctx.seq_lens, self.k, out=self.block_seq_lens[:bs])
 
-    def step_fb(self, ctx: DraftContext) -> ForwardBatch:
+    def step_fb(self, ctx: DraftContext, i: int = 0) -> ForwardBatch:
         bs, g = ctx.seq_lens.shape[0], self.block_size
         return ForwardBatch(Phase.DRAFT_BLOCK, self.block_ids[:bs].flatten(),
                             ctx.req_pool_indices, self.block_seq_lens[:bs],

@@ -103,12 +103,13 @@ class StagedDrafter(Drafter):
     def stage_step(self, ctx: DraftContext, i: int) -> None:
         raise NotImplementedError
 
-    def step_fb(self, ctx: DraftContext) -> ForwardBatch:
+    def step_fb(self, ctx: DraftContext, i: int) -> ForwardBatch:
+        """Step i's forward (over the inputs `stage_step` staged)."""
         raise NotImplementedError
 
-    def step_metadata(self, ctx: DraftContext) -> None:
-        """The fallback: the staged step's metadata rebuilt eagerly."""
-        self.executor.backend.build_metadata(self.step_fb(ctx))
+    def step_metadata(self, ctx: DraftContext, i: int) -> None:
+        """The fallback: step i's metadata rebuilt eagerly."""
+        self.executor.backend.build_metadata(self.step_fb(ctx, i))
 
     def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
         raise NotImplementedError
@@ -122,7 +123,7 @@ class StagedDrafter(Drafter):
         self.begin(ctx)
         for i in range(self.num_steps):
             self.stage_step(ctx, i)
-            fb = self.step_fb(ctx)
+            fb = self.step_fb(ctx, i)
             if i == 0:
                 backend.build_metadata(fb)
             else:
@@ -170,7 +171,7 @@ class ChainDrafter(StagedDrafter):
         torch.add(ctx.seq_lens, i, out=self.step_seq_lens[:bs])
         self.step_loc[:bs].copy_(ctx.reserved_slots[:, i])
 
-    def step_fb(self, ctx: DraftContext) -> ForwardBatch:
+    def step_fb(self, ctx: DraftContext, i: int) -> ForwardBatch:
         bs = ctx.seq_lens.shape[0]
         return ForwardBatch(Phase.DRAFT_CHAIN, self.step_ids[:bs], ctx.req_pool_indices,
                             self.step_seq_lens[:bs], self.ones[:bs], self.step_loc[:bs],

@@ -62,17 +62,18 @@ class ChainHeadDrafter(ChainDrafter):
                                       target.device, target.dtype, target.backend.name)
         self.capture = target.capture_hidden(tuple(head.head_config.hidden_layer_ids))
         self.bind_vocab(head, target)
-        m, k, dev, dt = target.max_bs, self.k, target.device, target.dtype
+        m, dev, dt = target.max_bs, target.device, target.dtype
         h = head.config.hidden_size
         rows = target.slots.token_table.shape[0]
         # per request row: the target's feature of the position before its last token
         self.last_feat = torch.zeros(rows, h, dtype=dt, device=dev)  # [max_reqs + 1, H]
         self.step_feat = torch.zeros(m, h, dtype=dt, device=dev)  # [max_bs, H] chain input
-        # the catch-up extend's raw inputs: k entries per request
-        self.cu_ids = torch.zeros(m * k, dtype=torch.int64, device=dev)
-        self.cu_loc = torch.zeros(m * k, dtype=torch.int64, device=dev)
+        # the catch-up extend's raw inputs: an entry per draft step per request
+        s = self.num_steps
+        self.cu_ids = torch.zeros(m * s, dtype=torch.int64, device=dev)
+        self.cu_loc = torch.zeros(m * s, dtype=torch.int64, device=dev)
         self.cu_seq = torch.ones(m, dtype=torch.int64, device=dev)
-        self.cu_ext = torch.full((m,), k, dtype=torch.int64, device=dev)
+        self.cu_ext = torch.full((m,), s, dtype=torch.int64, device=dev)
         self.alloc_steps(m, dev)
         logger.info("chain head: %d layer(s), target layers %s, draft vocabulary %d, KV pool "
                     "%.1f MiB", head.config.num_hidden_layers,
@@ -97,24 +98,28 @@ class ChainHeadDrafter(ChainDrafter):
 
     # ---- catch-up ---------------------------------------------------------------------------
     def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
-        bs, k = ctx.seq_lens.shape[0], self.k
+        bs, m = ctx.seq_lens.shape[0], self.num_steps
         n = ctx.seq_lens
         ext = 1 + accept.verify_seq_lens - n  # verified tokens per request, packed
         qo_start = ext.cumsum(0) - ext
-        total = bs * (1 + k)
+        total = bs * (1 + self.k)
         feats = self.head.features(self.capture.out[:total])  # [bs * (1 + k), H]
+        # the packed rows of the emitted path: a chain's row j is j, a tree's its path's
+        path = (accept.path if accept.path is not None else
+                torch.arange(1 + m, device=n.device).expand(bs, 1 + m))
+        rows = (qo_start[:, None] + path).clamp_max(total - 1)  # [bs, 1 + m]
         if self.catch_up:
-            src = (qo_start[:, None] + torch.arange(k, device=n.device)).clamp_max(total - 1)
-            ids, loc = self.cu_ids[: bs * k], self.cu_loc[: bs * k]
-            ids.copy_(accept.tokens[:, :k].clamp_min(0).flatten())
-            loc.copy_(ctx.reserved_slots[:, 1:].flatten())
-            torch.add(n, k, out=self.cu_seq[:bs])
+            ids, loc = self.cu_ids[: bs * m], self.cu_loc[: bs * m]
+            ids.copy_(accept.tokens[:, :m].clamp_min(0).flatten())
+            loc.copy_(ctx.reserved_slots[:, 1 : 1 + m].flatten())
+            torch.add(n, m, out=self.cu_seq[:bs])
             fb = ForwardBatch(Phase.EXTEND, ids, ctx.req_pool_indices, self.cu_seq[:bs],
                               self.cu_ext[:bs], loc, self.executor.meta)
             self.executor.backend.build_metadata(fb)
-            self.head.write_kv(self._embed(ids), feats[src.flatten()], fb,
+            self.head.write_kv(self._embed(ids), feats[rows[:, :m].flatten()], fb,
                                self.executor.backend)
-        self.last_feat[ctx.req_pool_indices] = feats[qo_start + accept.accept_lens - 1]
+        self.last_feat[ctx.req_pool_indices] = feats[rows.gather(
+            1, (accept.accept_lens - 1)[:, None]).squeeze(1)]
 
     def observe(self, sb: StepBatch) -> None:
         """An eager target forward captured the features of its tokens: the head writes its

@@ -45,6 +45,7 @@ class DraftContext:
     top_p: torch.Tensor | None = None  # [bs] fp32
     top_k: torch.Tensor | None = None  # [bs] int64
     greedy: bool = True  # every row has temperature 0 (known on the host, static per graph)
+    tree: bool = False  # a drafter that `drafts_trees` drafts a tree this step (static too)
 
 
 @dataclass
@@ -55,6 +56,11 @@ class Proposal:
     # [V] int32: draft_probs is [bs, k, V'] over the drafter's reduced vocabulary, and this
     # the column there of each target token (-1: probability 0); None: over the target's
     draft_index: torch.Tensor | None = None
+    # a tree of drafts (spec/tree.py), in depth order: each draft's parent row (0: the last
+    # token, i: draft i - 1) and depth [bs, k] int64, the deepest depth; None: a chain
+    parents: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
+    tree_depth: int = 0
 
 
 @dataclass
@@ -67,6 +73,9 @@ class Acceptance:
     # the verify forward itself: its packed tokens' slots (out_cache_loc) and positions, the
     # rows of the target's hidden-state capture (dead packed tokens: slot 0, position 0)
     verify_fb: ForwardBatch | None = None
+    # a tree's verify: the accepted path's packed rows [bs, 1 + depth] (depth j's row at j; a
+    # chain's row j is j) and the packed rows per request; None: a chain
+    path: torch.Tensor | None = None
 
 
 class Drafter:
@@ -76,6 +85,7 @@ class Drafter:
     # whether it runs under tensor parallelism: every rank runs the same drafter on the same
     # (replicated) inputs, TP rank 0 sending it to the others with the step bodies
     runs_under_tp = True
+    drafts_trees = False  # proposes trees (Proposal.parents) when DraftContext.tree says so
     bound_to = None  # the target executor `bind` was called with (once)
 
     def __init__(self, k: int) -> None:

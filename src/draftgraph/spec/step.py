@@ -35,10 +35,13 @@ import logging
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.attention.metadata import MetadataBuffers, RowPaths
+from draftgraph.kernels.argmax import row_argmax
 from draftgraph.kernels.tokens import AheadInputs, record_last_tokens
 from draftgraph.runtime.schema import Field, Lanes
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
+from draftgraph.spec.tree import TREE_MAX_BS, accept_tree, ancestors
 from draftgraph.spec.verify import emit, step_extras
 
 logger = logging.getLogger(__name__)
@@ -127,6 +130,32 @@ class StepBody:
         # the last proposal's draft distributions [bs, k, V'] and their vocabulary's index
         self._draft_probs: torch.Tensor | None = None
         self._draft_index: torch.Tensor | None = None
+        self.drafts_trees = drafter is not None and drafter.drafts_trees
+        if self.drafts_trees:
+            self._alloc_tree(max_bs, drafter.num_steps)
+
+    def _alloc_tree(self, max_bs: int, depth: int) -> None:
+        """A tree verify's rows (spec/tree.py): every request's 1 + k rows as decode rows of
+        their own lists, for batches of up to TREE_MAX_BS requests, with their own metadata
+        buffers."""
+        dev, r = self.device, min(TREE_MAX_BS, max_bs) * (1 + self.k)
+        self.tree_depth = depth
+        self.t_req = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.t_seq = torch.ones(r, dtype=torch.int64, device=dev)
+        self.t_ones = torch.ones(r, dtype=torch.int64, device=dev)
+        self.t_base = torch.ones(r, dtype=torch.int64, device=dev)
+        self.t_path = torch.zeros(r, depth, dtype=torch.int64, device=dev)
+        self.t_parents = torch.zeros(r, dtype=torch.int64, device=dev).view(-1, 1 + self.k)
+        self.t_live = torch.zeros(r, dtype=torch.bool, device=dev).view(-1, 1 + self.k)
+        ctx_len = self.backend.req_to_token.shape[1]
+        self.tree_meta = MetadataBuffers(r, r, r * ctx_len, self.backend.sliding_window, dev)
+
+    def tree_step(self, bs: int, greedy: bool) -> bool:
+        """Whether a step of `bs` requests drafts and verifies a tree (static per graph):
+        greedy, no top-N or controls (their tails read a chain), and room for the rows."""
+        return (self.drafts_trees and greedy and "top_ids" not in self.out
+                and "repetition_penalty" not in self.raw
+                and bs <= TREE_MAX_BS)
 
     def bind(self, raw: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
         """The graph set's persistent raw-input and result buffers."""
@@ -150,7 +179,7 @@ class StepBody:
 
     # ---- the body ---------------------------------------------------------------------------
     def parts(self, bs: int, greedy: bool) -> list:
-        verify_meta = (lambda: self.backend.build_metadata(self._fb(bs)), False)
+        verify_meta = (lambda: self.backend.build_metadata(self._fb(bs, greedy)), False)
         verify = (lambda: self._forward_and_accept(bs, greedy), True)
         if self.k and not self.fused_draft and isinstance(self.drafter, StagedDrafter):
             return self._staged_parts(bs, greedy) + ([] if self.metadata_in_graph
@@ -172,18 +201,18 @@ class StepBody:
 
         def step(i: int):
             ctx = self._ctx(bs, greedy)
-            d.run_step(ctx, i, d.step_fb(ctx))
+            d.run_step(ctx, i, d.step_fb(ctx, i))
             if i + 1 < n:
                 d.stage_step(ctx, i + 1)
                 return
             self._pack(ctx, d.finish(ctx))
             if self.metadata_in_graph:
-                self.backend.build_metadata(self._fb(bs))
+                self.backend.build_metadata(self._fb(bs, greedy))
                 self._forward_and_accept(bs, greedy)
 
         parts = [(first, True)]
         for i in range(n):
-            parts += [(lambda: d.step_metadata(self._ctx(bs, greedy)), False),
+            parts += [(lambda i=i: d.step_metadata(self._ctx(bs, greedy), i), False),
                       (lambda i=i: step(i), True)]
         return parts
 
@@ -193,10 +222,16 @@ class StepBody:
                             v["input_ids"][:bs], v["max_draft"][:bs],
                             self.target.slots.token_table, v["temperature"][:bs],
                             v["seeds"][:bs], self.slots[:bs] if self.k else
-                            v["reserved_slots"][:bs], v["top_p"][:bs], v["top_k"][:bs], greedy)
+                            v["reserved_slots"][:bs], v["top_p"][:bs], v["top_k"][:bs], greedy,
+                            self.tree_step(bs, greedy))
 
-    def _fb(self, bs: int) -> ForwardBatch:
+    def _fb(self, bs: int, greedy: bool = True) -> ForwardBatch:
         v, meta = self.raw, self.target.meta
+        if self.tree_step(bs, greedy):  # every row a decode row with its own list
+            r = bs * (1 + self.k)
+            return ForwardBatch(Phase.DECODE, self.packed_ids[:r], self.t_req[:r],
+                                self.t_seq[:r], self.t_ones[:r], self.packed_loc[:r],
+                                self.tree_meta, paths=RowPaths(self.t_path[:r], self.t_base[:r]))
         if self.k == 0:  # decode reads the raw inputs themselves: one token per request
             return ForwardBatch(Phase.DECODE, v["input_ids"][:bs], v["req_pool_indices"][:bs],
                                 v["seq_lens"][:bs], self.extend_lens[:bs],
@@ -226,6 +261,9 @@ class StepBody:
 
     def _pack(self, ctx: DraftContext, prop) -> None:
         """The proposal kept; the packed 1 + d tokens of each request and their slots."""
+        if prop.parents is not None:
+            self._pack_tree(ctx, prop)
+            return
         T = 1 + self.k
         bs = ctx.seq_lens.shape[0]
         table = ctx.token_table
@@ -251,9 +289,80 @@ class StepBody:
         table[torch.where(live, rows[r], 0), torch.where(live, seq[r] - 1 + jc, 0)] = \
             self.packed_ids[: bs * T]
 
+    def _pack_tree(self, ctx: DraftContext, prop) -> None:
+        """A tree's rows: request b's last token and its k drafts at rows b(1 + k) + i, each
+        at position t + depth into its own reserved slot, its list the request's keys up to
+        t, then its path (its ancestors' slots and its own); rows past the request's draft
+        budget (and padded requests' drafts) go to the dummy row 0, slot 0."""
+        bs, T = ctx.seq_lens.shape[0], 1 + self.k
+        r = bs * T
+        self.draft_tokens[:bs].copy_(prop.draft_tokens)
+        self.num_drafts[:bs].copy_(prop.num_drafts)
+        self._draft_probs, self._draft_index = None, None
+        zero = torch.zeros(bs, 1, dtype=torch.int64, device=self.device)
+        depths = torch.cat([zero, prop.depths], dim=1)  # [bs, T]
+        parents = torch.cat([zero, prop.parents], dim=1)
+        live = depths <= ctx.max_draft[:, None]
+        self.t_parents[:bs].copy_(parents)
+        self.t_live[:bs].copy_(live)
+        n = ctx.seq_lens[:, None]
+        self.packed_ids[:r].copy_(torch.cat([ctx.last_tokens[:, None], prop.draft_tokens],
+                                            dim=1).flatten())
+        self.packed_loc[:r].copy_(torch.where(live, ctx.reserved_slots, 0).flatten())
+        self.t_req[:r].copy_(torch.where(live, ctx.req_pool_indices[:, None], 0).flatten())
+        self.t_seq[:r].copy_(torch.where(live, n + depths, 1).flatten())
+        self.t_base[:r].copy_(torch.where(live, n, 1).flatten())
+        anc = ancestors(parents, depths, self.tree_depth)  # [bs, T, D] rows
+        self.t_path[:r].copy_(ctx.reserved_slots.gather(1, anc.reshape(bs, -1)).view(r, -1))
+        # the request's packed rows: T each (the catch-up reads its features by this)
+        self.verify_seq_lens[:bs].copy_(ctx.seq_lens + self.k)
+
+    def _accept_tree(self, bs: int, logits: torch.Tensor) -> None:
+        """Greedy acceptance along the tree; the accepted nodes' K and V copied to the slots
+        of their positions (reserved slot j for depth j) in every target layer, those slots
+        recorded at their positions, the accepted drafts in the token table; the drafter's
+        after_accept reads the path."""
+        T, D, v, o = 1 + self.k, self.tree_depth, self.raw, self.out
+        ctx = self._ctx(bs, True)
+        tokens = torch.cat([ctx.last_tokens[:, None], self.draft_tokens[:bs]], dim=1)
+        argmax = row_argmax(logits).view(bs, T)
+        path, lens = accept_tree(tokens, self.t_parents[:bs], self.t_live[:bs], argmax, D)
+        # the emitted run and its logprobs by the one tail, over the path's rows
+        rows = (torch.arange(bs, device=self.device)[:, None] * T + path).flatten()
+        drafts = tokens.gather(1, path[:, 1:])
+        out, acc, lps = emit(logits[rows], drafts, lens - 1, None, v["temperature"][:bs],
+                             v["top_p"][:bs], v["top_k"][:bs], v["seeds"][:bs],
+                             v["seq_lens"][:bs], True)
+        o["tokens"][:bs, : 1 + D].copy_(out)
+        o["tokens"][:bs, 1 + D :].fill_(-1)
+        o["logprobs"][:bs, : 1 + D].copy_(lps)
+        o["accept_lens"][:bs].copy_(acc)
+        o["num_drafts"][:bs].copy_(self.num_drafts[:bs])
+        # depth j's accepted node into reserved slot j (a node's row is >= its depth, and
+        # every source is read before any slot is written); j >= the accept length: itself
+        j = torch.arange(1, D + 1, device=self.device)
+        took = j[None, :] < acc[:, None]  # [bs, D]
+        slots = ctx.reserved_slots
+        dst = slots[:, 1 : 1 + D]
+        src = torch.where(took, slots.gather(1, path[:, 1:]), dst)
+        self.target.kv_pool.copy_slots(src.flatten(), dst.flatten())
+        rec = j[None, :] <= ctx.max_draft[:, None]
+        req = torch.where(rec, ctx.req_pool_indices[:, None], 0)
+        pos = torch.where(rec, ctx.seq_lens[:, None] - 1 + j, 0)
+        self.backend.req_to_token[req, pos] = torch.where(rec, dst, 0)
+        ctx.token_table[torch.where(took, ctx.req_pool_indices[:, None], 0),
+                        torch.where(took, pos, 0)] = torch.where(took, drafts, 0)
+        self.drafter.after_accept(ctx, Acceptance(out, acc, self.verify_seq_lens[:bs],
+                                                  self._fb(bs), path))
+
     def _forward_and_accept(self, bs: int, greedy: bool) -> None:
         v, T = self.raw, 1 + self.k
-        fb = self._fb(bs)
+        fb = self._fb(bs, greedy)
+        if self.tree_step(bs, greedy):  # every row a logit row
+            x, residual = self.model(fb.input_ids, fb, self.backend, final_norm=False,
+                                     capture=self.target.capture)
+            self._accept_tree(bs, self.model.compute_logits(x, residual))
+            return
         if T == 1:  # every row is a logit row: the final norm goes into the LM head kernel
             logits = self.model.compute_logits(*self.model(fb.input_ids, fb, self.backend,
                                                            final_norm=False))
@@ -285,7 +394,7 @@ class StepBody:
 
     def _step(self, bs: int, greedy: bool) -> None:
         self._prepare(bs, greedy)
-        self.backend.build_metadata(self._fb(bs))
+        self.backend.build_metadata(self._fb(bs, greedy))
         self._forward_and_accept(bs, greedy)
 
 

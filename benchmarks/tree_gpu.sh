@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Draft trees on the GPU (spec/tree.py, `--speculative-tree`; issue 14).
+#   tests:  the GPU tree tests (oracle trees accepted to full depth in fused graphs, the
+#           per-step fallback and eager; random-head trees agree across the three), the
+#           metadata builders (tree rows' lists) and the chain-head GPU tests (its catch-up
+#           now reads a path); fp32.
+#   rounds: ms per round of the default model's shape (random weights, bf16, batch BS, 512
+#           tokens of context) with the shipped chain head: chain k = 4 against trees, plain
+#           decode step in the same run (`bench_block.py`).
+#   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
+#           calls 1-7 `bash benchmarks/tree_gpu.sh stage N` with carry [".modeliN"], then
+#           `bash benchmarks/tree_gpu.sh real` with carry [".modeli8", ".whl_gguf"]): greedy
+#           MT-Bench and HumanEval at batch 1, plain / chain / trees, accept length, tokens/s
+#           and equality with plain (`bench_accept.py`).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks
+H=src/draftgraph/heads/smollm2-135m-chain
+TREES=${TREES:-4x5:16 2x4:8}
+case "${1:-}" in
+  tests)
+    timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_tree.py \
+      tests/test_kernels_metadata.py tests/test_gpu_chain_head.py 2>&1 | tail -25 \
+      | tee "$OUT/tree_tests.log" ;;
+  rounds)
+    arms="chain|$H|4"
+    for t in $TREES; do arms="$arms;chain|$H|$t"; done
+    for bs in ${BATCHES:-1 4}; do
+      timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m \
+        --batch-size "$bs" --steps 200 --arms "$arms" \
+        --out "$OUT/tree_rounds_smollm2_bs${bs}.json" 2>&1 | grep -E "arm|rror" \
+        | grep -v -i warn | cut -c1-400
+    done ;;
+  stage|real)
+    . benchmarks/gguf_parts.sh
+    gguf_stage_or_join "$@"
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+    arms="plain,chain@$H"
+    for t in $TREES; do arms="$arms,chain+$t@$H"; done
+    timeout ${LIMIT:-520} python3 benchmarks/bench_accept.py --model "$M" --device cuda \
+      --dtype bfloat16 --sets benchmarks/data/accept_sets_smollm2_ids.json \
+      --only mtbench,humaneval --num-prompts ${N:-20} --batch 1 --max-tokens ${MAXTOK:-256} \
+      --arms "$arms" --out "$OUT/tree_accept_real_bs1.json" 2>&1 | grep -v Warning | tail -12
+    ;;
+  *) echo "usage: $0 tests | rounds | stage N | real"; exit 2 ;;
+esac

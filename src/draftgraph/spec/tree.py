@@ -1,0 +1,229 @@
+"""Draft trees (EAGLE-2's dynamic tree, greedy): a chain head drafts a tree of `nodes` tokens
+and the target verifies them all in one forward; the deepest path the target agrees with is
+accepted (`--speculative-tree WxD:N`).
+
+Growing a tree (`TreeHeadDrafter`, every piece a fixed-shape device op, so it captures):
+step 0 is the chain's (the last token at its position, one row a request), its W likeliest
+tokens the depth-1 nodes; step d = 1 .. D - 1 runs the head on the W nodes of depth d with the
+best cumulative draft log-probability (the beam), each row proposing its W likeliest
+children. Of the W + (D - 1) W^2 nodes, the `nodes` best by cumulative score are drafted, in
+depth order (node ids are depth-major and a child never outscores its parent, so a stable sort
+keeps every kept node's parent).
+
+A tree row is a decode row with a list of its own (`attention.metadata.RowPaths`): its
+request's keys below the last token's position + 1, then the slots of its ancestors and its
+own at positions t + 1 .. t + depth. So neither the head's steps nor the target's verify need
+an attention mask, and a verify row on the accepted path attends to exactly the keys its
+decode row would.
+
+Acceptance (`accept_tree`): from the root, the child whose token is the target's argmax at
+the current row, D times; the emitted tokens are the path's drafts and the target's token
+after the last, exactly plain greedy decoding's. The step body (spec/step.py) then copies the
+accepted nodes' K and V to the slots of their positions (a depth-j node's KV into reserved slot
+j, in every target layer) and records those positions, so the sequence's cache is the chain
+layout again; the head's catch-up reads the target's features along the path.
+
+Sampled requests, steps with top-N or sampling controls, and batches of more than
+TREE_MAX_BS requests draft the head's chain of D instead: the step body
+decides (`StepBody.tree_step`) and says so in `DraftContext.tree`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.attention.metadata import MetadataBuffers, RowPaths
+from draftgraph.config import TreeShape
+from draftgraph.spec.chain_head import ChainHeadDrafter
+from draftgraph.spec.drafter import DraftContext, Proposal
+
+
+def ancestors(parents: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:
+    """[bs, R, depth] int64: row i's ancestor at depth j + 1 (itself at its own depth), as a
+    row index; 0 past the row's depth. parents / depths [bs, R] (row 0 the root: depth 0)."""
+    bs, R = parents.shape
+    out = torch.zeros(bs, R, depth + 1, dtype=torch.int64, device=parents.device)
+    cur = torch.arange(R, device=parents.device).expand(bs, R)
+    d = depths
+    for _ in range(depth):  # up one level a pass; a finished row writes the spare column
+        out.scatter_(2, torch.where(d > 0, d - 1, depth)[..., None], cur[..., None])
+        cur = parents.gather(1, cur)
+        d = d - 1
+    return out[..., :depth]
+
+
+def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, live: torch.Tensor,
+                target_argmax: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance along a tree: (path rows [bs, 1 + depth] (row 0, then the accepted
+    row at each depth; 0 past the accept length), accept_lens [bs] = accepted drafts + 1).
+
+    tokens / parents / live / target_argmax [bs, R]: each row's draft token, its parent row,
+    whether it may be accepted (the root is never a draft), the target's argmax after it."""
+    bs, R = tokens.shape
+    cur = torch.zeros(bs, dtype=torch.int64, device=tokens.device)
+    path = torch.zeros(bs, 1 + depth, dtype=torch.int64, device=tokens.device)
+    going = torch.ones(bs, dtype=torch.bool, device=tokens.device)
+    lens = torch.ones(bs, dtype=torch.int64, device=tokens.device)
+    rows = torch.arange(R, device=tokens.device)
+    for j in range(1, depth + 1):
+        want = target_argmax.gather(1, cur[:, None])  # [bs, 1]
+        cand = (parents == cur[:, None]) & (tokens == want) & live & (rows > 0)
+        going &= cand.any(dim=1)
+        nxt = cand.to(torch.int8).argmax(dim=1)  # the first matching child
+        cur = torch.where(going, nxt, cur)
+        path[:, j] = torch.where(going, nxt, 0)
+        lens += going.to(torch.int64)
+    return path, lens
+
+
+# the largest batch that drafts trees: its 1 + nodes rows a request are decode rows, each with
+# a list of its own (buffers sized for it); larger batches draft chains
+TREE_MAX_BS = 8
+
+
+class TreeHeadDrafter(ChainHeadDrafter):
+    """A chain head drafting trees (module docstring); its k is the tree's verified nodes."""
+
+    name = "chain-tree"
+    drafts_trees = True
+
+    def __init__(self, head, shape: TreeShape, catch_up: bool = True) -> None:
+        super().__init__(head, shape.nodes, catch_up)
+        self.shape = shape
+
+    @property
+    def num_steps(self) -> int:
+        return self.shape.depth
+
+    def bind(self, target) -> None:
+        super().bind(target)
+        w, d, dev = self.shape.width, self.shape.depth, target.device
+        m = min(TREE_MAX_BS, target.max_bs)
+        total = self.shape.total
+        # nodes, depth-major: W at depth 1, then each step's W x W children (beam row-major)
+        self.node_tok = torch.zeros(m, total, dtype=torch.int64, device=dev)
+        self.node_score = torch.zeros(m, total, dtype=torch.float32, device=dev)
+        self.node_parent = torch.zeros(m, total, dtype=torch.int64, device=dev)
+        self.node_depth = torch.tensor([1] * w + [2 + i // w ** 2 for i in range(total - w)],
+                                       dtype=torch.int64, device=dev)
+        self.beam_node = torch.zeros(m, w, dtype=torch.int64, device=dev)
+        self.beam_stream = torch.zeros(m, w, self.step_feat.shape[1], dtype=self.step_feat.dtype,
+                                       device=dev)
+        self.beam_path = torch.zeros(m, w, d, dtype=torch.int64, device=dev)
+        # the beam rows of a step (one per request and beam entry): their raw inputs and
+        # their own metadata (tree rows)
+        r = m * w
+        self.t_ids = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.t_req = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.t_seq = torch.ones(r, dtype=torch.int64, device=dev)
+        self.t_loc = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.t_base = torch.ones(r, dtype=torch.int64, device=dev)
+        self.t_ones = torch.ones(r, dtype=torch.int64, device=dev)
+        self.t_feat = torch.zeros(r, self.step_feat.shape[1], dtype=self.step_feat.dtype,
+                                  device=dev)
+        ctx_len = target.backend.req_to_token.shape[1]
+        self.tree_meta = MetadataBuffers(r, r, r * ctx_len, target.backend.sliding_window, dev)
+        self._tree = False
+
+    # ---- the proposal -----------------------------------------------------------------------
+    def begin(self, ctx: DraftContext) -> None:
+        super().begin(ctx)
+        self._tree = ctx.tree
+
+    def stage_step(self, ctx: DraftContext, i: int) -> None:
+        if i == 0 or not self._tree:
+            super().stage_step(ctx, i)
+            return
+        self._stage_beam(ctx, i)
+
+    def step_fb(self, ctx: DraftContext, i: int) -> ForwardBatch:
+        if i == 0 or not self._tree:
+            return super().step_fb(ctx, i)
+        r = ctx.seq_lens.shape[0] * self.shape.width
+        return ForwardBatch(Phase.DRAFT_CHAIN, self.t_ids[:r], self.t_req[:r], self.t_seq[:r],
+                            self.t_ones[:r], self.t_loc[:r], self.tree_meta,
+                            paths=RowPaths(self.beam_path[: r // self.shape.width].view(r, -1),
+                                           self.t_base[:r]))
+
+    def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
+        if not self._tree:
+            super().run_step(ctx, i, fb)
+            return
+        feat = self.step_feat[: fb.bs] if i == 0 else self.t_feat[: fb.bs]
+        x, residual = self.head(self._embed(fb.input_ids), feat, fb, self.executor.backend)
+        logits, stream = self.head.logits(x, residual, self.lm_head)
+        self._expand(ctx, i, logits, stream)
+
+    def _expand(self, ctx: DraftContext, i: int, logits: torch.Tensor,
+                stream: torch.Tensor) -> None:
+        """Each row's W likeliest children, scored by cumulative log-probability."""
+        bs, w = ctx.seq_lens.shape[0], self.shape.width
+        lp = torch.log_softmax(logits, dim=-1)
+        top = lp.topk(w, dim=-1)  # [rows, W]
+        tok = self.vocab[top.indices] if self.vocab is not None else top.indices
+        if i == 0:  # the root's children: depth 1
+            self.node_tok[:bs, :w] = tok
+            self.node_score[:bs, :w] = top.values
+            self.node_parent[:bs, :w] = -1
+            self.beam_stream[:bs, :1] = stream[:, None]
+            return
+        lo = w + (i - 1) * w * w
+        score = self.node_score[:bs].gather(1, self.beam_node[:bs])  # [bs, W]
+        self.node_tok[:bs, lo : lo + w * w] = tok.view(bs, w * w)
+        self.node_score[:bs, lo : lo + w * w] = (score[..., None]
+                                                 + top.values.view(bs, w, w)).view(bs, w * w)
+        self.node_parent[:bs, lo : lo + w * w] = self.beam_node[:bs].repeat_interleave(w, 1)
+        self.beam_stream[:bs].copy_(stream.view(bs, w, -1))
+
+    def _stage_beam(self, ctx: DraftContext, i: int) -> None:
+        """Step i's rows: the W best nodes of depth i, each fed (its parent's stream, its
+        token) at position t + i into its own KV slot, its path its parent's plus that slot."""
+        bs, w = ctx.seq_lens.shape[0], self.shape.width
+        lo = 0 if i == 1 else w + (i - 2) * w * w  # this depth's nodes
+        width = w if i == 1 else w * w
+        score = self.node_score[:bs, lo : lo + width]
+        pick = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :w]  # [bs, W]
+        parent_beam = torch.zeros_like(pick) if i == 1 else pick // w
+        self.beam_node[:bs] = lo + pick
+        feat = self.beam_stream[:bs].gather(
+            1, parent_beam[..., None].expand(bs, w, self.beam_stream.shape[2]))
+        path = self.beam_path[:bs].gather(
+            1, parent_beam[..., None].expand(bs, w, self.shape.depth))  # [bs, W, D]
+        slot = ctx.reserved_slots[:, 1 + (i - 1) * w : 1 + i * w]  # [bs, W]
+        path[:, :, i - 1] = slot
+        self.beam_path[:bs].copy_(path)
+        live = (ctx.max_draft >= i)[:, None].expand(bs, w)
+        r = bs * w
+        self.t_feat[:r].copy_(feat.reshape(r, -1))
+        self.t_ids[:r].copy_(self.node_tok[:bs].gather(1, lo + pick).flatten())
+        self.t_req[:r].copy_(torch.where(live, ctx.req_pool_indices[:, None], 0).flatten())
+        self.t_seq[:r].copy_(torch.where(live, ctx.seq_lens[:, None] + i, 1).flatten())
+        self.t_loc[:r].copy_(torch.where(live, slot, 0).flatten())
+        self.t_base[:r].copy_(torch.where(live, ctx.seq_lens[:, None], 1).flatten())
+
+    def finish(self, ctx: DraftContext) -> Proposal:
+        if not self._tree:  # the chain of D (sampled, or a batch too large for tree rows)
+            prop = super().finish(ctx)
+            d = self.shape.depth
+            prop.num_drafts = torch.clamp(ctx.max_draft, max=d)
+            if prop.draft_probs is not None and d < self.k:
+                pad = prop.draft_probs.new_zeros(ctx.seq_lens.shape[0], self.k - d,
+                                                  prop.draft_probs.shape[2])
+                prop.draft_probs = torch.cat([prop.draft_probs, pad], dim=1)
+            return prop
+        bs, n = ctx.seq_lens.shape[0], self.k
+        depth = self.node_depth.expand(bs, -1)
+        # nodes past a request's draft budget are never verified: ranked last
+        score = torch.where(depth <= ctx.max_draft[:, None], self.node_score[:bs],
+                            float("-inf"))
+        keep = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]
+        keep = keep.sort(dim=1).values  # depth order: parents first
+        row_of = torch.zeros_like(self.node_parent[:bs])
+        row_of.scatter_(1, keep, torch.arange(1, n + 1, device=keep.device).expand(bs, n))
+        parent = self.node_parent[:bs].gather(1, keep)
+        parents = torch.where(parent < 0, 0, row_of.gather(1, parent.clamp_min(0)))
+        self.drafts[:bs].copy_(self.node_tok[:bs].gather(1, keep))
+        live = (depth.gather(1, keep) <= ctx.max_draft[:, None]).sum(dim=1)
+        return Proposal(self.drafts[:bs], live, parents=parents,
+                        depths=depth.gather(1, keep), tree_depth=self.shape.depth)

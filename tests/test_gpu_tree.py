@@ -1,0 +1,92 @@
+"""GPU: draft trees (spec/tree.py) in captured step graphs, fp32. An oracle tree (the plain
+continuation ranked first at every row) is accepted to full depth round after round and gives
+plain decoding's tokens, from the fused graphs, the per-step fallback and the eager body
+alike; a random head over a batch that grows and shrinks drafts the same trees in all three
+and gives plain decoding's output; captured buffers keep their addresses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftgraph.attention.triton_backend import TritonBackend
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.models.heads import random_head
+from draftgraph.models.loader import load_model
+from draftgraph.spec.tree import TreeHeadDrafter
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TREE = TreeShape(4, 5, 16)
+ARMS = ("fused", "fallback", "eager")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("random:smollm2-135m", device="cuda", dtype=torch.float32)
+
+
+def _engine(loaded, drafter=None, use_graphs: bool = True) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model="random:smollm2-135m", device="cuda", dtype="float32", use_graphs=use_graphs,
+        cache=CacheConfig(kv_cache_tokens=16384),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
+                                  max_model_len=1024),
+        spec=SpecConfig(method="ngram", num_draft_tokens=TREE.nodes, adaptive=False)),
+        loaded=loaded, drafter=drafter)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (9, 120, 33, 64, 5)]
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_an_oracle_tree_is_accepted_to_full_depth_and_lossless(loaded, monkeypatch, arm):
+    from test_spec_tree import GREEDY, oracle_run
+
+    if arm == "fallback":
+        monkeypatch.setattr(TritonBackend, "draft_step_update", False)
+
+    def engine_for(make):
+        drafter = make(random_head(loaded.config, "", "cuda", torch.float32, seed=2))
+        drafter_engine = _engine(loaded, drafter, use_graphs=arm != "eager")
+        body = drafter_engine.spec_graphs.body
+        assert body.fused_draft == (arm != "fallback")
+        return drafter_engine, drafter
+
+    prompt = _prompts(loaded.config.vocab_size)[1]
+    tokens, ref, s = oracle_run(engine_for, lambda p: _engine(loaded).generate(
+        [p], GREEDY)[0].token_ids, prompt)
+    assert tokens == ref
+    assert s["num_accepted_tokens"] >= 0.9 * TREE.depth * s["num_drafts"]
+
+
+def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatch):
+    prompts = _prompts(loaded.config.vocab_size)
+    params = [SamplingParams(max_tokens=20 + 7 * i, temperature=0, ignore_eos=True)
+              for i in range(len(prompts))]
+    head = random_head(loaded.config, "draft_vocab=8192", "cuda", torch.float32, seed=2)
+    runs = {}
+    for arm in ARMS:
+        if arm == "fallback":
+            monkeypatch.setattr(TritonBackend, "draft_step_update", False)
+        drafter = TreeHeadDrafter(head, TREE)
+        engine = _engine(loaded, drafter, use_graphs=arm != "eager")
+        ptrs = [t.data_ptr() for t in (drafter.node_tok, drafter.tree_meta.positions,
+                                        engine.spec_graphs.body.t_path)]
+        runs[arm] = [o.token_ids for o in engine.generate(prompts, params)]
+        assert ptrs == [t.data_ptr() for t in (drafter.node_tok, drafter.tree_meta.positions,
+                                                engine.spec_graphs.body.t_path)]
+        assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+        assert engine.stats["num_draft_tokens"] > 0
+        monkeypatch.undo()
+    assert runs["fallback"] == runs["fused"]
+    ref = [o.token_ids for o in _engine(loaded).generate(prompts, params)]
+    for arm in ARMS:  # fp32 rows of another batch shape may flip a near-tie
+        assert sum(a == b for a, b in zip(runs[arm], ref, strict=True)) >= len(ref) - 1, arm

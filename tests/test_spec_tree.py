@@ -1,0 +1,235 @@
+"""Draft trees (`--speculative chain --speculative-tree WxD:N`, spec/tree.py): the ancestor rows
+and the greedy walk by hand; greedy output equals plain decoding with a random head (tiny
+model: batches that draft trees, batches too large for them, greedy and sampled requests
+together) and with the shipped head on the default model, whose accept length the tree raises
+over its chain; skipping the copy of the accepted nodes' KV, or building tree rows' lists
+without their paths, breaks the equality (the checks catch both)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
+
+import draftgraph.attention.metadata as metadata
+from draftgraph.attention.kv_pool import KVPool
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.models.heads import random_head
+from draftgraph.spec.tree import TREE_MAX_BS, TreeHeadDrafter, accept_tree, ancestors
+
+SETS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "accept_sets_smollm2_ids.json"
+TREE = TreeShape(4, 5, 16)
+GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3] * 5, list(range(40, 70))]
+
+
+def test_tree_shapes_are_checked_and_named_by_the_flag():
+    assert TreeShape.parse("4x5:16") == TreeShape(4, 5, 16)
+    assert TreeShape(4, 5, 16).total == 4 + 4 * 16
+    for bad in ("4x5", "4x5:17", "2x2:7", "1x6:5", "8x6:16", "4x4:8"):
+        with pytest.raises(ValueError, match="--speculative-tree"):
+            TreeShape.parse(bad)
+    with pytest.raises(ValueError, match="--speculative-tree is for --speculative chain"):
+        SpecConfig(method="ngram", tree=TREE)
+
+
+def test_ancestors_and_the_greedy_walk_by_hand():
+    # rows: 0 root; 1, 2 at depth 1; 3 (child of 2), 4 (child of 1) at depth 2; 5 (of 3)
+    parents = torch.tensor([[0, 0, 0, 2, 1, 3]])
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3]])
+    anc = ancestors(parents, depths, 3)
+    assert anc[0].tolist() == [[0, 0, 0], [1, 0, 0], [2, 0, 0], [2, 3, 0], [1, 4, 0],
+                               [2, 3, 5]]
+    tokens = torch.tensor([[-1, 10, 11, 12, 13, 14]])
+    live = torch.ones(1, 6, dtype=torch.bool)
+    # the target: after the root 11, after row 2 12, after row 3 99 (no child carries it)
+    argmax = torch.tensor([[11, 0, 12, 99, 0, 0]])
+    path, lens = accept_tree(tokens, parents, live, argmax, 3)
+    assert path.tolist() == [[0, 2, 3, 0]] and lens.tolist() == [3]
+    argmax[0, 3] = 14  # row 5 carries it: the whole path
+    path, lens = accept_tree(tokens, parents, live, argmax, 3)
+    assert path.tolist() == [[0, 2, 3, 5]] and lens.tolist() == [4]
+    live[0, 5] = False  # past the request's draft budget: never accepted
+    assert accept_tree(tokens, parents, live, argmax, 3)[1].tolist() == [3]
+    argmax[0, 0] = 10  # the other branch: row 1, then no child of it carries 0
+    path, lens = accept_tree(tokens, parents, live, argmax, 3)
+    assert path.tolist() == [[0, 1, 0, 0]] and lens.tolist() == [2]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model(seed=5)
+
+
+@pytest.fixture(scope="module")
+def plain(hf):
+    return [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, GREEDY)]
+
+
+def _tree_engine(hf, tree: TreeShape = TREE, max_num_seqs: int = 8):
+    drafter = TreeHeadDrafter(random_head(tiny_loaded(hf).config, "", seed=3), tree)
+    spec = SpecConfig(method="ngram", num_draft_tokens=tree.nodes, adaptive=False)
+    return tiny_engine(hf, max_num_seqs, spec=spec, drafter=drafter), drafter
+
+
+def _count_tree_steps(engine) -> list:
+    """Counts the verify steps that took the tree path."""
+    body = engine.spec_graphs.body
+    seen = []
+    accept = body._accept_tree
+
+    def counted(bs, logits):
+        seen.append(bs)
+        accept(bs, logits)
+
+    body._accept_tree = counted
+    return seen
+
+
+@pytest.mark.parametrize("tree", [TREE, TreeShape(1, 3, 3), TreeShape(2, 3, 6)])
+def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
+    engine, drafter = _tree_engine(hf, tree)
+    seen = _count_tree_steps(engine)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
+    assert len(seen) > 20 and max(seen) == len(PROMPTS)  # trees, the three together
+    assert engine.stats["num_draft_tokens"] > 20 * tree.nodes
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+
+
+def test_batches_too_large_for_trees_and_sampled_batches_draft_chains(hf, plain):
+    prompts = [[i, i + 1, i + 2] for i in range(3, 3 + 2 * TREE_MAX_BS)]
+    ref = [o.token_ids for o in tiny_engine(hf, 16).generate(prompts, GREEDY)]
+    engine, _ = _tree_engine(hf, max_num_seqs=16)
+    seen = _count_tree_steps(engine)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == ref
+    assert seen and max(seen) <= TREE_MAX_BS  # the full batch drafted chains
+    # a sampled request beside greedy ones: the batch drafts a chain of D, still lossless
+    engine, _ = _tree_engine(hf)
+    seen = _count_tree_steps(engine)
+    hot = SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)
+    outs = engine.generate(PROMPTS + [[9, 9, 9]], [GREEDY] * len(PROMPTS) + [hot])
+    assert [o.token_ids for o in outs[:3]] == plain[:3]
+    assert len(outs[3].token_ids) == 30
+    assert engine.stats["num_drafts"] > len(seen)  # some steps were chains
+
+
+class OracleTree(TreeHeadDrafter):
+    """A random head whose every row ranks the plain continuation's next token first, with
+    log-probability ~0 (the rest ~-1e4): the true path is always drafted and accepted as deep
+    as the tree goes, while its nodes sit at rows other than their depths (so the KV copy
+    moves them); one request (`future`: its prompt and plain output)."""
+
+    def __init__(self, head, shape: TreeShape, future: list[int]) -> None:
+        super().__init__(head, shape)
+        self.future = torch.tensor(future + [0] * (shape.depth + 2))
+
+    def bind(self, target) -> None:
+        super().bind(target)
+        self.future = self.future.to(target.device)
+
+    def _expand(self, ctx, i, logits, stream):
+        bs, w = ctx.seq_lens.shape[0], self.shape.width
+        seq = self.step_seq_lens[:bs] if i == 0 else self.t_seq[: bs * w]
+        nxt = self.future[seq.clamp_max(len(self.future) - 1)]
+        logits = logits.scatter(1, nxt[:, None], 1e4)
+        super()._expand(ctx, i, logits, stream)
+
+
+def oracle_run(engine_for, plain_of, prompt: list[int], shape: TreeShape = TREE):
+    """(tokens, plain tokens, stats) of one request drafted by an OracleTree; engine_for(d)
+    builds the engine, plain_of(prompt) the plain output."""
+    ref = plain_of(prompt)
+    engine, drafter = engine_for(lambda head: OracleTree(head, shape, prompt + ref))
+    (out,) = engine.generate([prompt], GREEDY)
+    return out.token_ids, ref, engine.stats
+
+
+def _oracle_engine(hf):
+    def engine_for(make):
+        drafter = make(random_head(tiny_loaded(hf).config, "", seed=3))
+        spec = SpecConfig(method="ngram", num_draft_tokens=TREE.nodes, adaptive=False)
+        return tiny_engine(hf, spec=spec, drafter=drafter), drafter
+
+    def plain_of(prompt):
+        return tiny_engine(hf).generate([prompt], GREEDY)[0].token_ids
+    return engine_for, plain_of
+
+
+def test_an_accepted_path_is_moved_into_place(hf):
+    """The oracle's true path is accepted to full depth every round; without the KV copy the
+    next rounds read the accepted positions' slots holding other nodes' K / V."""
+    tokens, ref, s = oracle_run(*_oracle_engine(hf), PROMPTS[2])
+    assert tokens == ref
+    assert s["num_accepted_tokens"] >= 0.9 * TREE.depth * s["num_drafts"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(KVPool, "copy_slots", lambda self, src, dst: None)
+        tokens, ref, _ = oracle_run(*_oracle_engine(hf), PROMPTS[2])
+    assert tokens != ref
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    sets = json.loads(SETS.read_text())
+    return sets["mtbench"][:3] + sets["humaneval"][:3]
+
+
+def _run(loaded, prompts, spec: SpecConfig, max_num_seqs: int = 8, stats: bool = False):
+    engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(kv_cache_tokens=4096),
+                                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+                                    spec=spec), loaded=loaded)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0,
+                                                   ignore_eos=True))
+    s = engine.stats
+    if stats:
+        return s
+    return [o.token_ids for o in outs], 1 + s["num_accepted_tokens"] / max(s["num_drafts"], 1)
+
+
+@pytest.fixture(scope="module")
+def real_plain(default_model, prompts):
+    return _run(default_model, prompts, SpecConfig())[0]
+
+
+def test_the_shipped_head_drafts_trees_losslessly_and_accepts_more(default_model, prompts,
+                                                                    real_plain):
+    tokens, chain = _run(default_model, prompts, SpecConfig(method="chain", adaptive=False))
+    assert tokens == real_plain
+    tokens, tree = _run(default_model, prompts, SpecConfig(method="chain", tree=TREE))
+    assert tokens == real_plain
+    # measured on these prompts: chain (k = 4) 1.76, tree 4x5:16 2.34
+    assert tree > chain + 0.4, (chain, tree)
+
+
+OFFLINE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / \
+    "tree_accept_engine_check_cpu_fp32.json"
+
+
+@pytest.mark.parametrize("name", ["mtbench", "humaneval"])
+def test_the_engines_trees_accept_what_the_offline_walk_measured(default_model, name):
+    """benchmarks/tree_accept.py grows the same trees from scratch (the head's entries over
+    the whole sequence, a tree mask) along the target's outputs; the engine, one request at
+    a time, must make the same rounds and accept the same tokens, for the chain too."""
+    offline = json.loads(OFFLINE.read_text())["sets"][name]
+    prompts = json.loads(SETS.read_text())[name][:3]
+    for spec, key in ((SpecConfig(method="chain", adaptive=False), "1x4:4"),
+                      (SpecConfig(method="chain", tree=TREE), "4x5:16")):
+        s = _run(default_model, prompts, spec, max_num_seqs=1, stats=True)
+        assert (s["num_drafts"], s["num_accepted_tokens"]) == (
+            offline[key]["rounds"], offline[key]["accepted"]), key
+
+
+@pytest.mark.parametrize("broken", ["no KV copy", "lists without paths"])
+def test_a_tree_step_missing_a_piece_is_caught(default_model, prompts, real_plain,
+                                               monkeypatch, broken):
+    if broken == "no KV copy":  # accepted nodes' K / V left in their drafting slots
+        monkeypatch.setattr(KVPool, "copy_slots", lambda self, src, dst: None)
+    else:  # every tree row reads its request's table (its siblings' racy entries)
+        build = metadata.build_kv_index_lists
+        monkeypatch.setattr(metadata, "build_kv_index_lists", lambda *a: build(*a[:5]))
+    tokens, _ = _run(default_model, prompts, SpecConfig(method="chain", tree=TREE))
+    assert tokens != real_plain
