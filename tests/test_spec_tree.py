@@ -45,20 +45,26 @@ def test_ancestors_and_the_greedy_walk_by_hand():
     anc = ancestors(parents, depths, 3)
     assert anc[0].tolist() == [[0, 0, 0], [1, 0, 0], [2, 0, 0], [2, 3, 0], [1, 4, 0],
                                [2, 3, 5]]
-    tokens = torch.tensor([[-1, 10, 11, 12, 13, 14]])
+    tokens = torch.tensor([[7, 10, 11, 12, 13, 14]])
     live = torch.ones(1, 6, dtype=torch.bool)
+
+    def accept(argmax):
+        return accept_tree(tokens, parents, anc, depths, live, torch.tensor([argmax]))
+
     # the target: after the root 11, after row 2 12, after row 3 99 (no child carries it)
-    argmax = torch.tensor([[11, 0, 12, 99, 0, 0]])
-    path, lens = accept_tree(tokens, parents, live, argmax, 3)
+    path, lens = accept([11, 0, 12, 99, 0, 0])
     assert path.tolist() == [[0, 2, 3, 0]] and lens.tolist() == [3]
-    argmax[0, 3] = 14  # row 5 carries it: the whole path
-    path, lens = accept_tree(tokens, parents, live, argmax, 3)
+    path, lens = accept([11, 0, 12, 14, 0, 0])  # row 5 carries it: the whole path
     assert path.tolist() == [[0, 2, 3, 5]] and lens.tolist() == [4]
     live[0, 5] = False  # past the request's draft budget: never accepted
-    assert accept_tree(tokens, parents, live, argmax, 3)[1].tolist() == [3]
-    argmax[0, 0] = 10  # the other branch: row 1, then no child of it carries 0
-    path, lens = accept_tree(tokens, parents, live, argmax, 3)
+    assert accept([11, 0, 12, 14, 0, 0])[1].tolist() == [3]
+    # the other branch: row 1, then no child of it carries 0; row 4 carries 13 but its
+    # parent row 1 is not on the path (the target wanted 10 there)
+    path, lens = accept([10, 0, 12, 14, 0, 0])
     assert path.tolist() == [[0, 1, 0, 0]] and lens.tolist() == [2]
+    path, lens = accept([11, 13, 12, 0, 0, 0])
+    assert path.tolist() == [[0, 2, 3, 0]] and lens.tolist() == [3]
+    assert accept([99, 13, 12, 14, 0, 0])[1].tolist() == [1]  # nothing: the bonus token only
 
 
 @pytest.fixture(scope="module")

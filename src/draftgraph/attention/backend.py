@@ -127,11 +127,13 @@ class AttentionBackend:
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                  fb: ForwardBatch) -> None:
         """Only write the new tokens' K/V [T, Hkv, D] at fb.out_cache_loc (a drafter's KV
-        catch-up reads no attention output from its last layer)."""
+        catch-up reads no attention output from its last layer). The pool is a cache, never
+        part of an autograd graph: values are detached (a write in grad mode would otherwise
+        tie the pool's one tensor, every layer's K and V, to the writer's graph)."""
         k_cache = self.kv_pool.k_buffers[layer_id]
         v_cache = self.kv_pool.v_buffers[layer_id]
-        k_cache[fb.out_cache_loc] = k.to(k_cache.dtype)
-        v_cache[fb.out_cache_loc] = v.to(v_cache.dtype)
+        k_cache[fb.out_cache_loc] = k.detach().to(k_cache.dtype)
+        v_cache[fb.out_cache_loc] = v.detach().to(v_cache.dtype)
 
 
 def _keys(k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor, run: int, lo: int,

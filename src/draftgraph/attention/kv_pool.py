@@ -18,17 +18,17 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device)
-                          for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device)
-                          for _ in range(num_layers)]
+        # one tensor [2, layers, slots, Hkv, D]: a layer's K or V is a contiguous view of it,
+        # and a slot copy across every layer (`copy_slots`) is one gather and one scatter
+        self.kv = torch.zeros(2, num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype,
+                              device=device)
+        self.k_buffers = [self.kv[0, i] for i in range(num_layers)]
+        self.v_buffers = [self.kv[1, i] for i in range(num_layers)]
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_buffers + self.v_buffers)
+        return self.kv.numel() * self.kv.element_size()
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K and V of slots `src` into slots `dst` ([n] int64 each; every source
         is read before any destination is written, so they may overlap)."""
-        for buf in self.k_buffers + self.v_buffers:
-            buf[dst] = buf[src]
+        self.kv[:, :, dst] = self.kv[:, :, src]

@@ -36,7 +36,7 @@ import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.attention.metadata import MetadataBuffers, RowPaths
-from draftgraph.kernels.argmax import row_argmax
+from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.kernels.tokens import AheadInputs, record_last_tokens
 from draftgraph.runtime.schema import Field, Lanes
 from draftgraph.spec.chain import StagedDrafter
@@ -147,6 +147,9 @@ class StepBody:
         self.t_path = torch.zeros(r, depth, dtype=torch.int64, device=dev)
         self.t_parents = torch.zeros(r, dtype=torch.int64, device=dev).view(-1, 1 + self.k)
         self.t_live = torch.zeros(r, dtype=torch.bool, device=dev).view(-1, 1 + self.k)
+        self.t_depths = torch.zeros(r, dtype=torch.int64, device=dev).view(-1, 1 + self.k)
+        self.t_anc = torch.zeros(r, depth, dtype=torch.int64, device=dev).view(
+            -1, 1 + self.k, depth)
         ctx_len = self.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, self.backend.sliding_window, dev)
 
@@ -313,46 +316,47 @@ class StepBody:
         self.t_seq[:r].copy_(torch.where(live, n + depths, 1).flatten())
         self.t_base[:r].copy_(torch.where(live, n, 1).flatten())
         anc = ancestors(parents, depths, self.tree_depth)  # [bs, T, D] rows
+        self.t_anc[:bs].copy_(anc)
+        self.t_depths[:bs].copy_(depths)
         self.t_path[:r].copy_(ctx.reserved_slots.gather(1, anc.reshape(bs, -1)).view(r, -1))
         # the request's packed rows: T each (the catch-up reads its features by this)
         self.verify_seq_lens[:bs].copy_(ctx.seq_lens + self.k)
 
     def _accept_tree(self, bs: int, logits: torch.Tensor) -> None:
-        """Greedy acceptance along the tree; the accepted nodes' K and V copied to the slots
-        of their positions (reserved slot j for depth j) in every target layer, those slots
-        recorded at their positions, the accepted drafts in the token table; the drafter's
-        after_accept reads the path."""
-        T, D, v, o = 1 + self.k, self.tree_depth, self.raw, self.out
+        """Greedy acceptance along the tree; the emitted run (the path's drafts, then the
+        target's token after the last) with the logprobs of the raw distribution; the
+        accepted nodes' K and V copied to the slots of their positions (reserved slot j for
+        depth j) in every target layer, those slots recorded at their positions, the accepted
+        drafts in the token table; the drafter's after_accept reads the path."""
+        T, D, o = 1 + self.k, self.tree_depth, self.out
         ctx = self._ctx(bs, True)
         tokens = torch.cat([ctx.last_tokens[:, None], self.draft_tokens[:bs]], dim=1)
-        argmax = row_argmax(logits).view(bs, T)
-        path, lens = accept_tree(tokens, self.t_parents[:bs], self.t_live[:bs], argmax, D)
-        # the emitted run and its logprobs by the one tail, over the path's rows
-        rows = (torch.arange(bs, device=self.device)[:, None] * T + path).flatten()
-        drafts = tokens.gather(1, path[:, 1:])
-        out, acc, lps = emit(logits[rows], drafts, lens - 1, None, v["temperature"][:bs],
-                             v["top_p"][:bs], v["top_k"][:bs], v["seeds"][:bs],
-                             v["seq_lens"][:bs], True)
+        argmax, lse = argmax_lse(logits)  # [bs * T] each: one pass over every row
+        path, lens = accept_tree(tokens, self.t_parents[:bs], self.t_anc[:bs],
+                                 self.t_depths[:bs], self.t_live[:bs], argmax.view(bs, T))
+        rows = torch.arange(bs, device=self.device)[:, None] * T + path  # [bs, 1 + D]
+        emitted = argmax[rows]  # row j's argmax: the draft at depth j + 1 on the path
+        j = torch.arange(1 + D, device=self.device)
+        out = torch.where(j < lens[:, None], emitted, -1)
         o["tokens"][:bs, : 1 + D].copy_(out)
         o["tokens"][:bs, 1 + D :].fill_(-1)
-        o["logprobs"][:bs, : 1 + D].copy_(lps)
-        o["accept_lens"][:bs].copy_(acc)
+        o["logprobs"][:bs, : 1 + D].copy_(logits[rows, emitted] - lse[rows])
+        o["accept_lens"][:bs].copy_(lens)
         o["num_drafts"][:bs].copy_(self.num_drafts[:bs])
         # depth j's accepted node into reserved slot j (a node's row is >= its depth, and
         # every source is read before any slot is written); j >= the accept length: itself
-        j = torch.arange(1, D + 1, device=self.device)
-        took = j[None, :] < acc[:, None]  # [bs, D]
+        took = j[None, 1:] < lens[:, None]  # [bs, D]
         slots = ctx.reserved_slots
         dst = slots[:, 1 : 1 + D]
-        src = torch.where(took, slots.gather(1, path[:, 1:]), dst)
-        self.target.kv_pool.copy_slots(src.flatten(), dst.flatten())
-        rec = j[None, :] <= ctx.max_draft[:, None]
+        self.target.kv_pool.copy_slots(torch.where(took, slots.gather(1, path[:, 1:]), dst)
+                                       .flatten(), dst.flatten())
+        rec = j[None, 1:] <= ctx.max_draft[:, None]
         req = torch.where(rec, ctx.req_pool_indices[:, None], 0)
-        pos = torch.where(rec, ctx.seq_lens[:, None] - 1 + j, 0)
+        pos = torch.where(rec, ctx.seq_lens[:, None] - 1 + j[1:], 0)
         self.backend.req_to_token[req, pos] = torch.where(rec, dst, 0)
-        ctx.token_table[torch.where(took, ctx.req_pool_indices[:, None], 0),
-                        torch.where(took, pos, 0)] = torch.where(took, drafts, 0)
-        self.drafter.after_accept(ctx, Acceptance(out, acc, self.verify_seq_lens[:bs],
+        ctx.token_table[torch.where(took, req, 0), torch.where(took, pos, 0)] = \
+            torch.where(took, emitted[:, :D], 0)
+        self.drafter.after_accept(ctx, Acceptance(out, lens, self.verify_seq_lens[:bs],
                                                   self._fb(bs), path))
 
     def _forward_and_accept(self, bs: int, greedy: bool) -> None:

@@ -53,28 +53,27 @@ def ancestors(parents: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.
     return out[..., :depth]
 
 
-def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, live: torch.Tensor,
-                target_argmax: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance along a tree: (path rows [bs, 1 + depth] (row 0, then the accepted
-    row at each depth; 0 past the accept length), accept_lens [bs] = accepted drafts + 1).
+def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
+                depths: torch.Tensor, live: torch.Tensor, target_argmax: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance along a tree: (path rows [bs, 1 + D] (row 0, then the accepted row
+    at each depth; 0 past the accept length), accept_lens [bs] = accepted drafts + 1).
 
-    tokens / parents / live / target_argmax [bs, R]: each row's draft token, its parent row,
-    whether it may be accepted (the root is never a draft), the target's argmax after it."""
-    bs, R = tokens.shape
-    cur = torch.zeros(bs, dtype=torch.int64, device=tokens.device)
-    path = torch.zeros(bs, 1 + depth, dtype=torch.int64, device=tokens.device)
-    going = torch.ones(bs, dtype=torch.bool, device=tokens.device)
-    lens = torch.ones(bs, dtype=torch.int64, device=tokens.device)
-    rows = torch.arange(R, device=tokens.device)
-    for j in range(1, depth + 1):
-        want = target_argmax.gather(1, cur[:, None])  # [bs, 1]
-        cand = (parents == cur[:, None]) & (tokens == want) & live & (rows > 0)
-        going &= cand.any(dim=1)
-        nxt = cand.to(torch.int8).argmax(dim=1)  # the first matching child
-        cur = torch.where(going, nxt, cur)
-        path[:, j] = torch.where(going, nxt, 0)
-        lens += going.to(torch.int64)
-    return path, lens
+    tokens / parents / depths / live / target_argmax [bs, R]: each row's token, its parent
+    row, its depth (row 0, the root, is 0), whether it may be accepted, the target's argmax
+    after it; anc [bs, R, D]: `ancestors`. A row is on the accepted path when it and each of
+    its ancestors carries the target's argmax after its parent; siblings carry distinct
+    tokens, so at most one row a depth is, and the deepest one ends the path. A fixed number
+    of ops whatever the depth (no walk)."""
+    bs, R, D = anc.shape
+    match = (tokens == target_argmax.gather(1, parents)) & live  # [bs, R]
+    on = match.gather(1, anc.reshape(bs, -1)).view(bs, R, D)
+    below = torch.arange(D, device=anc.device) < depths[..., None]  # [bs, R, D]
+    ok = (on | ~below).all(dim=2)  # the root (depth 0) always
+    last = torch.where(ok, depths, -1).argmax(dim=1)  # [bs]: the deepest accepted row
+    path = torch.cat([torch.zeros_like(last)[:, None], anc[torch.arange(bs, device=anc.device),
+                                                           last]], dim=1)
+    return path, depths.gather(1, last[:, None]).squeeze(1) + 1
 
 
 # the largest batch that drafts trees: its 1 + nodes rows a request are decode rows, each with
