@@ -140,10 +140,12 @@ class StepBody:
         buffers."""
         dev, r = self.device, min(TREE_MAX_BS, max_bs) * (1 + self.k)
         self.tree_depth = depth
-        self.t_req = torch.zeros(r, dtype=torch.int64, device=dev)
-        self.t_seq = torch.ones(r, dtype=torch.int64, device=dev)
+        # request row, KV length and path base of each row, one staging write for the three
+        # (a dead row's: the dummy row 0, length 1, base 1)
+        self.t_rows = torch.zeros(3, r, dtype=torch.int64, device=dev)
+        self.t_req, self.t_seq, self.t_base = (self.t_rows[i] for i in range(3))
+        self.t_dead = torch.tensor([0, 1, 1], dtype=torch.int64, device=dev)[:, None, None]
         self.t_ones = torch.ones(r, dtype=torch.int64, device=dev)
-        self.t_base = torch.ones(r, dtype=torch.int64, device=dev)
         self.t_path = torch.zeros(r, depth, dtype=torch.int64, device=dev)
         self.t_parents = torch.zeros(r, dtype=torch.int64, device=dev).view(-1, 1 + self.k)
         self.t_live = torch.zeros(r, dtype=torch.bool, device=dev).view(-1, 1 + self.k)
@@ -312,9 +314,9 @@ class StepBody:
         self.packed_ids[:r].copy_(torch.cat([ctx.last_tokens[:, None], prop.draft_tokens],
                                             dim=1).flatten())
         self.packed_loc[:r].copy_(torch.where(live, ctx.reserved_slots, 0).flatten())
-        self.t_req[:r].copy_(torch.where(live, ctx.req_pool_indices[:, None], 0).flatten())
-        self.t_seq[:r].copy_(torch.where(live, n + depths, 1).flatten())
-        self.t_base[:r].copy_(torch.where(live, n, 1).flatten())
+        rows = torch.stack([ctx.req_pool_indices[:, None].expand(bs, T), n + depths,
+                            n.expand(bs, T)])
+        self.t_rows[:, :r].copy_(torch.where(live, rows, self.t_dead).view(3, r))
         anc = ancestors(parents, depths, self.tree_depth)  # [bs, T, D] rows
         self.t_anc[:bs].copy_(anc)
         self.t_depths[:bs].copy_(depths)

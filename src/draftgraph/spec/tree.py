@@ -114,10 +114,11 @@ class TreeHeadDrafter(ChainHeadDrafter):
         # their own metadata (tree rows)
         r = m * w
         self.t_ids = torch.zeros(r, dtype=torch.int64, device=dev)
-        self.t_req = torch.zeros(r, dtype=torch.int64, device=dev)
-        self.t_seq = torch.ones(r, dtype=torch.int64, device=dev)
-        self.t_loc = torch.zeros(r, dtype=torch.int64, device=dev)
-        self.t_base = torch.ones(r, dtype=torch.int64, device=dev)
+        # request row, KV length, slot and path base of each row, one staging write for all
+        # four (a dead row's: the dummy row 0, length 1, slot 0, base 1)
+        self.t_rows = torch.zeros(4, r, dtype=torch.int64, device=dev)
+        self.t_req, self.t_seq, self.t_loc, self.t_base = (self.t_rows[i] for i in range(4))
+        self.t_dead = torch.tensor([0, 1, 0, 1], dtype=torch.int64, device=dev)[:, None, None]
         self.t_ones = torch.ones(r, dtype=torch.int64, device=dev)
         self.t_feat = torch.zeros(r, self.step_feat.shape[1], dtype=self.step_feat.dtype,
                                   device=dev)
@@ -192,14 +193,13 @@ class TreeHeadDrafter(ChainHeadDrafter):
         slot = ctx.reserved_slots[:, 1 + (i - 1) * w : 1 + i * w]  # [bs, W]
         path[:, :, i - 1] = slot
         self.beam_path[:bs].copy_(path)
-        live = (ctx.max_draft >= i)[:, None].expand(bs, w)
         r = bs * w
         self.t_feat[:r].copy_(feat.reshape(r, -1))
         self.t_ids[:r].copy_(self.node_tok[:bs].gather(1, lo + pick).flatten())
-        self.t_req[:r].copy_(torch.where(live, ctx.req_pool_indices[:, None], 0).flatten())
-        self.t_seq[:r].copy_(torch.where(live, ctx.seq_lens[:, None] + i, 1).flatten())
-        self.t_loc[:r].copy_(torch.where(live, slot, 0).flatten())
-        self.t_base[:r].copy_(torch.where(live, ctx.seq_lens[:, None], 1).flatten())
+        n = ctx.seq_lens[:, None].expand(bs, w)
+        rows = torch.stack([ctx.req_pool_indices[:, None].expand(bs, w), n + i, slot, n])
+        self.t_rows[:, :r].copy_(torch.where((ctx.max_draft >= i)[:, None], rows, self.t_dead)
+                                 .view(4, r))
 
     def finish(self, ctx: DraftContext) -> Proposal:
         if not self._tree:  # the chain of D (sampled, or a batch too large for tree rows)
