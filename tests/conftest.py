@@ -1,4 +1,5 @@
-"""Shared fixtures: the default GGUF, tiny random Hugging Face checkpoints, a prefill helper."""
+"""Shared fixtures: the default GGUF, the drafter tests' tiny model, tiny random Hugging Face
+checkpoints, a prefill helper."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ def default_gguf_path() -> str:
         if os.path.isfile(path):
             return path
     pytest.skip(f"default model not installed: {DEFAULT_GGUF_INSTALL}")
+
+
+@pytest.fixture(scope="session")
+def hf():
+    """The tiny random model the drafter tests share (seed 5): its HF module."""
+    from _tiny import tiny_hf_model
+
+    return tiny_hf_model(seed=5)
 
 
 @pytest.fixture(scope="session")

@@ -32,13 +32,13 @@ def loaded():
     return load_model("random:smollm2-135m", device="cuda", dtype=torch.float32)
 
 
-def _engine(loaded, drafter=None, use_graphs: bool = True) -> LLMEngine:
+def _engine(loaded, drafter=None, use_graphs: bool = True, k: int = K) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model="random:smollm2-135m", device="cuda", dtype="float32", use_graphs=use_graphs,
         cache=CacheConfig(kv_cache_tokens=16384),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
                                   max_model_len=1024),
-        spec=SpecConfig(method="ngram", num_draft_tokens=K, adaptive=False)),
+        spec=SpecConfig(method="ngram", num_draft_tokens=k, adaptive=False)),
         loaded=loaded, drafter=drafter)
 
 

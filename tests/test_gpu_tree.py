@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftgraph.attention.triton_backend import TritonBackend
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
+from draftgraph.config import TreeShape
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.heads import random_head
@@ -32,18 +32,15 @@ def loaded():
 
 
 def _engine(loaded, drafter=None, use_graphs: bool = True) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model="random:smollm2-135m", device="cuda", dtype="float32", use_graphs=use_graphs,
-        cache=CacheConfig(kv_cache_tokens=16384),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
-                                  max_model_len=1024),
-        spec=SpecConfig(method="ngram", num_draft_tokens=TREE.nodes, adaptive=False)),
-        loaded=loaded, drafter=drafter)
+    from test_gpu_chain_head import _engine as engine
+
+    return engine(loaded, drafter, use_graphs, k=TREE.nodes)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (9, 120, 33, 64, 5)]
+    from test_gpu_chain_head import _prompts as prompts
+
+    return prompts(vocab)
 
 
 @pytest.mark.parametrize("arm", ARMS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
+from _tiny import tiny_engine, tiny_loaded
 
 from draftgraph.attention.backend import Phase, TorchBackend
 from draftgraph.attention.metadata import build_positions_and_slots
@@ -29,11 +29,6 @@ GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3] * 5, list(range(40, 70))]
 KV_PROMPT = [5, 6, 7, 8, 9, 10, 11]
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_model(seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -34,11 +34,6 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3] * 5, list(range(40, 70))]
 
 
 @pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_model(seed=5)
-
-
-@pytest.fixture(scope="module")
 def plain(hf):
     return [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, GREEDY)]
 

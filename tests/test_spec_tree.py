@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
+from _tiny import tiny_engine, tiny_loaded
 
 import draftgraph.attention.metadata as metadata
 from draftgraph.attention.kv_pool import KVPool
@@ -65,11 +65,6 @@ def test_ancestors_and_the_greedy_walk_by_hand():
     path, lens = accept([11, 13, 12, 0, 0, 0])
     assert path.tolist() == [[0, 2, 3, 0]] and lens.tolist() == [3]
     assert accept([99, 13, 12, 14, 0, 0])[1].tolist() == [1]  # nothing: the bonus token only
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf_model(seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ entries per request (positions n .. n + k - 1, the request's reserved slots): th
 a - 2 are rejected or pending positions, rewritten before anything reads them. So the head
 never attends to an entry that was computed from a rejected token or from its own guess of a
 feature that the target has since computed.
+A tree's verify (spec/tree.py) packs its rows otherwise: the features are read along the
+accepted path (`Acceptance.path`), and the extend has one entry per draft step (its depth).
 
 Eager target forwards (prefill chunks, mixed steps) reach `observe`, which writes the head's
 entries of the same tokens from the features that forward captured.
