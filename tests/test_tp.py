@@ -16,7 +16,7 @@ from conftest import save_tiny_hf_checkpoint, tiny_llama_config
 from test_async_scheduling import count_refs
 
 from draftgraph.attention.backend import Phase
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.distributed import current_tp
 from draftgraph.distributed.parallel import TPInfo
 from draftgraph.distributed.sharding import AttentionShard as S
@@ -240,12 +240,12 @@ def test_chain_and_block_heads_under_tp2_equal_tp1(default_gguf_path):
     """The shipped chain and block heads, replicated on both ranks (their LM head gathered
     from the target's vocabulary shards once, their KV written on every rank after every
     eager forward), with async scheduling: TP = 2 gives TP = 1's greedy tokens, with drafts
-    accepted on both."""
+    accepted on both; the chain head's draft trees too (every rank copies its KV shard)."""
     pytest.importorskip("gguf")
     prompts = ["Explain speculative decoding in two sentences.", "def fib(n):"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    for method in ("chain", "block"):
-        spec = SpecConfig(method=method, num_draft_tokens=4)
+    for method, tree in (("chain", None), ("block", None), ("chain", TreeShape(4, 5, 16))):
+        spec = SpecConfig(method=method, num_draft_tokens=4, tree=tree)
         ref_stats, stats = {}, {}
         _, ref, _ = _run("default", 1, prompts, 24, spec, params, stats=ref_stats)
         _, got, exitcodes = _run("default", 2, prompts, 24, spec, params, async_on=True,
