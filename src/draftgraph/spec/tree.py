@@ -16,12 +16,13 @@ own at positions t + 1 .. t + depth. So neither the head's steps nor the target'
 an attention mask, and a verify row on the accepted path attends to exactly the keys its
 decode row would.
 
-Acceptance (`accept_tree`): from the root, the child whose token is the target's argmax at
-the current row, D times; the emitted tokens are the path's drafts and the target's token
-after the last, exactly plain greedy decoding's. The step body (spec/step.py) then copies the
-accepted nodes' K and V to the slots of their positions (a depth-j node's KV into reserved slot
-j, in every target layer) and records those positions, so the sequence's cache is the chain
-layout again; the head's catch-up reads the target's features along the path.
+Acceptance (`accept_tree`, in a fixed number of ops): what walking from the root to the child
+whose token is the target's argmax at the current row, D times, would reach; the emitted
+tokens are the path's drafts and the target's token after the last, exactly plain greedy
+decoding's. The step body (spec/step.py) then copies the accepted nodes' K and V to the slots
+of their positions (a depth-j node's KV into reserved slot j, in every target layer) and
+records those positions, so the sequence's cache is the chain layout again; the head's
+catch-up reads the target's features along the path.
 
 Sampled requests, steps with top-N or sampling controls, and batches of more than
 TREE_MAX_BS requests draft the head's chain of D instead: the step body
