@@ -2,12 +2,14 @@
 continuation ranked first at every row) is accepted to full depth round after round and gives
 plain decoding's tokens, from the fused graphs, the per-step fallback and the eager body
 alike; a random head over a batch that grows and shrinks drafts the same trees in all three
-and gives plain decoding's output; captured buffers keep their addresses."""
+(replay by replay) and gives plain decoding's output; captured buffers keep their addresses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_gpu_chain_head import _drafts_and_outputs, _prompts
+from test_gpu_chain_head import _engine as chain_engine
 
 from draftgraph.attention.triton_backend import TritonBackend
 from draftgraph.config import TreeShape
@@ -32,15 +34,7 @@ def loaded():
 
 
 def _engine(loaded, drafter=None, use_graphs: bool = True) -> LLMEngine:
-    from test_gpu_chain_head import _engine as engine
-
-    return engine(loaded, drafter, use_graphs, k=TREE.nodes)
-
-
-def _prompts(vocab: int) -> list[list[int]]:
-    from test_gpu_chain_head import _prompts as prompts
-
-    return prompts(vocab)
+    return chain_engine(loaded, drafter, use_graphs, k=TREE.nodes)
 
 
 @pytest.mark.parametrize("arm", ARMS)
@@ -65,9 +59,10 @@ def test_an_oracle_tree_is_accepted_to_full_depth_and_lossless(loaded, monkeypat
 
 
 def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatch):
+    """Requests join one a step and finish at different lengths: the fused graphs, the
+    per-step fallback (each beam step's tree-row metadata rebuilt eagerly between replays)
+    and the eager body draft the same trees replay after replay and give the same tokens."""
     prompts = _prompts(loaded.config.vocab_size)
-    params = [SamplingParams(max_tokens=20 + 7 * i, temperature=0, ignore_eos=True)
-              for i in range(len(prompts))]
     head = random_head(loaded.config, "draft_vocab=8192", "cuda", torch.float32, seed=2)
     runs = {}
     for arm in ARMS:
@@ -77,13 +72,19 @@ def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatc
         engine = _engine(loaded, drafter, use_graphs=arm != "eager")
         ptrs = [t.data_ptr() for t in (drafter.node_tok, drafter.tree_meta.positions,
                                         engine.spec_graphs.body.t_path)]
-        runs[arm] = [o.token_ids for o in engine.generate(prompts, params)]
+        runs[arm] = _drafts_and_outputs(engine, drafter, prompts)
         assert ptrs == [t.data_ptr() for t in (drafter.node_tok, drafter.tree_meta.positions,
                                                 engine.spec_graphs.body.t_path)]
         assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
         assert engine.stats["num_draft_tokens"] > 0
         monkeypatch.undo()
-    assert runs["fallback"] == runs["fused"]
-    ref = [o.token_ids for o in _engine(loaded).generate(prompts, params)]
-    for arm in ARMS:  # fp32 rows of another batch shape may flip a near-tie
-        assert sum(a == b for a, b in zip(runs[arm], ref, strict=True)) >= len(ref) - 1, arm
+    for arm in ("fallback", "eager"):
+        assert len(runs[arm][0]) == len(runs["fused"][0]) > 10, arm
+        assert all(torch.equal(a, b) for a, b in zip(runs["fused"][0], runs[arm][0],
+                                                     strict=True)), arm
+        assert runs[arm][1] == runs["fused"][1], arm
+    ref = [o.token_ids for o in _engine(loaded).generate(
+        prompts, [SamplingParams(max_tokens=20 + 7 * (len(prompts) - i), temperature=0,
+                                 ignore_eos=True) for i in range(len(prompts))])]
+    # fp32 rows of another batch shape may flip a near-tie
+    assert sum(a == b for a, b in zip(runs["fused"][1], ref, strict=True)) >= len(ref) - 1

@@ -92,6 +92,21 @@ def _count_tree_steps(engine) -> list:
     return seen
 
 
+def test_a_steps_rows_follow_its_context_not_the_last_proposal(hf):
+    """Tree or chain is the step's own (`DraftContext.tree`): the per-step fallback rebuilds a
+    replayed graph's step metadata after other graphs were captured, so a drafter that
+    remembered its last proposal's shape would build a chain's lists for a tree step."""
+    engine, drafter = _tree_engine(hf)
+    body = engine.spec_graphs.body
+    tree, chain = body._ctx(1, True), body._ctx(1, False)
+    assert tree.tree and not chain.tree
+    drafter.begin(chain)  # the last proposal drafted the chain (a sampled graph, say)
+    assert drafter.step_fb(tree, 1).paths is not None
+    assert drafter.step_fb(chain, 1).paths is None
+    drafter.begin(tree)
+    assert drafter.step_fb(chain, 1).paths is None
+
+
 @pytest.mark.parametrize("tree", [TREE, TreeShape(1, 3, 3), TreeShape(2, 3, 6)])
 def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
     engine, drafter = _tree_engine(hf, tree)

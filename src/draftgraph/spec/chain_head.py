@@ -91,10 +91,16 @@ class ChainHeadDrafter(ChainDrafter):
         super().begin(ctx)
         self.step_feat[: ctx.seq_lens.shape[0]].copy_(self.last_feat[ctx.req_pool_indices])
 
+    def head_step(self, feat: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor,
+                                                                        torch.Tensor]:
+        """One forward of the head over fb's rows fed `feat`: (logits [rows, V'] over its
+        draft vocabulary, the next feature [rows, H])."""
+        x, residual = self.head(self._embed(fb.input_ids), feat, fb, self.executor.backend)
+        return self.head.logits(x, residual, self.lm_head)
+
     def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
-        head, feat = self.head, self.step_feat[: fb.bs]
-        x, residual = head(self._embed(fb.input_ids), feat, fb, self.executor.backend)
-        logits, stream = head.logits(x, residual, self.lm_head)
+        feat = self.step_feat[: fb.bs]
+        logits, stream = self.head_step(feat, fb)
         self.take(ctx, i, logits)
         feat.copy_(stream)
 

@@ -138,7 +138,8 @@ class StepBody:
         """A tree verify's rows (spec/tree.py): every request's 1 + k rows as decode rows of
         their own lists, for batches of up to TREE_MAX_BS requests, with their own metadata
         buffers."""
-        dev, r = self.device, min(TREE_MAX_BS, max_bs) * (1 + self.k)
+        dev, m, T = self.device, min(TREE_MAX_BS, max_bs), 1 + self.k
+        r = m * T
         self.tree_depth = depth
         # request row, KV length and path base of each row, one staging write for the three
         # (a dead row's: the dummy row 0, length 1, base 1)
@@ -147,11 +148,12 @@ class StepBody:
         self.t_dead = torch.tensor([0, 1, 1], dtype=torch.int64, device=dev)[:, None, None]
         self.t_ones = torch.ones(r, dtype=torch.int64, device=dev)
         self.t_path = torch.zeros(r, depth, dtype=torch.int64, device=dev)
-        self.t_parents = torch.zeros(r, dtype=torch.int64, device=dev).view(-1, 1 + self.k)
-        self.t_live = torch.zeros(r, dtype=torch.bool, device=dev).view(-1, 1 + self.k)
-        self.t_depths = torch.zeros(r, dtype=torch.int64, device=dev).view(-1, 1 + self.k)
-        self.t_anc = torch.zeros(r, depth, dtype=torch.int64, device=dev).view(
-            -1, 1 + self.k, depth)
+        # per request and row [m, 1 + k]: parent row, whether it may be accepted, depth, and
+        # its ancestors' rows [.., depth]
+        self.t_parents = torch.zeros(m, T, dtype=torch.int64, device=dev)
+        self.t_live = torch.zeros(m, T, dtype=torch.bool, device=dev)
+        self.t_depths = torch.zeros(m, T, dtype=torch.int64, device=dev)
+        self.t_anc = torch.zeros(m, T, depth, dtype=torch.int64, device=dev)
         ctx_len = self.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, self.backend.sliding_window, dev)
 

@@ -125,36 +125,30 @@ class TreeHeadDrafter(ChainHeadDrafter):
                                   device=dev)
         ctx_len = target.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, target.backend.sliding_window, dev)
-        self._tree = False
 
-    # ---- the proposal -----------------------------------------------------------------------
-    def begin(self, ctx: DraftContext) -> None:
-        super().begin(ctx)
-        self._tree = ctx.tree
-
+    # ---- the proposal (tree or chain: `ctx.tree`, never state left by an earlier call, which
+    # would be the last captured graph's when the fallback rebuilds a step's metadata) --------
     def stage_step(self, ctx: DraftContext, i: int) -> None:
-        if i == 0 or not self._tree:
+        if i == 0 or not ctx.tree:
             super().stage_step(ctx, i)
             return
         self._stage_beam(ctx, i)
 
     def step_fb(self, ctx: DraftContext, i: int) -> ForwardBatch:
-        if i == 0 or not self._tree:
+        if i == 0 or not ctx.tree:
             return super().step_fb(ctx, i)
-        r = ctx.seq_lens.shape[0] * self.shape.width
+        bs = ctx.seq_lens.shape[0]
+        r = bs * self.shape.width
         return ForwardBatch(Phase.DRAFT_CHAIN, self.t_ids[:r], self.t_req[:r], self.t_seq[:r],
                             self.t_ones[:r], self.t_loc[:r], self.tree_meta,
-                            paths=RowPaths(self.beam_path[: r // self.shape.width].view(r, -1),
-                                           self.t_base[:r]))
+                            paths=RowPaths(self.beam_path[:bs].view(r, -1), self.t_base[:r]))
 
     def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
-        if not self._tree:
+        if not ctx.tree:
             super().run_step(ctx, i, fb)
             return
         feat = self.step_feat[: fb.bs] if i == 0 else self.t_feat[: fb.bs]
-        x, residual = self.head(self._embed(fb.input_ids), feat, fb, self.executor.backend)
-        logits, stream = self.head.logits(x, residual, self.lm_head)
-        self._expand(ctx, i, logits, stream)
+        self._expand(ctx, i, *self.head_step(feat, fb))
 
     def _expand(self, ctx: DraftContext, i: int, logits: torch.Tensor,
                 stream: torch.Tensor) -> None:
@@ -203,7 +197,7 @@ class TreeHeadDrafter(ChainHeadDrafter):
                                  .view(4, r))
 
     def finish(self, ctx: DraftContext) -> Proposal:
-        if not self._tree:  # the chain of D (sampled, or a batch too large for tree rows)
+        if not ctx.tree:  # the chain of D (sampled, or a batch too large for tree rows)
             prop = super().finish(ctx)
             d = self.shape.depth
             prop.num_drafts = torch.clamp(ctx.max_draft, max=d)
