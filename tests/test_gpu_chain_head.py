@@ -89,12 +89,19 @@ def test_fused_fallback_and_eager_chains_draft_the_same_and_are_lossless(loaded,
                                                 drafter.drafts, drafter.capture.out)]
         assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
         monkeypatch.undo()
+    assert_arms_agree(runs, _engine(loaded), prompts)
+
+
+def assert_arms_agree(runs: dict, plain_engine, prompts) -> None:
+    """runs[arm] = `_drafts_and_outputs`: the fallback and eager arms drafted what the fused
+    one did, replay by replay, and emitted its tokens, which are plain decoding's (fp32 rows
+    of another batch shape may flip one near-tie)."""
     for arm in ("fallback", "eager"):
-        assert len(runs[arm][0]) == len(runs["fused"][0])
+        assert len(runs[arm][0]) == len(runs["fused"][0]) > 10, arm
         assert all(torch.equal(a, b) for a, b in zip(runs["fused"][0], runs[arm][0],
                                                      strict=True)), arm
         assert runs[arm][1] == runs["fused"][1], arm
-    ref = [o.token_ids for o in _engine(loaded).generate(
+    ref = [o.token_ids for o in plain_engine.generate(
         prompts, [SamplingParams(max_tokens=20 + 7 * (len(prompts) - i), temperature=0,
                                  ignore_eos=True) for i in range(len(prompts))])]
     assert sum(a == b for a, b in zip(runs["fused"][1], ref, strict=True)) >= len(ref) - 1
