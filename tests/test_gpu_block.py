@@ -41,7 +41,7 @@ def test_in_graph_fallback_and_eager_blocks_draft_the_same_and_are_lossless(load
         assert engine.spec_graphs.body.fused_draft == (arm != "fallback")
         ptrs = [t.data_ptr() for t in (drafter.block_ids, drafter.drafts, drafter.num_drafts,
                                        drafter.capture.out)]
-        runs[arm] = _drafts_and_outputs(engine, drafter, prompts)
+        runs[arm] = _drafts_and_outputs(engine, prompts)
         assert ptrs == [t.data_ptr() for t in (drafter.block_ids, drafter.drafts,
                                                 drafter.num_drafts, drafter.capture.out)]
         assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots

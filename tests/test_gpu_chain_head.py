@@ -47,10 +47,10 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (9, 120, 33, 64, 5)]
 
 
-def _drafts_and_outputs(engine, drafter, prompts) -> tuple[list, list]:
+def _drafts_and_outputs(engine, prompts) -> tuple[list, list]:
     """Requests join one per step and finish at different lengths (the batch grows, then
-    shrinks); the drafts of every speculative replay's live rows, then every request's
-    tokens."""
+    shrinks); the drafts every speculative replay recorded for its live rows (0 past a
+    request's budget), then every request's tokens."""
     rids, drafts, done = [], [], {}
     pending, gs = list(prompts), engine.spec_graphs
     # NOTE: replay by replay against the eager engine (which never launches ahead): each
@@ -64,8 +64,8 @@ def _drafts_and_outputs(engine, drafter, prompts) -> tuple[list, list]:
             rids.append(engine.add_request(pending.pop(0), sp))
         launched = gs._launched
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        if gs._launched > launched:  # a speculative step ran: its batch's rows
-            drafts.append(drafter.drafts[: gs._bs[(gs._launched - 1) % 2]].clone())
+        if gs._launched > launched:  # a speculative step ran: its batch's recorded drafts
+            drafts.append(gs.body.draft_tokens[: gs._bs[(gs._launched - 1) % 2]].clone())
     return drafts, [done[r] for r in rids]
 
 
@@ -84,7 +84,7 @@ def test_fused_fallback_and_eager_chains_draft_the_same_and_are_lossless(loaded,
         assert body.fused_draft == (arm != "fallback")
         ptrs = [t.data_ptr() for t in (drafter.last_feat, drafter.step_ids, drafter.drafts,
                                        drafter.capture.out)]
-        runs[arm] = _drafts_and_outputs(engine, drafter, prompts)
+        runs[arm] = _drafts_and_outputs(engine, prompts)
         assert ptrs == [t.data_ptr() for t in (drafter.last_feat, drafter.step_ids,
                                                 drafter.drafts, drafter.capture.out)]
         assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots

@@ -111,7 +111,18 @@ def test_a_steps_rows_follow_its_context_not_the_last_proposal(hf):
 def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
     engine, drafter = _tree_engine(hf, tree)
     seen = _count_tree_steps(engine)
+    body, short = engine.spec_graphs.body, []
+    keep = body._keep
+
+    def checked(bs, prop):  # a step records 0 past a request's drafts (its last tokens)
+        keep(bs, prop)
+        for row, n in enumerate(prop.num_drafts.tolist()):
+            if n < tree.nodes:
+                short.append(body.draft_tokens[row, n:].abs().sum().item())
+
+    body._keep = checked
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
+    assert short and not any(short)
     assert len(seen) > 20 and max(seen) == len(PROMPTS)  # trees, the three together
     assert engine.stats["num_draft_tokens"] > 20 * tree.nodes
     assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots

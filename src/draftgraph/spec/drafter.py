@@ -50,7 +50,7 @@ class DraftContext:
 
 @dataclass
 class Proposal:
-    draft_tokens: torch.Tensor  # [bs, k] int64, 0 past num_drafts
+    draft_tokens: torch.Tensor  # [bs, k] int64, anything past num_drafts (never read)
     num_drafts: torch.Tensor  # [bs] int64 in 0..max_draft
     draft_probs: torch.Tensor | None = None  # [bs, k, V] fp32, None: point-mass drafts
     # [V] int32: draft_probs is [bs, k, V'] over the drafter's reduced vocabulary, and this

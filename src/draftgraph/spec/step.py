@@ -105,6 +105,8 @@ class StepBody:
         # [max_bs, 1 + k] int64: this step's KV slots, resolved from the staged 1 + 2k
         self.slots = torch.zeros(max_bs, T, dtype=torch.int64, device=dev)
         self.num_drafts = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.draft_slot = torch.arange(self.k, device=dev)  # [k]
+        self.no_token = torch.zeros((), dtype=torch.int64, device=dev)
         # NOTE: a drafter is bound once per target: every body that drafts with it (a graph
         # set and its twins) shares its buffers and state, so each request's draft state is
         # the same whichever body runs its step (a second bind would leave graphs captured
@@ -266,6 +268,14 @@ class StepBody:
         if self.k:
             self._pack(ctx, self.drafter.propose(ctx))
 
+    def _keep(self, bs: int, prop) -> None:
+        """The proposal's drafts, 0 past each request's count (drafters leave there whatever
+        their steps past the budget made: dead rows' reads), so a step's recorded drafts are
+        its own."""
+        self.num_drafts[:bs].copy_(prop.num_drafts)
+        torch.where(self.draft_slot < prop.num_drafts[:, None], prop.draft_tokens,
+                    self.no_token, out=self.draft_tokens[:bs])
+
     def _pack(self, ctx: DraftContext, prop) -> None:
         """The proposal kept; the packed 1 + d tokens of each request and their slots."""
         if prop.parents is not None:
@@ -274,8 +284,7 @@ class StepBody:
         T = 1 + self.k
         bs = ctx.seq_lens.shape[0]
         table = ctx.token_table
-        self.draft_tokens[:bs].copy_(prop.draft_tokens)
-        self.num_drafts[:bs].copy_(prop.num_drafts)
+        self._keep(bs, prop)
         self._draft_probs, self._draft_index = prop.draft_probs, prop.draft_index
         rows, seq, last = ctx.req_pool_indices, ctx.seq_lens, ctx.last_tokens
         ext = 1 + prop.num_drafts
@@ -303,8 +312,7 @@ class StepBody:
         budget (and padded requests' drafts) go to the dummy row 0, slot 0."""
         bs, T = ctx.seq_lens.shape[0], 1 + self.k
         r = bs * T
-        self.draft_tokens[:bs].copy_(prop.draft_tokens)
-        self.num_drafts[:bs].copy_(prop.num_drafts)
+        self._keep(bs, prop)
         self._draft_probs, self._draft_index = None, None
         zero = torch.zeros(bs, 1, dtype=torch.int64, device=self.device)
         depths = torch.cat([zero, prop.depths], dim=1)  # [bs, T]
@@ -313,8 +321,8 @@ class StepBody:
         self.t_parents[:bs].copy_(parents)
         self.t_live[:bs].copy_(live)
         n = ctx.seq_lens[:, None]
-        self.packed_ids[:r].copy_(torch.cat([ctx.last_tokens[:, None], prop.draft_tokens],
-                                            dim=1).flatten())
+        self.packed_ids[:r].copy_(torch.cat([ctx.last_tokens[:, None],
+                                             self.draft_tokens[:bs]], dim=1).flatten())
         self.packed_loc[:r].copy_(torch.where(live, ctx.reserved_slots, 0).flatten())
         rows = torch.stack([ctx.req_pool_indices[:, None].expand(bs, T), n + depths,
                             n.expand(bs, T)])
