@@ -12,7 +12,7 @@ import torch
 
 def run_header(device: str | None = None) -> dict:
     """device: as measured on (default: the CUDA device's name, else the CPU's threads)."""
-    if device is None:
+    if device is None or (device.startswith("cuda") and torch.cuda.is_available()):
         device = (torch.cuda.get_device_name() if torch.cuda.is_available()
                   else f"CPU ({torch.get_num_threads()} threads)")
     return {

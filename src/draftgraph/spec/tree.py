@@ -7,8 +7,11 @@ step 0 is the chain's (the last token at its position, one row a request), its W
 tokens the depth-1 nodes; step d = 1 .. D - 1 runs the head on the W nodes of depth d with the
 best cumulative draft log-probability (the beam), each row proposing its W likeliest
 children. Of the W + (D - 1) W^2 nodes, the `nodes` best by cumulative score are drafted, in
-depth order (node ids are depth-major and a child never outscores its parent, so a stable sort
-keeps every kept node's parent).
+depth order (node ids are depth-major and a child never outscores its parent, so the best
+keep every kept node's parent). A step's bookkeeping after the head's forward (its rows' top-W
+log-probabilities, `kernels.tree.top_logprobs`: two launches; scoring its nodes and staging
+the next beam's rows, `tree_grow`: one) and the final pick (`tree_pick`: one) are Triton
+kernels on the GPU.
 
 A tree row is a decode row with a list of its own (`attention.metadata.RowPaths`): its
 request's keys below the last token's position + 1, then the slots of its ancestors and its
@@ -36,6 +39,13 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.attention.metadata import MetadataBuffers, RowPaths
 from draftgraph.config import TreeShape
+from draftgraph.kernels.tree import (
+    TreeBuffers,
+    TreeContext,
+    top_logprobs,
+    tree_grow,
+    tree_pick,
+)
 from draftgraph.spec.chain_head import ChainHeadDrafter
 from draftgraph.spec.drafter import DraftContext, Proposal
 
@@ -108,21 +118,21 @@ class TreeHeadDrafter(ChainHeadDrafter):
         self.node_depth = torch.tensor([1] * w + [2 + i // w ** 2 for i in range(total - w)],
                                        dtype=torch.int64, device=dev)
         self.beam_node = torch.zeros(m, w, dtype=torch.int64, device=dev)
-        self.beam_stream = torch.zeros(m, w, self.step_feat.shape[1], dtype=self.step_feat.dtype,
-                                       device=dev)
-        self.beam_path = torch.zeros(m, w, d, dtype=torch.int64, device=dev)
+        # a beam row's slots at depths 1 .. d; step i's rows read half i % 2 (kernels/tree.py)
+        self.beam_path = torch.zeros(2, m, w, d, dtype=torch.int64, device=dev)
         # the beam rows of a step (one per request and beam entry): their raw inputs and
         # their own metadata (tree rows)
         r = m * w
         self.t_ids = torch.zeros(r, dtype=torch.int64, device=dev)
-        # request row, KV length, slot and path base of each row, one staging write for all
-        # four (a dead row's: the dummy row 0, length 1, slot 0, base 1)
+        # request row, KV length, slot and path base of each row, staged together (a dead
+        # row's: the dummy row 0, length 1, slot 0, base 1)
         self.t_rows = torch.zeros(4, r, dtype=torch.int64, device=dev)
         self.t_req, self.t_seq, self.t_loc, self.t_base = (self.t_rows[i] for i in range(4))
-        self.t_dead = torch.tensor([0, 1, 0, 1], dtype=torch.int64, device=dev)[:, None, None]
         self.t_ones = torch.ones(r, dtype=torch.int64, device=dev)
         self.t_feat = torch.zeros(r, self.step_feat.shape[1], dtype=self.step_feat.dtype,
                                   device=dev)
+        self.bufs = TreeBuffers(self.node_tok, self.node_score, self.node_parent, self.beam_node,
+                                self.beam_path, self.t_feat, self.t_ids, self.t_rows)
         ctx_len = target.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, target.backend.sliding_window, dev)
 
@@ -131,8 +141,7 @@ class TreeHeadDrafter(ChainHeadDrafter):
     def stage_step(self, ctx: DraftContext, i: int) -> None:
         if i == 0 or not ctx.tree:
             super().stage_step(ctx, i)
-            return
-        self._stage_beam(ctx, i)
+        # a tree's step i > 0: its rows were staged by step i - 1's grow (it holds the streams)
 
     def step_fb(self, ctx: DraftContext, i: int) -> ForwardBatch:
         if i == 0 or not ctx.tree:
@@ -141,7 +150,8 @@ class TreeHeadDrafter(ChainHeadDrafter):
         r = bs * self.shape.width
         return ForwardBatch(Phase.DRAFT_CHAIN, self.t_ids[:r], self.t_req[:r], self.t_seq[:r],
                             self.t_ones[:r], self.t_loc[:r], self.tree_meta,
-                            paths=RowPaths(self.beam_path[:bs].view(r, -1), self.t_base[:r]))
+                            paths=RowPaths(self.beam_path[i % 2, :bs].view(r, -1),
+                                           self.t_base[:r]))
 
     def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
         if not ctx.tree:
@@ -152,49 +162,12 @@ class TreeHeadDrafter(ChainHeadDrafter):
 
     def _expand(self, ctx: DraftContext, i: int, logits: torch.Tensor,
                 stream: torch.Tensor) -> None:
-        """Each row's W likeliest children, scored by cumulative log-probability."""
-        bs, w = ctx.seq_lens.shape[0], self.shape.width
-        lp = torch.log_softmax(logits, dim=-1)
-        top = lp.topk(w, dim=-1)  # [rows, W]
-        tok = self.vocab[top.indices] if self.vocab is not None else top.indices
-        if i == 0:  # the root's children: depth 1
-            self.node_tok[:bs, :w] = tok
-            self.node_score[:bs, :w] = top.values
-            self.node_parent[:bs, :w] = -1
-            self.beam_stream[:bs, :1] = stream[:, None]
-            return
-        lo = w + (i - 1) * w * w
-        score = self.node_score[:bs].gather(1, self.beam_node[:bs])  # [bs, W]
-        self.node_tok[:bs, lo : lo + w * w] = tok.view(bs, w * w)
-        self.node_score[:bs, lo : lo + w * w] = (score[..., None]
-                                                 + top.values.view(bs, w, w)).view(bs, w * w)
-        self.node_parent[:bs, lo : lo + w * w] = self.beam_node[:bs].repeat_interleave(w, 1)
-        self.beam_stream[:bs].copy_(stream.view(bs, w, -1))
-
-    def _stage_beam(self, ctx: DraftContext, i: int) -> None:
-        """Step i's rows: the W best nodes of depth i, each fed (its parent's stream, its
-        token) at position t + i into its own KV slot, its path its parent's plus that slot."""
-        bs, w = ctx.seq_lens.shape[0], self.shape.width
-        lo = 0 if i == 1 else w + (i - 2) * w * w  # this depth's nodes
-        width = w if i == 1 else w * w
-        score = self.node_score[:bs, lo : lo + width]
-        pick = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :w]  # [bs, W]
-        parent_beam = torch.zeros_like(pick) if i == 1 else pick // w
-        self.beam_node[:bs] = lo + pick
-        feat = self.beam_stream[:bs].gather(
-            1, parent_beam[..., None].expand(bs, w, self.beam_stream.shape[2]))
-        path = self.beam_path[:bs].gather(
-            1, parent_beam[..., None].expand(bs, w, self.shape.depth))  # [bs, W, D]
-        slot = ctx.reserved_slots[:, 1 + (i - 1) * w : 1 + i * w]  # [bs, W]
-        path[:, :, i - 1] = slot
-        self.beam_path[:bs].copy_(path)
-        r = bs * w
-        self.t_feat[:r].copy_(feat.reshape(r, -1))
-        self.t_ids[:r].copy_(self.node_tok[:bs].gather(1, lo + pick).flatten())
-        n = ctx.seq_lens[:, None].expand(bs, w)
-        rows = torch.stack([ctx.req_pool_indices[:, None].expand(bs, w), n + i, slot, n])
-        self.t_rows[:, :r].copy_(torch.where((ctx.max_draft >= i)[:, None], rows, self.t_dead)
-                                 .view(4, r))
+        """Each row's W likeliest children, scored by cumulative log-probability; unless this
+        is the last step, the W best of them staged as the next step's rows."""
+        top_lp, top_idx = top_logprobs(logits, self.shape.width)  # [rows, W]
+        tree_grow(i, top_lp, top_idx, self.vocab, stream, self.bufs,
+                  TreeContext(ctx.seq_lens, ctx.req_pool_indices, ctx.max_draft,
+                              ctx.reserved_slots), stage=i + 1 < self.shape.depth)
 
     def finish(self, ctx: DraftContext) -> Proposal:
         if not ctx.tree:  # the chain of D (sampled, or a batch too large for tree rows)
@@ -206,18 +179,9 @@ class TreeHeadDrafter(ChainHeadDrafter):
                                                   prop.draft_probs.shape[2])
                 prop.draft_probs = torch.cat([prop.draft_probs, pad], dim=1)
             return prop
-        bs, n = ctx.seq_lens.shape[0], self.k
-        depth = self.node_depth.expand(bs, -1)
-        # nodes past a request's draft budget are never verified: ranked last
-        score = torch.where(depth <= ctx.max_draft[:, None], self.node_score[:bs],
-                            float("-inf"))
-        keep = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]
-        keep = keep.sort(dim=1).values  # depth order: parents first
-        row_of = torch.zeros_like(self.node_parent[:bs])
-        row_of.scatter_(1, keep, torch.arange(1, n + 1, device=keep.device).expand(bs, n))
-        parent = self.node_parent[:bs].gather(1, keep)
-        parents = torch.where(parent < 0, 0, row_of.gather(1, parent.clamp_min(0)))
-        self.drafts[:bs].copy_(self.node_tok[:bs].gather(1, keep))
-        live = (depth.gather(1, keep) <= ctx.max_draft[:, None]).sum(dim=1)
-        return Proposal(self.drafts[:bs], live, parents=parents,
-                        depths=depth.gather(1, keep), tree_depth=self.shape.depth)
+        bs = ctx.seq_lens.shape[0]
+        drafts, parents, depths, live = tree_pick(
+            self.node_score[:bs], self.node_tok[:bs], self.node_parent[:bs], self.node_depth,
+            ctx.max_draft, self.k)
+        return Proposal(drafts, live, parents=parents, depths=depths,
+                        tree_depth=self.shape.depth)

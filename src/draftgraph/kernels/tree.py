@@ -1,0 +1,415 @@
+"""A draft tree's bookkeeping (spec/tree.py) in three launches a step: each row's W likeliest
+tokens; the beam's children scored, the next beam chosen and its rows staged; and one launch
+to pick the verified nodes.
+
+    top_logprobs(logits, W) -> (top_lp, top_idx) [rows, W]: each row's W likeliest tokens
+    tree_grow(step, top_lp, top_idx, vocab, stream, bufs, ctx, stage)
+        the step's nodes (W children of each of its R rows: R = 1 at step 0, else W) written
+        with their cumulative scores; with `stage`, the W best of them become the next step's
+        rows (their tokens, parents' streams, paths, KV rows)
+    tree_pick(node_score, node_tok, node_parent, node_depth, max_draft, n)
+        -> (drafts, parents, depths, live): the n best nodes (past a request's budget ranked
+        last), in node order, parents as rows
+
+Twins: `top_logprobs_ref`, `tree_grow_ref`, `tree_pick_ref` (the torch ops spec/tree.py ran
+before: a beam step was ~40 launches of a few us and a 64 us torch.topk, the pick ~30). The
+public functions dispatch: the Triton kernels on CUDA, the twins elsewhere; tests call the
+`*_triton` launchers (the interpreter on CPU). One program per request (the pick, the grow) or
+per row and chunk (the top-W): W <= 16 beam rows, at most W + (D - 1) W^2 <= 272 nodes (the
+TreeShape bounds), everything in registers.
+
+Choosing (both): the best by score, ties to the lower node index, exactly torch.sort(stable,
+descending)'s order; the twins sort, the kernels take the maximum k times.
+
+NOTE: node ids are depth-major (the root's W children, then each step's W x W, beam row-major)
+and a child never outscores its parent (log-probabilities add), so the best n are a tree: a
+kept node's parent is kept, at a smaller index, hence an earlier row.
+NOTE: a step's paths go to the other half of `beam_path` [2, m, W, D] (step i's rows read half
+i % 2), so a request's program reads its parents' paths and writes its children's without
+a hazard between threads; columns past a row's depth are 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from draftgraph.kernels._triton import next_pow2, pdl_kwargs, pdl_wait, tl, triton, triton_usable
+
+
+class TreeBuffers(NamedTuple):
+    """A tree drafter's persistent buffers (m = requests, total = nodes, r = m * W rows)."""
+
+    node_tok: torch.Tensor  # [m, total] int64
+    node_score: torch.Tensor  # [m, total] fp32, cumulative draft log-probability
+    node_parent: torch.Tensor  # [m, total] int64, the parent node (-1: the last token)
+    beam_node: torch.Tensor  # [m, W] int64, the nodes the current step's rows feed
+    beam_path: torch.Tensor  # [2, m, W, D] int64, a row's slots at depths 1 .. (half i % 2)
+    t_feat: torch.Tensor  # [r, H] the rows' input features (their parents' streams)
+    t_ids: torch.Tensor  # [r] int64, the rows' tokens
+    t_rows: torch.Tensor  # [4, r] int64: request row, KV length, slot, path base
+
+
+class TreeContext(NamedTuple):
+    """The step's raw inputs the staging reads ([bs] int64 each; reserved_slots [bs, S])."""
+
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    max_draft: torch.Tensor
+    reserved_slots: torch.Tensor
+
+
+def _lo(step: int, w: int) -> int:
+    """First node id of the nodes step `step` creates."""
+    return 0 if step == 0 else w + (step - 1) * w * w
+
+
+# ---- top-W log-probabilities ---------------------------------------------------------------
+
+
+def top_logprobs_ref(logits: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [n, W] fp32, indices [n, W] int64): each row's W largest log_softmax values,
+    largest first."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(w, dim=-1)
+    return top.values, top.indices
+
+
+TOP_CHUNK = 1024
+
+
+@triton.jit
+def _top_chunk_kernel(
+    logits, part_val, part_idx, part_max, part_sum, vocab, stride_row, num_chunks,
+    W: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < vocab
+    x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # a NaN ranks first, as in torch.topk
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    out = row * num_chunks + chunk
+    tl.store(part_max + out, m)
+    tl.store(part_sum + out, tl.sum(tl.exp(x - m_safe), axis=0))
+    for w in tl.static_range(W):  # the chunk's W largest, ties to the lower column
+        best = tl.max(x, axis=0)
+        p = tl.min(tl.where((x == best) & mask, cols, vocab - 1), axis=0)
+        tl.store(part_val + out * W + w, best)
+        tl.store(part_idx + out * W + w, p)
+        x = tl.where(cols == p, float("-inf"), x)
+
+
+@triton.jit
+def _top_combine_kernel(
+    part_val, part_idx, part_max, part_sum, top_lp, top_idx, vocab, num_chunks,
+    W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CW: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    cm = c < num_chunks
+    m = tl.load(part_max + row * num_chunks + c, mask=cm, other=float("-inf"))
+    s = tl.load(part_sum + row * num_chunks + c, mask=cm, other=0.0)
+    big = tl.max(m, axis=0)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    lse = big_safe + tl.log(tl.sum(s * tl.exp(m - big_safe), axis=0))
+    k = tl.arange(0, BLOCK_CW)
+    km = k < num_chunks * W
+    v = tl.load(part_val + row * num_chunks * W + k, mask=km, other=float("-inf"))
+    idx = tl.load(part_idx + row * num_chunks * W + k, mask=km, other=0)
+    taken = k < 0
+    for w in tl.static_range(W):  # candidates in column order per chunk: ties to the lower
+        avail = km & ~taken
+        best = tl.max(tl.where(avail, v, float("-inf")), axis=0)
+        p = tl.min(tl.where(avail & (v == best), idx, vocab), axis=0)
+        p = tl.minimum(p, vocab - 1)
+        taken = taken | (avail & (idx == p))
+        tl.store(top_lp + row * W + w, best - lse)
+        tl.store(top_idx + row * W + w, p.to(tl.int64))
+
+
+def top_logprobs_triton(logits: torch.Tensor, w: int, chunk: int = TOP_CHUNK,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same as `top_logprobs_ref` (ties to the lower index; values from a chunked logsumexp,
+    so within a few ulps of log_softmax's), two launches: each chunk's W largest and partial
+    logsumexp, then the row's W largest of those. torch.topk over a 16k row took 64 us on an
+    H100 (four of them a tree step)."""
+    assert logits.dim() == 2
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n, vocab = logits.shape
+    dev = logits.device
+    num_chunks = -(-vocab // chunk)
+    part_val = torch.empty(n, num_chunks, w, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(n, num_chunks, w, dtype=torch.int32, device=dev)
+    part_max = torch.empty(n, num_chunks, dtype=torch.float32, device=dev)
+    part_sum = torch.empty(n, num_chunks, dtype=torch.float32, device=dev)
+    top_lp = torch.empty(n, w, dtype=torch.float32, device=dev)
+    top_idx = torch.empty(n, w, dtype=torch.int64, device=dev)
+    pdl = pdl_kwargs(logits)
+    _top_chunk_kernel[(n, num_chunks)](
+        logits, part_val, part_idx, part_max, part_sum, vocab, logits.stride(0), num_chunks,
+        W=w, CHUNK=chunk, num_warps=4, **pdl)
+    _top_combine_kernel[(n,)](
+        part_val, part_idx, part_max, part_sum, top_lp, top_idx, vocab, num_chunks, W=w,
+        BLOCK_C=max(2, next_pow2(num_chunks)), BLOCK_CW=max(2, next_pow2(num_chunks * w)),
+        num_warps=1, **pdl)
+    return top_lp, top_idx
+
+
+def top_logprobs(logits: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.is_cuda and triton_usable(logits):
+        return top_logprobs_triton(logits, w)
+    return top_logprobs_ref(logits, w)
+
+
+# ---- grow ----------------------------------------------------------------------------------
+
+
+def tree_grow_ref(step: int, top_lp: torch.Tensor, top_idx: torch.Tensor,
+                  vocab: torch.Tensor | None, stream: torch.Tensor, bufs: TreeBuffers,
+                  ctx: TreeContext, stage: bool) -> None:
+    """top_lp / top_idx [bs * R, W]: each row's W likeliest tokens (log-probabilities, ids in
+    the drafter's vocabulary, mapped through `vocab` when given); stream [bs * R, H] the
+    rows' output streams (their children's input features)."""
+    bs = ctx.seq_lens.shape[0]
+    w = top_lp.shape[1]
+    rows = top_lp.shape[0] // bs
+    lo, count = _lo(step, w), rows * w
+    tok = (vocab[top_idx] if vocab is not None else top_idx).view(bs, count)
+    if step == 0:
+        score = top_lp.view(bs, count)
+        parent = torch.full_like(tok, -1)
+    else:
+        beam = bufs.beam_node[:bs]  # [bs, W]
+        score = (bufs.node_score[:bs].gather(1, beam)[..., None]
+                 + top_lp.view(bs, w, w)).view(bs, count)
+        parent = beam.repeat_interleave(w, 1)
+    bufs.node_tok[:bs, lo : lo + count] = tok
+    bufs.node_score[:bs, lo : lo + count] = score
+    bufs.node_parent[:bs, lo : lo + count] = parent
+    if not stage:
+        return
+    pick = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :w]  # [bs, W]
+    prow = pick // w  # the row of this step that made it: its stream, its path
+    bufs.beam_node[:bs] = lo + pick
+    h = stream.shape[1]
+    r = bs * w
+    bufs.t_feat[:r].copy_(stream.view(bs, rows, h).gather(
+        1, prow[..., None].expand(bs, w, h)).view(r, h))
+    d = bufs.beam_path.shape[3]
+    old = bufs.beam_path[step % 2, :bs].gather(1, prow[..., None].expand(bs, w, d))
+    col = torch.arange(d, device=pick.device)
+    slot = ctx.reserved_slots[:, 1 + step * w : 1 + (step + 1) * w]  # [bs, W]
+    bufs.beam_path[(step + 1) % 2, :bs] = torch.where(
+        col == step, slot[..., None], torch.where(col < step, old, 0))
+    bufs.t_ids[:r].copy_(tok.gather(1, pick).flatten())
+    n = ctx.seq_lens[:, None].expand(bs, w)
+    live = (ctx.max_draft >= step + 1)[:, None]
+    staged = torch.stack([torch.where(live, ctx.req_pool_indices[:, None].expand(bs, w), 0),
+                          torch.where(live, n + step + 1, 1), torch.where(live, slot, 0),
+                          torch.where(live, n, 1)])
+    bufs.t_rows[:, :r].copy_(staged.view(4, r))
+
+
+@triton.jit
+def _tree_grow_kernel(
+    top_lp, top_idx, vocab, stream, node_tok, node_score, node_parent, beam_node, path_in,
+    path_out, t_feat, t_ids, t_rows, seq_lens, req_pool_indices, max_draft, reserved_slots,
+    step, lo, total, hidden, stride_stream, stride_feat, stride_rows, stride_res0, stride_res1,
+    W: tl.constexpr, R: tl.constexpr, D: tl.constexpr, C_P: tl.constexpr, W_P: tl.constexpr,
+    D_P: tl.constexpr, BLOCK_H: tl.constexpr, FIRST: tl.constexpr, STAGE: tl.constexpr,
+    HAS_VOCAB: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, C_P)
+    cm = c < W * R
+    row = c // W
+    src = (b * R + row) * W + c % W
+    lp = tl.load(top_lp + src, mask=cm, other=float("-inf"))
+    idx = tl.load(top_idx + src, mask=cm, other=0)
+    if HAS_VOCAB:
+        tok = tl.load(vocab + idx, mask=cm, other=0).to(tl.int64)
+    else:
+        tok = idx.to(tl.int64)
+    base = b * total + lo
+    if FIRST:
+        score = lp
+        parent = tl.full([C_P], -1, tl.int64)
+    else:
+        parent = tl.load(beam_node + b * W + row, mask=cm, other=0)
+        score = tl.load(node_score + b * total + parent, mask=cm, other=0.0) + lp
+    tl.store(node_tok + base + c, tok, mask=cm)
+    tl.store(node_score + base + c, score, mask=cm)
+    tl.store(node_parent + base + c, parent, mask=cm)
+    if STAGE:
+        # the W best (ties to the lower index); a reduction waits for every thread's loads,
+        # so beam_node is read above before it is written below
+        wv = tl.arange(0, W_P)
+        wm = wv < W
+        taken = c < 0
+        pick = tl.zeros([W_P], tl.int64)
+        for w in tl.static_range(W):
+            avail = cm & ~taken
+            best = tl.max(tl.where(avail, score, float("-inf")), axis=0)
+            p = tl.min(tl.where(avail & (score == best), c, C_P), axis=0)
+            p = tl.minimum(p, W * R - 1)  # a NaN row: any node, never out of range
+            taken = taken | (c == p)
+            pick = tl.where(wv == w, p, pick)
+        prow = pick // W
+        tl.store(beam_node + b * W + wv, lo + pick, mask=wm)
+        psrc = (b * R + prow) * W + pick % W
+        pidx = tl.load(top_idx + psrc, mask=wm, other=0)
+        if HAS_VOCAB:
+            ptok = tl.load(vocab + pidx, mask=wm, other=0).to(tl.int64)
+        else:
+            ptok = pidx.to(tl.int64)
+        out_row = b * W + wv
+        tl.store(t_ids + out_row, ptok, mask=wm)
+        h = tl.arange(0, BLOCK_H)
+        for h0 in range(0, hidden, BLOCK_H):
+            hm = wm[:, None] & ((h0 + h) < hidden)[None, :]
+            x = tl.load(stream + (b * R + prow)[:, None] * stride_stream + (h0 + h)[None, :],
+                        mask=hm)
+            tl.store(t_feat + out_row[:, None] * stride_feat + (h0 + h)[None, :], x, mask=hm)
+        d = tl.arange(0, D_P)
+        slot = tl.load(reserved_slots + b * stride_res0 + (1 + step * W + wv) * stride_res1,
+                       mask=wm, other=0)
+        old = tl.load(path_in + (b * W + prow)[:, None] * D + d[None, :],
+                      mask=wm[:, None] & (d < step)[None, :], other=0)
+        new = tl.where(d[None, :] == step, slot[:, None], old)
+        tl.store(path_out + out_row[:, None] * D + d[None, :], new,
+                 mask=wm[:, None] & (d < D)[None, :])
+        n = tl.load(seq_lens + b)
+        live = tl.load(max_draft + b) >= step + 1
+        req = tl.load(req_pool_indices + b)
+        zero = tl.zeros([W_P], tl.int64)
+        tl.store(t_rows + out_row, tl.where(live, zero + req, 0), mask=wm)
+        tl.store(t_rows + stride_rows + out_row, tl.where(live, zero + n + step + 1, 1), mask=wm)
+        tl.store(t_rows + 2 * stride_rows + out_row, tl.where(live, slot, 0), mask=wm)
+        tl.store(t_rows + 3 * stride_rows + out_row, tl.where(live, zero + n, 1), mask=wm)
+
+
+def tree_grow_triton(step: int, top_lp: torch.Tensor, top_idx: torch.Tensor,
+                     vocab: torch.Tensor | None, stream: torch.Tensor, bufs: TreeBuffers,
+                     ctx: TreeContext, stage: bool) -> None:
+    """Same semantics as `tree_grow_ref`, one launch."""
+    bs = ctx.seq_lens.shape[0]
+    w = top_lp.shape[1]
+    rows = top_lp.shape[0] // bs
+    d = bufs.beam_path.shape[3]
+    top_lp, top_idx = top_lp.contiguous(), top_idx.contiguous()
+    assert stream.stride(1) == 1 and bufs.t_feat.stride(1) == 1
+    hidden = stream.shape[1]
+    _tree_grow_kernel[(bs,)](
+        top_lp, top_idx, vocab if vocab is not None else top_idx, stream, bufs.node_tok,
+        bufs.node_score, bufs.node_parent, bufs.beam_node, bufs.beam_path[step % 2],
+        bufs.beam_path[(step + 1) % 2], bufs.t_feat, bufs.t_ids, bufs.t_rows, ctx.seq_lens,
+        ctx.req_pool_indices, ctx.max_draft, ctx.reserved_slots, step, _lo(step, w),
+        bufs.node_tok.shape[1], hidden, stream.stride(0), bufs.t_feat.stride(0),
+        bufs.t_rows.stride(0), ctx.reserved_slots.stride(0), ctx.reserved_slots.stride(1),
+        W=w, R=rows, D=d, C_P=max(2, next_pow2(rows * w)), W_P=max(2, next_pow2(w)),
+        D_P=max(2, next_pow2(d)), BLOCK_H=min(256, max(16, next_pow2(hidden))),
+        FIRST=step == 0, STAGE=stage, HAS_VOCAB=vocab is not None, num_warps=4,
+        **pdl_kwargs(stream),
+    )
+
+
+def tree_grow(step: int, top_lp: torch.Tensor, top_idx: torch.Tensor,
+              vocab: torch.Tensor | None, stream: torch.Tensor, bufs: TreeBuffers,
+              ctx: TreeContext, stage: bool) -> None:
+    if stream.is_cuda and triton_usable(stream):
+        tree_grow_triton(step, top_lp, top_idx, vocab, stream, bufs, ctx, stage)
+    else:
+        tree_grow_ref(step, top_lp, top_idx, vocab, stream, bufs, ctx, stage)
+
+
+# ---- pick ----------------------------------------------------------------------------------
+
+
+def tree_pick_ref(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent: torch.Tensor,
+                  node_depth: torch.Tensor, max_draft: torch.Tensor, n: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """node_* [bs, total] (node_depth [total]), max_draft [bs] -> drafts, parents (0: the last
+    token, i: draft i - 1), depths [bs, n] int64 in node order, live [bs] (the kept nodes
+    within the budget: they lead)."""
+    bs = node_score.shape[0]
+    depth = node_depth.expand(bs, -1)
+    # nodes past a request's draft budget are never verified: ranked last
+    score = torch.where(depth <= max_draft[:, None], node_score, float("-inf"))
+    keep = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]
+    keep = keep.sort(dim=1).values  # node order: parents first
+    row_of = torch.zeros_like(node_parent)
+    row_of.scatter_(1, keep, torch.arange(1, n + 1, device=keep.device).expand(bs, n))
+    parent = node_parent.gather(1, keep)
+    parents = torch.where(parent < 0, 0, row_of.gather(1, parent.clamp_min(0)))
+    depths = depth.gather(1, keep)
+    live = (depths <= max_draft[:, None]).sum(dim=1)
+    return node_tok.gather(1, keep), parents, depths, live
+
+
+@triton.jit
+def _tree_pick_kernel(
+    node_score, node_tok, node_parent, node_depth, max_draft, row_of, drafts, parents, depths,
+    live, total, N: tl.constexpr, T_P: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, T_P)
+    tm = t < total
+    depth = tl.load(node_depth + t, mask=tm, other=0)
+    md = tl.load(max_draft + b)
+    score = tl.load(node_score + b * total + t, mask=tm, other=float("-inf"))
+    score = tl.where(depth <= md, score, float("-inf"))
+    chosen = t < 0
+    for _ in tl.static_range(N):
+        avail = tm & ~chosen
+        best = tl.max(tl.where(avail, score, float("-inf")), axis=0)
+        p = tl.min(tl.where(avail & (score == best), t, T_P), axis=0)
+        chosen = chosen | (t == p)
+    rank = tl.cumsum(chosen.to(tl.int32), axis=0).to(tl.int64)  # a kept node's row (1 ..)
+    tl.store(row_of + b * total + t, rank, mask=chosen)
+    tl.debug_barrier()  # every kept node's row is stored before a child reads its parent's
+    parent = tl.load(node_parent + b * total + t, mask=chosen, other=-1)
+    prow = tl.load(row_of + b * total + tl.maximum(parent, 0), mask=chosen & (parent >= 0),
+                   other=0)
+    out = b * N + rank - 1
+    tl.store(drafts + out, tl.load(node_tok + b * total + t, mask=chosen, other=0), mask=chosen)
+    tl.store(parents + out, prow, mask=chosen)
+    tl.store(depths + out, depth, mask=chosen)
+    tl.store(live + b, tl.sum((chosen & (depth <= md)).to(tl.int64), axis=0))
+
+
+def tree_pick_triton(node_score: torch.Tensor, node_tok: torch.Tensor,
+                     node_parent: torch.Tensor, node_depth: torch.Tensor,
+                     max_draft: torch.Tensor, n: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same semantics as `tree_pick_ref`, one launch (inside a capture the outputs and the
+    row scratch come from the graph's pool)."""
+    bs, total = node_score.shape
+    assert node_score.is_contiguous() and node_tok.is_contiguous() and node_parent.is_contiguous()
+    dev = node_score.device
+    drafts = torch.empty(bs, n, dtype=torch.int64, device=dev)
+    parents = torch.empty(bs, n, dtype=torch.int64, device=dev)
+    depths = torch.empty(bs, n, dtype=torch.int64, device=dev)
+    live = torch.empty(bs, dtype=torch.int64, device=dev)
+    row_of = torch.empty(bs, total, dtype=torch.int64, device=dev)
+    _tree_pick_kernel[(bs,)](
+        node_score, node_tok, node_parent, node_depth, max_draft, row_of, drafts, parents,
+        depths, live, total, N=n, T_P=max(2, next_pow2(total)), num_warps=4,
+        **pdl_kwargs(node_score),
+    )
+    return drafts, parents, depths, live
+
+
+def tree_pick(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent: torch.Tensor,
+              node_depth: torch.Tensor, max_draft: torch.Tensor, n: int,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if node_score.is_cuda and triton_usable(node_score):
+        return tree_pick_triton(node_score, node_tok, node_parent, node_depth, max_draft, n)
+    return tree_pick_ref(node_score, node_tok, node_parent, node_depth, max_draft, n)

@@ -1,0 +1,124 @@
+"""A draft tree's bookkeeping kernels (kernels/tree.py) vs their torch twins: every buffer a
+step writes, equal to the bit, over whole trees grown step after step (ties in the scores,
+requests past their draft budget, a mapped and an unmapped vocabulary); and the pick by hand."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU: run the kernels in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton kernels need the triton package")
+
+from draftgraph.kernels import tree as T  # noqa: E402
+from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
+
+if compiled_for_cpu_missing(T._tree_grow_kernel):
+    pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "
+                "(set it in the environment to run them on CPU)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, V = 40, 97
+
+
+def _bufs(m: int, w: int, d: int, gen: torch.Generator) -> T.TreeBuffers:
+    total = w + (d - 1) * w * w
+
+    def noise(*shape, dtype=torch.int64):  # stale contents: the kernels must not read them
+        return torch.randint(0, 50, shape, generator=gen).to(DEVICE, dtype)
+
+    return T.TreeBuffers(noise(m, total), noise(m, total, dtype=torch.float32),
+                         noise(m, total), noise(m, w) % w, noise(2, m, w, d),
+                         noise(m * w, H, dtype=torch.float32), noise(m * w), noise(4, m * w))
+
+
+def _clone(b: T.TreeBuffers) -> T.TreeBuffers:
+    return T.TreeBuffers(*(t.clone() for t in b))
+
+
+def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int):
+    """A whole tree grown by the kernel and by the twin, step by step, from the same random
+    head outputs (scores rounded to 1/4: ties everywhere); every buffer compared after each
+    step."""
+    gen = torch.Generator().manual_seed(seed)
+    m = bs + 1  # a spare request row: buffers are sized for more than the batch
+    a = _bufs(m, w, d, gen)
+    b = _clone(a)
+    vmap = torch.randperm(1000, generator=gen)[:V].to(DEVICE) if vocab else None
+    ctx = T.TreeContext(torch.randint(3, 40, (bs,), generator=gen).to(DEVICE),
+                        torch.randperm(bs, generator=gen).to(DEVICE) + 1,
+                        torch.tensor([d, 0, 2, d + 3, 1][:bs]).to(DEVICE),
+                        torch.randint(1, 500, (bs, 2 + d * w), generator=gen).to(DEVICE))
+    for step in range(d):
+        rows = bs * (1 if step == 0 else w)
+        lp = (torch.randn(rows, V, generator=gen) * 2).round(decimals=0) / 4
+        lp = torch.log_softmax(lp, dim=-1)
+        top = lp.topk(w, dim=-1)
+        stream = torch.randn(rows, H, generator=gen).to(DEVICE)
+        args = (step, top.values.to(DEVICE), top.indices.to(DEVICE), vmap, stream)
+        stage = step + 1 < d
+        T.tree_grow_triton(*args, a, ctx, stage)
+        T.tree_grow_ref(*args, b, ctx, stage)
+        for name, x, y in zip(T.TreeBuffers._fields, a, b, strict=True):
+            assert torch.equal(x, y), (name, step)
+    return a, b, ctx
+
+
+@pytest.mark.parametrize("w,d,bs,vocab", [(4, 5, 3, True), (2, 4, 5, False), (1, 3, 2, True),
+                                          (3, 2, 4, False)])
+def test_a_grown_tree_equals_the_twins_buffer_for_buffer(w, d, bs, vocab):
+    a, _, ctx = _grow_both(w, d, bs, vocab, seed=w * 10 + d)
+    total = w + (d - 1) * w * w
+    if d > 1:  # the last staged rows: live requests' KV lengths, dead ones the dummy row
+        rows = a.t_rows[:, : bs * w].view(4, bs, w)
+        live = ctx.max_draft >= d - 1
+        assert torch.equal(rows[1, live], (ctx.seq_lens[live] + d - 1)[:, None].expand(-1, w))
+        assert (rows[:, ~live] == torch.tensor([0, 1, 0, 1], device=DEVICE)[:, None, None]).all()
+    for n in sorted({1, min(total, 2 * w + 1), total}):
+        got = T.tree_pick_triton(a.node_score[:bs].contiguous(), a.node_tok[:bs].contiguous(),
+                                 a.node_parent[:bs].contiguous(), _depths(w, d), ctx.max_draft,
+                                 n)
+        ref = T.tree_pick_ref(a.node_score[:bs], a.node_tok[:bs], a.node_parent[:bs],
+                              _depths(w, d), ctx.max_draft, n)
+        for x, y in zip(got, ref, strict=True):
+            assert torch.equal(x, y), n
+
+
+def _depths(w: int, d: int) -> torch.Tensor:
+    total = w + (d - 1) * w * w
+    return torch.tensor([1] * w + [2 + i // w ** 2 for i in range(total - w)], device=DEVICE)
+
+
+def test_the_pick_by_hand():
+    """Two depth-1 nodes and four children: the 4 best, ties to the lower id, parents as rows;
+    a request with budget 1 ranks its children last and counts only its first two."""
+    score = torch.tensor([[-1.0, -2.0, -1.5, -3.0, -2.5, -1.5],
+                          [-1.0, -2.0, -1.5, -3.0, -2.5, -1.5]], device=DEVICE)
+    tok = torch.arange(10, 16, device=DEVICE).expand(2, 6).contiguous()
+    parent = torch.tensor([-1, -1, 0, 0, 1, 1], device=DEVICE).expand(2, 6).contiguous()
+    depth = torch.tensor([1, 1, 2, 2, 2, 2], device=DEVICE)
+    budget = torch.tensor([2, 1], device=DEVICE)
+    for pick in (T.tree_pick_triton, T.tree_pick_ref):
+        drafts, parents, depths, live = pick(score, tok, parent, depth, budget, 4)
+        # request 0: -1 (0), -1.5 (2), -1.5 (5), -2 (1) -> node order 0 1 2 5
+        assert drafts[0].tolist() == [10, 11, 12, 15]
+        assert parents[0].tolist() == [0, 0, 1, 2] and depths[0].tolist() == [1, 1, 2, 2]
+        # request 1: depth 2 is past its budget: 0, 1, then the first two children (2, 3)
+        assert drafts[1].tolist() == [10, 11, 12, 13] and live.tolist() == [4, 2]
+
+
+@pytest.mark.parametrize("n,vocab,w", [(3, 1000, 4), (2, 200, 1), (5, 130, 16)])
+def test_top_logprobs_equal_log_softmax_topk(n, vocab, w):
+    """Chunks of 64 (a partial last one), rows with a large spread: the W largest in order,
+    their log-probabilities within float rounding of log_softmax's; ties go to the lower
+    index."""
+    gen = torch.Generator().manual_seed(vocab + w)
+    x = (torch.randn(n, vocab, generator=gen) * 4).to(DEVICE)
+    lp, idx = T.top_logprobs_triton(x, w, chunk=64)
+    ref_lp, ref_idx = T.top_logprobs_ref(x, w)
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=1e-5)
+    tied = torch.zeros(1, vocab, device=DEVICE)
+    tied[0, [7, 70, vocab - 1]] = 1.0
+    assert T.top_logprobs_triton(tied, 4, chunk=64)[1].tolist() == [[7, 70, vocab - 1, 0]]
