@@ -37,10 +37,15 @@ def _clone(b: T.TreeBuffers) -> T.TreeBuffers:
     return T.TreeBuffers(*(t.clone() for t in b))
 
 
-def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int):
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal to the bit, NaN where NaN."""
+    return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0), y.nan_to_num(0))
+
+
+def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int, nan: bool = False):
     """A whole tree grown by the kernel and by the twin, step by step, from the same random
     head outputs (scores rounded to 1/4: ties everywhere); every buffer compared after each
-    step."""
+    step. `nan`: a NaN log-probability in every step's first row (ranked last)."""
     gen = torch.Generator().manual_seed(seed)
     m = bs + 1  # a spare request row: buffers are sized for more than the batch
     a = _bufs(m, w, d, gen)
@@ -55,20 +60,23 @@ def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int):
         lp = (torch.randn(rows, V, generator=gen) * 2).round(decimals=0) / 4
         lp = torch.log_softmax(lp, dim=-1)
         top = lp.topk(w, dim=-1)
+        if nan:
+            top.values[0, -1] = float("nan")
         stream = torch.randn(rows, H, generator=gen).to(DEVICE)
         args = (step, top.values.to(DEVICE), top.indices.to(DEVICE), vmap, stream)
         stage = step + 1 < d
         T.tree_grow_triton(*args, a, ctx, stage)
         T.tree_grow_ref(*args, b, ctx, stage)
         for name, x, y in zip(T.TreeBuffers._fields, a, b, strict=True):
-            assert torch.equal(x, y), (name, step)
+            assert _same(x, y), (name, step)
     return a, b, ctx
 
 
-@pytest.mark.parametrize("w,d,bs,vocab", [(4, 5, 3, True), (2, 4, 5, False), (1, 3, 2, True),
-                                          (3, 2, 4, False)])
-def test_a_grown_tree_equals_the_twins_buffer_for_buffer(w, d, bs, vocab):
-    a, _, ctx = _grow_both(w, d, bs, vocab, seed=w * 10 + d)
+@pytest.mark.parametrize("w,d,bs,vocab,nan", [(4, 5, 3, True, False), (2, 4, 5, False, False),
+                                              (1, 3, 2, True, False), (3, 2, 4, False, False),
+                                              (4, 3, 3, True, True)])
+def test_a_grown_tree_equals_the_twins_buffer_for_buffer(w, d, bs, vocab, nan):
+    a, _, ctx = _grow_both(w, d, bs, vocab, seed=w * 10 + d, nan=nan)
     total = w + (d - 1) * w * w
     if d > 1:  # the last staged rows: live requests' KV lengths, dead ones the dummy row
         rows = a.t_rows[:, : bs * w].view(4, bs, w)
@@ -83,6 +91,7 @@ def test_a_grown_tree_equals_the_twins_buffer_for_buffer(w, d, bs, vocab):
                               _depths(w, d), ctx.max_draft, n)
         for x, y in zip(got, ref, strict=True):
             assert torch.equal(x, y), n
+        assert ((got[1] >= 0) & (got[1] < torch.arange(1, n + 1, device=DEVICE))).all()
 
 
 def _depths(w: int, d: int) -> torch.Tensor:

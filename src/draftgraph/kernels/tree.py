@@ -19,7 +19,8 @@ per row and chunk (the top-W): W <= 16 beam rows, at most W + (D - 1) W^2 <= 272
 TreeShape bounds), everything in registers.
 
 Choosing (both): the best by score, ties to the lower node index, exactly torch.sort(stable,
-descending)'s order; the twins sort, the kernels take the maximum k times.
+descending)'s order, a NaN score ranked last (as -inf: every pick a distinct node, so the
+outputs are always filled); the twins sort, the kernels take the maximum k times.
 
 NOTE: node ids are depth-major (the root's W children, then each step's W x W, beam row-major)
 and a child never outscores its parent (log-probabilities add), so the best n are a tree: a
@@ -194,7 +195,8 @@ def tree_grow_ref(step: int, top_lp: torch.Tensor, top_idx: torch.Tensor,
     bufs.node_parent[:bs, lo : lo + count] = parent
     if not stage:
         return
-    pick = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :w]  # [bs, W]
+    rank = torch.nan_to_num(score, nan=float("-inf"))  # a NaN node ranks last
+    pick = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :w]  # [bs, W]
     prow = pick // w  # the row of this step that made it: its stream, its path
     bufs.beam_node[:bs] = lo + pick
     h = stream.shape[1]
@@ -248,17 +250,17 @@ def _tree_grow_kernel(
     tl.store(node_score + base + c, score, mask=cm)
     tl.store(node_parent + base + c, parent, mask=cm)
     if STAGE:
-        # the W best (ties to the lower index); a reduction waits for every thread's loads,
-        # so beam_node is read above before it is written below
+        # the W best (ties to the lower index, a NaN last); a reduction waits for every
+        # thread's loads, so beam_node is read above before it is written below
+        rank = tl.where(score != score, float("-inf"), score)
         wv = tl.arange(0, W_P)
         wm = wv < W
         taken = c < 0
         pick = tl.zeros([W_P], tl.int64)
         for w in tl.static_range(W):
             avail = cm & ~taken
-            best = tl.max(tl.where(avail, score, float("-inf")), axis=0)
-            p = tl.min(tl.where(avail & (score == best), c, C_P), axis=0)
-            p = tl.minimum(p, W * R - 1)  # a NaN row: any node, never out of range
+            best = tl.max(tl.where(avail, rank, float("-inf")), axis=0)
+            p = tl.min(tl.where(avail & (rank == best), c, C_P), axis=0)
             taken = taken | (c == p)
             pick = tl.where(wv == w, p, pick)
         prow = pick // W
@@ -342,6 +344,7 @@ def tree_pick_ref(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent:
     depth = node_depth.expand(bs, -1)
     # nodes past a request's draft budget are never verified: ranked last
     score = torch.where(depth <= max_draft[:, None], node_score, float("-inf"))
+    score = torch.nan_to_num(score, nan=float("-inf"))  # a NaN node ranks last
     keep = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :n]
     keep = keep.sort(dim=1).values  # node order: parents first
     row_of = torch.zeros_like(node_parent)
@@ -365,7 +368,7 @@ def _tree_pick_kernel(
     depth = tl.load(node_depth + t, mask=tm, other=0)
     md = tl.load(max_draft + b)
     score = tl.load(node_score + b * total + t, mask=tm, other=float("-inf"))
-    score = tl.where(depth <= md, score, float("-inf"))
+    score = tl.where((depth <= md) & (score == score), score, float("-inf"))  # NaN last
     chosen = t < 0
     for _ in tl.static_range(N):
         avail = tm & ~chosen
