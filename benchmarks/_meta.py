@@ -12,9 +12,11 @@ import torch
 
 def run_header(device: str | None = None) -> dict:
     """device: as measured on (default: the CUDA device's name, else the CPU's threads)."""
-    if device is None or (device.startswith("cuda") and torch.cuda.is_available()):
+    if device is None or device.startswith("cuda"):  # --device cuda: the GPU's name
         device = (torch.cuda.get_device_name() if torch.cuda.is_available()
                   else f"CPU ({torch.get_num_threads()} threads)")
+    elif device == "cpu":
+        device = f"CPU ({torch.get_num_threads()} threads)"
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),

@@ -10,8 +10,8 @@
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
 #           calls 1-7 `bash benchmarks/tree_gpu.sh stage N` with carry [".modeliN"], then
 #           `bash benchmarks/tree_gpu.sh real` with carry [".modeli8", ".whl_gguf"]): greedy
-#           MT-Bench and HumanEval at batch 1, plain / chain / trees, accept length, tokens/s
-#           and equality with plain (`bench_accept.py`).
+#           MT-Bench and HumanEval at batch BS (1), plain / chain / trees, accept length,
+#           tokens/s and equality with plain (`bench_accept.py`); TEMP=0.7 for sampled steps.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks
@@ -39,8 +39,9 @@ case "${1:-}" in
     for t in $TREES; do arms="$arms,chain+$t@$H"; done
     timeout ${LIMIT:-520} python3 benchmarks/bench_accept.py --model "$M" --device cuda \
       --dtype bfloat16 --sets benchmarks/data/accept_sets_smollm2_ids.json \
-      --only mtbench,humaneval --num-prompts ${N:-20} --batch 1 --max-tokens ${MAXTOK:-256} \
-      --arms "$arms" --out "$OUT/tree_accept_real_bs1.json" 2>&1 | grep -v Warning | tail -12
+      --only mtbench,humaneval --num-prompts ${N:-20} --batch ${BS:-1} \
+      --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
+      --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}.json" 2>&1 | grep -v Warning | tail -12
     ;;
   *) echo "usage: $0 tests | rounds | stage N | real"; exit 2 ;;
 esac

@@ -1,8 +1,9 @@
 """GPU: draft trees (spec/tree.py) in captured step graphs, fp32. An oracle tree (the plain
-continuation ranked first at every row) is accepted to full depth round after round and gives
-plain decoding's tokens, from the fused graphs, the per-step fallback and the eager body
-alike; a random head over a batch that grows and shrinks drafts the same trees in all three
-(replay by replay) and gives plain decoding's output; captured buffers keep their addresses."""
+continuation, greedy or seeded sampling's, ranked first at every row) is accepted to full
+depth round after round and gives plain decoding's tokens, from the fused graphs, the
+per-step fallback and the eager body alike; a random head over a batch that grows and
+shrinks drafts the same trees in all three (replay by replay) and gives plain decoding's
+output; captured buffers keep their addresses."""
 
 from __future__ import annotations
 
@@ -36,9 +37,12 @@ def _engine(loaded, drafter=None, use_graphs: bool = True) -> LLMEngine:
     return chain_engine(loaded, drafter, use_graphs, k=TREE.nodes)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("arm", ARMS)
-def test_an_oracle_tree_is_accepted_to_full_depth_and_lossless(loaded, monkeypatch, arm):
-    from test_spec_tree import GREEDY, oracle_run
+def test_an_oracle_tree_is_accepted_to_full_depth_and_lossless(loaded, monkeypatch, arm,
+                                                               sampled):
+    """Greedy, and sampled (the oracle ranks plain seeded sampling's continuation first)."""
+    from test_spec_tree import GREEDY, HOT, oracle_run
 
     if arm == "fallback":
         monkeypatch.setattr(TritonBackend, "draft_step_update", False)
@@ -51,8 +55,8 @@ def test_an_oracle_tree_is_accepted_to_full_depth_and_lossless(loaded, monkeypat
         return drafter_engine, drafter
 
     prompt = _prompts(loaded.config.vocab_size)[1]
-    tokens, ref, s = oracle_run(engine_for, lambda p: _engine(loaded).generate(
-        [p], GREEDY)[0].token_ids, prompt)
+    tokens, ref, s = oracle_run(engine_for, lambda p, params: _engine(loaded).generate(
+        [p], params)[0].token_ids, prompt, params=HOT if sampled else GREEDY)
     assert tokens == ref
     assert s["num_accepted_tokens"] >= 0.9 * TREE.depth * s["num_drafts"]
 

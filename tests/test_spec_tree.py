@@ -1,12 +1,14 @@
 """Draft trees (`--speculative chain --speculative-tree WxD:N`, spec/tree.py): the ancestor rows
-and the greedy walk by hand; greedy output equals plain decoding with a random head (tiny
-model: batches that draft trees, batches too large for them, greedy and sampled requests
-together) and with the shipped head on the default model, whose accept length the tree raises
-over its chain; skipping the copy of the accepted nodes' KV, or building tree rows' lists
-without their paths, breaks the equality (the checks catch both)."""
+and the greedy walk by hand; output equals plain decoding with a random head (tiny model:
+batches that draft trees, batches too large for them, greedy and seeded sampled requests
+together; an oracle's sampled trees accepted to full depth) and with the shipped head on the
+default model, whose accept length the tree raises over its chain; skipping the copy of the
+accepted nodes' KV, or building tree rows' lists without their paths, breaks the equality
+(the checks catch both)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from draftgraph.spec.tree import TREE_MAX_BS, TreeHeadDrafter, accept_tree, ance
 SETS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "accept_sets_smollm2_ids.json"
 TREE = TreeShape(4, 5, 16)
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+HOT = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, top_k=40, seed=11,
+                     ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3] * 5, list(range(40, 70))]
 
 
@@ -79,14 +83,14 @@ def _tree_engine(hf, tree: TreeShape = TREE, max_num_seqs: int = 8):
 
 
 def _count_tree_steps(engine) -> list:
-    """Counts the verify steps that took the tree path."""
+    """The verify steps that took the tree path: (requests, greedy) each."""
     body = engine.spec_graphs.body
     seen = []
     accept = body._accept_tree
 
-    def counted(bs, logits):
-        seen.append(bs)
-        accept(bs, logits)
+    def counted(bs, logits, greedy):
+        seen.append((bs, greedy))
+        accept(bs, logits, greedy)
 
     body._accept_tree = counted
     return seen
@@ -98,9 +102,10 @@ def test_a_steps_rows_follow_its_context_not_the_last_proposal(hf):
     remembered its last proposal's shape would build a chain's lists for a tree step."""
     engine, drafter = _tree_engine(hf)
     body = engine.spec_graphs.body
-    tree, chain = body._ctx(1, True), body._ctx(1, False)
-    assert tree.tree and not chain.tree
-    drafter.begin(chain)  # the last proposal drafted the chain (a sampled graph, say)
+    tree = body._ctx(1, True)
+    chain = dataclasses.replace(tree, tree=False)  # a step with top-N, say
+    assert tree.tree and body._ctx(1, False).tree  # greedy and sampled steps draft trees
+    drafter.begin(chain)  # the last proposal drafted the chain
     assert drafter.step_fb(tree, 1).paths is not None
     assert drafter.step_fb(chain, 1).paths is None
     drafter.begin(tree)
@@ -123,26 +128,26 @@ def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
     body._keep = checked
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
     assert short and not any(short)
-    assert len(seen) > 20 and max(seen) == len(PROMPTS)  # trees, the three together
+    assert len(seen) > 20 and max(seen)[0] == len(PROMPTS)  # trees, the three together
     assert engine.stats["num_draft_tokens"] > 20 * tree.nodes
     assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
 
 
-def test_batches_too_large_for_trees_and_sampled_batches_draft_chains(hf, plain):
+def test_batches_too_large_for_trees_draft_chains_and_sampled_batches_trees(hf, plain):
     prompts = [[i, i + 1, i + 2] for i in range(3, 3 + 2 * TREE_MAX_BS)]
     ref = [o.token_ids for o in tiny_engine(hf, 16).generate(prompts, GREEDY)]
     engine, _ = _tree_engine(hf, max_num_seqs=16)
     seen = _count_tree_steps(engine)
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == ref
-    assert seen and max(seen) <= TREE_MAX_BS  # the full batch drafted chains
-    # a sampled request beside greedy ones: the batch drafts a chain of D, still lossless
+    assert seen and max(seen)[0] <= TREE_MAX_BS  # the full batch drafted chains
+    # a sampled request beside greedy ones drafts trees too: plain sampling's tokens
     engine, _ = _tree_engine(hf)
     seen = _count_tree_steps(engine)
-    hot = SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True)
-    outs = engine.generate(PROMPTS + [[9, 9, 9]], [GREEDY] * len(PROMPTS) + [hot])
+    params = [GREEDY] * len(PROMPTS) + [HOT]
+    outs = engine.generate(PROMPTS + [[9, 9, 9]], params)
     assert [o.token_ids for o in outs[:3]] == plain[:3]
-    assert len(outs[3].token_ids) == 30
-    assert engine.stats["num_drafts"] > len(seen)  # some steps were chains
+    assert outs[3].token_ids == tiny_engine(hf).generate([[9, 9, 9]], HOT)[0].token_ids
+    assert (1, False) in seen  # the sampled request's steps drafted trees
 
 
 class OracleTree(TreeHeadDrafter):
@@ -167,12 +172,13 @@ class OracleTree(TreeHeadDrafter):
         super()._expand(ctx, i, logits, stream)
 
 
-def oracle_run(engine_for, plain_of, prompt: list[int], shape: TreeShape = TREE):
+def oracle_run(engine_for, plain_of, prompt: list[int], shape: TreeShape = TREE,
+               params: SamplingParams = GREEDY):
     """(tokens, plain tokens, stats) of one request drafted by an OracleTree; engine_for(d)
-    builds the engine, plain_of(prompt) the plain output."""
-    ref = plain_of(prompt)
+    builds the engine, plain_of(prompt, params) the plain output."""
+    ref = plain_of(prompt, params)
     engine, drafter = engine_for(lambda head: OracleTree(head, shape, prompt + ref))
-    (out,) = engine.generate([prompt], GREEDY)
+    (out,) = engine.generate([prompt], params)
     return out.token_ids, ref, engine.stats
 
 
@@ -182,8 +188,8 @@ def _oracle_engine(hf):
         spec = SpecConfig(method="ngram", num_draft_tokens=TREE.nodes, adaptive=False)
         return tiny_engine(hf, spec=spec, drafter=drafter), drafter
 
-    def plain_of(prompt):
-        return tiny_engine(hf).generate([prompt], GREEDY)[0].token_ids
+    def plain_of(prompt, params):
+        return tiny_engine(hf).generate([prompt], params)[0].token_ids
     return engine_for, plain_of
 
 
@@ -197,6 +203,16 @@ def test_an_accepted_path_is_moved_into_place(hf):
         m.setattr(KVPool, "copy_slots", lambda self, src, dst: None)
         tokens, ref, _ = oracle_run(*_oracle_engine(hf), PROMPTS[2])
     assert tokens != ref
+
+
+def test_a_sampled_tree_takes_plain_samplings_draws(hf):
+    """Sampled steps draft trees: with the oracle ranking plain seeded sampling's own
+    continuation first, the target's draw at every row is that token, so the trees are
+    accepted to full depth and the output is plain sampling's (drawing at other positions,
+    or taking the argmax, breaks both)."""
+    tokens, ref, s = oracle_run(*_oracle_engine(hf), PROMPTS[2], params=HOT)
+    assert tokens == ref
+    assert s["num_accepted_tokens"] >= 0.9 * TREE.depth * s["num_drafts"]
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.attention.metadata import MetadataBuffers, RowPaths
 from draftgraph.kernels.argmax import argmax_lse
 from draftgraph.kernels.tokens import AheadInputs, record_last_tokens
+from draftgraph.runtime.sampling import sample
 from draftgraph.runtime.schema import Field, Lanes
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
@@ -159,10 +160,10 @@ class StepBody:
         ctx_len = self.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, self.backend.sliding_window, dev)
 
-    def tree_step(self, bs: int, greedy: bool) -> bool:
-        """Whether a step of `bs` requests drafts and verifies a tree (static per graph):
-        greedy, no top-N or controls (their tails read a chain), and room for the rows."""
-        return (self.drafts_trees and greedy and "top_ids" not in self.out
+    def tree_step(self, bs: int) -> bool:
+        """Whether a step of `bs` requests drafts and verifies a tree (static per graph): no
+        top-N or controls (their tails read a chain), and room for the rows."""
+        return (self.drafts_trees and "top_ids" not in self.out
                 and "repetition_penalty" not in self.raw
                 and bs <= TREE_MAX_BS)
 
@@ -232,11 +233,11 @@ class StepBody:
                             self.target.slots.token_table, v["temperature"][:bs],
                             v["seeds"][:bs], self.slots[:bs] if self.k else
                             v["reserved_slots"][:bs], v["top_p"][:bs], v["top_k"][:bs], greedy,
-                            self.tree_step(bs, greedy))
+                            self.tree_step(bs))
 
     def _fb(self, bs: int, greedy: bool = True) -> ForwardBatch:
         v, meta = self.raw, self.target.meta
-        if self.tree_step(bs, greedy):  # every row a decode row with its own list
+        if self.tree_step(bs):  # every row a decode row with its own list
             r = bs * (1 + self.k)
             return ForwardBatch(Phase.DECODE, self.packed_ids[:r], self.t_req[:r],
                                 self.t_seq[:r], self.t_ones[:r], self.packed_loc[:r],
@@ -334,20 +335,31 @@ class StepBody:
         # the request's packed rows: T each (the catch-up reads its features by this)
         self.verify_seq_lens[:bs].copy_(ctx.seq_lens + self.k)
 
-    def _accept_tree(self, bs: int, logits: torch.Tensor) -> None:
-        """Greedy acceptance along the tree; the emitted run (the path's drafts, then the
+    def _accept_tree(self, bs: int, logits: torch.Tensor, greedy: bool) -> None:
+        """Acceptance along the tree against the target's token after every row (its argmax,
+        or in a sampled step the very draw plain sampling makes at that position: a child is
+        taken iff it carries it, the point-mass rule of `verify.rejection_sample`, so the
+        emitted tokens are plain sampling's); the emitted run (the path's drafts, then the
         target's token after the last) with the logprobs of the raw distribution; the
         accepted nodes' K and V copied to the slots of their positions (reserved slot j for
         depth j) in every target layer, those slots recorded at their positions, the accepted
         drafts in the token table; the drafter's after_accept reads the path."""
         T, D, o = 1 + self.k, self.tree_depth, self.out
-        ctx = self._ctx(bs, True)
+        ctx = self._ctx(bs, greedy)
         tokens = torch.cat([ctx.last_tokens[:, None], self.draft_tokens[:bs]], dim=1)
         argmax, lse = argmax_lse(logits)  # [bs * T] each: one pass over every row
+        nxt = argmax
+        if not greedy:  # a row at depth d draws the token of position seq_lens + d
+            v = self.raw
+            nxt = sample(logits, v["temperature"][:bs].repeat_interleave(T),
+                         v["top_p"][:bs].repeat_interleave(T),
+                         v["top_k"][:bs].repeat_interleave(T),
+                         v["seeds"][:bs].repeat_interleave(T),
+                         (ctx.seq_lens[:, None] + self.t_depths[:bs]).flatten(), argmax)
         path, lens = accept_tree(tokens, self.t_parents[:bs], self.t_anc[:bs],
-                                 self.t_depths[:bs], self.t_live[:bs], argmax.view(bs, T))
+                                 self.t_depths[:bs], self.t_live[:bs], nxt.view(bs, T))
         rows = torch.arange(bs, device=self.device)[:, None] * T + path  # [bs, 1 + D]
-        emitted = argmax[rows]  # row j's argmax: the draft at depth j + 1 on the path
+        emitted = nxt[rows]  # row j's token: the draft at depth j + 1 on the path
         j = torch.arange(1 + D, device=self.device)
         out = torch.where(j < lens[:, None], emitted, -1)
         o["tokens"][:bs, : 1 + D].copy_(out)
@@ -374,10 +386,10 @@ class StepBody:
     def _forward_and_accept(self, bs: int, greedy: bool) -> None:
         v, T = self.raw, 1 + self.k
         fb = self._fb(bs, greedy)
-        if self.tree_step(bs, greedy):  # every row a logit row
+        if self.tree_step(bs):  # every row a logit row
             x, residual = self.model(fb.input_ids, fb, self.backend, final_norm=False,
                                      capture=self.target.capture)
-            self._accept_tree(bs, self.model.compute_logits(x, residual))
+            self._accept_tree(bs, self.model.compute_logits(x, residual), greedy)
             return
         if T == 1:  # every row is a logit row: the final norm goes into the LM head kernel
             logits = self.model.compute_logits(*self.model(fb.input_ids, fb, self.backend,

@@ -20,16 +20,19 @@ an attention mask, and a verify row on the accepted path attends to exactly the 
 decode row would.
 
 Acceptance (`accept_tree`, in a fixed number of ops): what walking from the root to the child
-whose token is the target's argmax at the current row, D times, would reach; the emitted
-tokens are the path's drafts and the target's token after the last, exactly plain greedy
-decoding's. The step body (spec/step.py) then copies the accepted nodes' K and V to the slots
-of their positions (a depth-j node's KV into reserved slot j, in every target layer) and
-records those positions, so the sequence's cache is the chain layout again; the head's
-catch-up reads the target's features along the path.
+whose token is the target's token after the current row (its argmax, or a sampled step's
+draw), D times, would reach; the emitted tokens are the path's drafts and the target's token
+after the last, exactly plain decoding's. The step body (spec/step.py) then copies the
+accepted nodes' K and V to the slots of their positions (a depth-j node's KV into reserved
+slot j, in every target layer) and records those positions, so the sequence's cache is the
+chain layout again; the head's catch-up reads the target's features along the path.
 
-Sampled requests, steps with top-N or sampling controls, and batches of more than
-TREE_MAX_BS requests draft the head's chain of D instead: the step body
-decides (`StepBody.tree_step`) and says so in `DraftContext.tree`.
+Sampled steps draft trees too (the same top-W children): the target's token after each row
+is then the very draw plain sampling makes at that position (seeded by it), and a child is
+taken iff it carries that draw: the point-mass rule of `verify.rejection_sample` along a
+tree, so a sampled request emits plain sampling's tokens. Steps with top-N or sampling
+controls, and batches of more than TREE_MAX_BS requests, draft the head's chain of D instead:
+the step body decides (`StepBody.tree_step`) and says so in `DraftContext.tree`.
 """
 
 from __future__ import annotations
