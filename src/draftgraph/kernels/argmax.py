@@ -49,6 +49,27 @@ CHUNK_WARPS = 2
 
 
 @triton.jit
+def chunk_max_sumexp(logits, row, cols, mask, stride_row):
+    """A row's chunk `cols` read in fp32 (masked columns -inf; a NaN as +inf: it ranks above
+    everything, as in torch.argmax / topk, and a row holding one gets lse NaN), its max m and
+    sum(exp(x - m)) (an all -inf chunk: m = -inf, the sum over exp(x - 0) = 0)."""
+    x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return x, m, tl.sum(tl.exp(x - m_safe), axis=0)  # -inf and masked entries add 0
+
+
+@triton.jit
+def combined_lse(m, s):
+    """The row's logsumexp from its chunks' maxima m and sums s (all -inf: -inf; a chunk
+    of -inf weighs 0, never -inf - -inf)."""
+    big = tl.max(m, axis=0)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    return big, big_safe + tl.log(tl.sum(s * tl.exp(m - big_safe), axis=0))
+
+
+@triton.jit
 def _argmax_lse_chunk_kernel(
     logits, part_max, part_idx, part_sum, vocab, stride_row, num_chunks,
     CHUNK: tl.constexpr, PDL: tl.constexpr,
@@ -58,15 +79,10 @@ def _argmax_lse_chunk_kernel(
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < vocab
-    x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    # NaN ranks above everything, as in torch.argmax (a NaN row must still give an index
-    # inside the vocabulary: the tokens index tables); its lse comes out NaN
-    x = tl.where(x != x, float("inf"), x)
-    m = tl.max(x, axis=0)
+    # a NaN row must still give an index inside the vocabulary: the tokens index tables
+    x, m, s = chunk_max_sumexp(logits, row, cols, mask, stride_row)
     # first index of the max among the real columns (an all -inf slice: its first column)
     first = tl.min(tl.where((x == m) & mask, cols, vocab), axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.exp(x - m_safe), axis=0)  # -inf and masked entries add exp(-inf) = 0
     out = row * num_chunks + chunk
     tl.store(part_max + out, m)
     tl.store(part_idx + out, first)
@@ -86,12 +102,9 @@ def _argmax_lse_combine_kernel(
     m = tl.load(part_max + base + c, mask=cmask, other=float("-inf"))
     i = tl.load(part_idx + base + c, mask=cmask, other=0)
     s = tl.load(part_sum + base + c, mask=cmask, other=0.0)
-    big_m = tl.max(m, axis=0)
+    big_m, row_lse = combined_lse(m, s)
     # the smallest index among the chunks holding the global max: torch's first index
     first = tl.min(tl.where((m == big_m) & cmask, i, vocab), axis=0)
-    m_safe = tl.where(big_m == float("-inf"), 0.0, big_m)
-    total = tl.sum(s * tl.exp(m - m_safe), axis=0)  # an all -inf chunk: 0 * 0
-    row_lse = m_safe + tl.log(total)  # total = 0 (all -inf row): -inf
     tl.store(argmax + row, first.to(tl.int64))
     tl.store(lse + row, row_lse)
     if HAS_TOP_LP:  # the argmax's log_softmax: its logit is the row max

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from draftgraph.kernels._triton import next_pow2, pdl_kwargs, pdl_wait, tl, triton, triton_usable
+from draftgraph.kernels.argmax import chunk_max_sumexp, combined_lse
 
 
 class TreeBuffers(NamedTuple):
@@ -89,13 +90,10 @@ def _top_chunk_kernel(
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < vocab
-    x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)  # a NaN ranks first, as in torch.topk
-    m = tl.max(x, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    x, m, s = chunk_max_sumexp(logits, row, cols, mask, stride_row)
     out = row * num_chunks + chunk
     tl.store(part_max + out, m)
-    tl.store(part_sum + out, tl.sum(tl.exp(x - m_safe), axis=0))
+    tl.store(part_sum + out, s)
     for w in tl.static_range(W):  # the chunk's W largest, ties to the lower column
         best = tl.max(x, axis=0)
         p = tl.min(tl.where((x == best) & mask, cols, vocab - 1), axis=0)
@@ -115,9 +113,7 @@ def _top_combine_kernel(
     cm = c < num_chunks
     m = tl.load(part_max + row * num_chunks + c, mask=cm, other=float("-inf"))
     s = tl.load(part_sum + row * num_chunks + c, mask=cm, other=0.0)
-    big = tl.max(m, axis=0)
-    big_safe = tl.where(big == float("-inf"), 0.0, big)
-    lse = big_safe + tl.log(tl.sum(s * tl.exp(m - big_safe), axis=0))
+    _, lse = combined_lse(m, s)
     k = tl.arange(0, BLOCK_CW)
     km = k < num_chunks * W
     v = tl.load(part_val + row * num_chunks * W + k, mask=km, other=float("-inf"))
@@ -219,6 +215,16 @@ def tree_grow_ref(step: int, top_lp: torch.Tensor, top_idx: torch.Tensor,
 
 
 @triton.jit
+def _vocab_tokens(vocab, idx, mask, HAS_VOCAB: tl.constexpr):
+    """Token ids of draft-vocabulary indices (through the map when the drafter has one)."""
+    if HAS_VOCAB:
+        tok = tl.load(vocab + idx, mask=mask, other=0).to(tl.int64)
+    else:
+        tok = idx.to(tl.int64)
+    return tok
+
+
+@triton.jit
 def _tree_grow_kernel(
     top_lp, top_idx, vocab, stream, node_tok, node_score, node_parent, beam_node, path_in,
     path_out, t_feat, t_ids, t_rows, seq_lens, req_pool_indices, max_draft, reserved_slots,
@@ -235,10 +241,7 @@ def _tree_grow_kernel(
     src = (b * R + row) * W + c % W
     lp = tl.load(top_lp + src, mask=cm, other=float("-inf"))
     idx = tl.load(top_idx + src, mask=cm, other=0)
-    if HAS_VOCAB:
-        tok = tl.load(vocab + idx, mask=cm, other=0).to(tl.int64)
-    else:
-        tok = idx.to(tl.int64)
+    tok = _vocab_tokens(vocab, idx, cm, HAS_VOCAB)
     base = b * total + lo
     if FIRST:
         score = lp
@@ -267,10 +270,7 @@ def _tree_grow_kernel(
         tl.store(beam_node + b * W + wv, lo + pick, mask=wm)
         psrc = (b * R + prow) * W + pick % W
         pidx = tl.load(top_idx + psrc, mask=wm, other=0)
-        if HAS_VOCAB:
-            ptok = tl.load(vocab + pidx, mask=wm, other=0).to(tl.int64)
-        else:
-            ptok = pidx.to(tl.int64)
+        ptok = _vocab_tokens(vocab, pidx, wm, HAS_VOCAB)
         out_row = b * W + wv
         tl.store(t_ids + out_row, ptok, mask=wm)
         h = tl.arange(0, BLOCK_H)
