@@ -134,7 +134,7 @@ class SpecConfig:
     # block_size - 1 (--block-size)
     block_size: int | None = None
     confidence_threshold: float | None = None  # block: None: the head's (--confidence-threshold)
-    # chain: draft a tree (spec/tree.py) instead of a chain in greedy steps (--speculative-tree)
+    # chain: draft a tree (spec/tree.py) in steps of small batches (--speculative-tree)
     tree: TreeShape | None = None
 
     def __post_init__(self) -> None:

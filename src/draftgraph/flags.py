@@ -183,9 +183,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens proposed per step")
     s.add_argument("--speculative-tree", default=None, metavar="WxD:N",
-                   help="--speculative chain: in greedy steps of small batches, draft a tree "
-                   "(width W: beam and children per node, depth D, N <= 16 verified nodes, "
-                   "e.g. 4x5:16) and accept its deepest path the target agrees with")
+                   help="--speculative chain: in steps of up to 8 requests (greedy or "
+                   "sampled), draft a tree (width W: beam and children per node, depth D, "
+                   "N <= 16 verified nodes, e.g. 4x5:16) and accept its deepest path the "
+                   "target agrees with (faster than the chain on a GPU, slower on a CPU)")
     s.add_argument("--block-size", type=int, default=None,
                    help="--speculative block: the anchor + this many - 1 mask tokens, "
                    "block-size - 1 drafts per step (default: the head's)")
