@@ -77,6 +77,12 @@ class LLMEngine:
         self.drafter = drafter if drafter is not None else make_drafter(
             config.spec, self.device, config.torch_dtype, self.model_config, config.model,
             quantization=config.quantization)
+        if self.drafter is not None and config.quantization == "int4":
+            logger.warning(
+                "--quantization int4 with a %s drafter: the int4 kernel is compute-bound on a "
+                "CPU, so a speculative step's verify rows cost nearly a decode step each and "
+                "speculation runs at about 0.4-0.6x plain int4 decoding (benchmarks/NOTES.md); "
+                "leave --speculative off with int4 for speed", self.drafter.name)
         if self.drafter is not None and not self.drafter.runs_under_tp and \
                 config.tensor_parallel_size > 1:
             raise EngineError(f"--speculative {self.drafter.name} does not run under "
