@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Draft trees on the GPU (spec/tree.py, `--speculative-tree`; issue 14).
-#   tests:  the GPU tree tests (oracle trees accepted to full depth in fused graphs, the
+#   tests:  the tree and argmax kernels against their twins (compiled), the GPU tree tests
+#           (oracle trees, greedy and sampled, accepted to full depth in fused graphs, the
 #           per-step fallback and eager; random-head trees agree across the three), the
 #           metadata builders (tree rows' lists) and the chain-head GPU tests (its catch-up
 #           now reads a path); fp32.
@@ -19,9 +20,9 @@ H=src/draftgraph/heads/smollm2-135m-chain
 TREES=${TREES:-4x5:16 2x4:8}
 case "${1:-}" in
   tests)
-    timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_tree.py \
-      tests/test_kernels_metadata.py tests/test_gpu_chain_head.py 2>&1 | tail -25 \
-      | tee "$OUT/tree_tests.log" ;;
+    timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_tree.py \
+      tests/test_kernels_argmax.py tests/test_gpu_tree.py tests/test_kernels_metadata.py \
+      tests/test_gpu_chain_head.py 2>&1 | tail -25 | tee "$OUT/tree_tests.log" ;;
   rounds)
     arms="chain|$H|4"
     for t in $TREES; do arms="$arms;chain|$H|$t"; done

@@ -15,7 +15,7 @@ from _tiny import tiny_engine, tiny_hf_model, tiny_loaded
 from test_async_scheduling import _prompts, run_steps
 from test_async_scheduling import count_refs as _count_refs
 
-from draftgraph.config import SpecConfig
+from draftgraph.config import SpecConfig, TreeShape
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.heads import random_head
 from draftgraph.spec.chain_head import ChainHeadDrafter
@@ -206,6 +206,33 @@ def test_async_steps_with_a_chain_head_keep_its_kv_in_step(hf):
     assert outs[True] == outs[False]
     assert {k: v[0] for k, v in outs[True].items()} == {k: v[0] for k, v in plain.items()}
     assert engine.spec_graphs.refs > 10 and engine.decode_graphs.refs == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_async_steps_with_a_draft_tree_equal_sync_and_plain(hf, temperature):
+    """A tree drafter (its rows' own KV paths, the accepted path's KV moved into place), with
+    an oracle ranking the plain continuation first so trees are accepted deep: async equals
+    sync and plain, greedy and seeded sampling."""
+    from test_spec_tree import OracleTree
+
+    tree = TreeShape(2, 3, 6)
+    spec = SpecConfig(method="ngram", num_draft_tokens=tree.nodes, adaptive=False)
+    prompt = _prompts(2)[1]
+    params = [SamplingParams(max_tokens=40, temperature=temperature, top_k=50, seed=3,
+                             ignore_eos=True)]
+    plain = _run(tiny_engine(hf, max_num_seqs=8, budget=64), [prompt], params)
+    outs, stats = {}, {}
+    for async_on in (False, True):
+        head = random_head(tiny_loaded(hf).config, "", seed=3)
+        engine = _engine(hf, async_on, spec=spec,
+                         drafter=OracleTree(head, tree, prompt + plain["r0"][0]))
+        outs[async_on] = _run(engine, [prompt], params)
+        stats[async_on] = engine.stats
+    assert outs[True] == outs[False]
+    assert outs[True]["r0"][0] == plain["r0"][0]
+    assert engine.spec_graphs.refs > 5  # launched ahead
+    assert stats[True]["num_accepted_tokens"] == stats[False]["num_accepted_tokens"] \
+        >= 0.9 * tree.depth * stats[True]["num_drafts"]
 
 
 def test_async_speculative_steps_with_sampling_controls_equal_sync_ones(hf):
