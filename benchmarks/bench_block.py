@@ -18,7 +18,7 @@ round, tokens per round per request, host-launched kernels and graph launches pe
         --arms 'block|random:block_size=5|in_graph;block|random:block_size=5|eager'
 
 Random heads accept almost nothing, so rounds are priced at accept length ~1. Batch 1,
-512-token context, bf16 by default.
+512-token context, bf16, greedy by default (`--temperature`: sampled rounds).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", action="store_true",
                     help="add GPU time per kernel name over 10 rounds (torch.profiler)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled rounds (seed 0 per request; plain decode sampled too)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
@@ -66,9 +68,11 @@ def main() -> int:
 
     out = {"benchmark": "block_round", **run_header(), "target": a.target,
            "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
+           "temperature": a.temperature,
            "target_shape": model_shape(target.config), "arms": {}}
     e = engine()
-    out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels)
+    out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels,
+                              a.temperature)
     del e
     for arm in a.arms.split(";"):
         method, head, mode = arm.split("|")
@@ -85,7 +89,7 @@ def main() -> int:
         try:
             e = engine(d)
             assert e.spec_graphs.body.fused_draft == (not patched)
-            r = run(e, a.context, a.steps, a.batch_size, True, a.kernels)
+            r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)
         finally:
             TritonBackend.verify_plan_by_rows = True
             if patched:

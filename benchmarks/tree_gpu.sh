@@ -5,9 +5,9 @@
 #           per-step fallback and eager; random-head trees agree across the three), the
 #           metadata builders (tree rows' lists) and the chain-head GPU tests (its catch-up
 #           now reads a path); fp32.
-#   rounds: ms per round of the default model's shape (random weights, bf16, batch BS, 512
-#           tokens of context) with the shipped chain head: chain k = 4 against trees, plain
-#           decode step in the same run (`bench_block.py`).
+#   rounds: ms per round of the default model's shape (random weights, bf16, batches
+#           BATCHES, 512 tokens of context) with the shipped chain head: chain k = 4 against
+#           trees, plain decode step in the same run (`bench_block.py`); TEMP=0.7: sampled.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
 #           calls 1-7 `bash benchmarks/tree_gpu.sh stage N` with carry [".modeliN"], then
 #           `bash benchmarks/tree_gpu.sh real` with carry [".modeli8", ".whl_gguf"]): greedy
@@ -28,8 +28,8 @@ case "${1:-}" in
     for t in $TREES; do arms="$arms;chain|$H|$t"; done
     for bs in ${BATCHES:-1 4}; do
       timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m \
-        --batch-size "$bs" --steps 200 --arms "$arms" \
-        --out "$OUT/tree_rounds_smollm2_bs${bs}.json" 2>&1 | grep -E "arm|rror" \
+        --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
+        --out "$OUT/tree_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
         | grep -v -i warn | cut -c1-400
     done ;;
   stage|real)
