@@ -42,6 +42,48 @@ def test_tree_shapes_are_checked_and_named_by_the_flag():
         SpecConfig(method="ngram", tree=TREE)
 
 
+def test_the_cli_drafts_trees_by_default_on_one_gpu_only():
+    """--speculative-tree auto: a chain head drafts AUTO_TREE trees in steps of up to
+    AUTO_TREE_MAX_BS requests on one GPU; the chain on a CPU, under tensor parallelism, with
+    an explicit --num-draft-tokens, or with --speculative-tree off; a shape given is drafted
+    on any device."""
+    from draftgraph.cli import parse_args
+    from draftgraph.flags import AUTO_TREE, AUTO_TREE_MAX_BS, spec_config_from_args
+
+    def spec(*flags, method="chain"):
+        return spec_config_from_args(parse_args(["generate", "random:tiny", "hi",
+                                                 "--speculative", method, *flags]))
+
+    on = spec("--device", "cuda")
+    assert (on.tree, on.tree_max_bs, on.num_draft_tokens) == (AUTO_TREE, AUTO_TREE_MAX_BS, 4)
+    for flags in (("--device", "cpu"), ("--device", "cuda", "--num-draft-tokens", "4"),
+                  ("--device", "cuda", "--speculative-tree", "off"),
+                  ("--device", "cuda", "--tensor-parallel-size", "2")):
+        assert spec(*flags).tree is None, flags
+    given = spec("--device", "cpu", "--speculative-tree", "2x4:8")
+    assert (given.tree, given.tree_max_bs) == (TreeShape(2, 4, 8), TREE_MAX_BS)
+    assert spec("--device", "cuda", method="ngram").tree is None
+
+
+def test_steps_over_the_drafters_batch_cap_draft_chains(hf, plain):
+    """A drafter capped at 2 requests: steps of 3 draft chains, of 2 or 1 trees; lossless."""
+    drafter = TreeHeadDrafter(random_head(tiny_loaded(hf).config, "", seed=3), TREE, max_bs=2)
+    spec = SpecConfig(method="ngram", num_draft_tokens=TREE.nodes, adaptive=False)
+    engine = tiny_engine(hf, 8, spec=spec, drafter=drafter)
+    body, done = engine.spec_graphs.body, set()
+    verify = body._forward_and_accept
+
+    def counted(bs, greedy):  # steps that completed (a failed one is re-run in halves)
+        verify(bs, greedy)
+        done.add((bs, body.tree_step(bs)))
+
+    body._forward_and_accept = counted
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (10, 20, 30)]
+    ref = [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, params)]
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == ref
+    assert done == {(3, False), (2, True), (1, True)}
+
+
 def test_ancestors_and_the_greedy_walk_by_hand():
     # rows: 0 root; 1, 2 at depth 1; 3 (child of 2), 4 (child of 1) at depth 2; 5 (of 3)
     parents = torch.tensor([[0, 0, 0, 2, 1, 3]])

@@ -80,6 +80,9 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "chain", "draft", "block")
+# the largest batch that drafts trees (their 1 + nodes rows a request are decode rows with
+# lists of their own: buffers sized for it); larger batches draft chains
+TREE_MAX_BS = 8
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,10 @@ class SpecConfig:
     # block_size - 1 (--block-size)
     block_size: int | None = None
     confidence_threshold: float | None = None  # block: None: the head's (--confidence-threshold)
-    # chain: draft a tree (spec/tree.py) in steps of small batches (--speculative-tree)
+    # chain: draft a tree (spec/tree.py) in steps of at most tree_max_bs requests
+    # (--speculative-tree; the CLI's "auto" picks one on a GPU: flags.AUTO_TREE)
     tree: TreeShape | None = None
+    tree_max_bs: int = TREE_MAX_BS
 
     def __post_init__(self) -> None:
         _need(self.method is None or self.method in SPEC_METHODS,
@@ -157,6 +162,9 @@ class SpecConfig:
               "--draft-head is for --speculative chain or block")
         _need(self.tree is None or self.method == "chain",
               "--speculative-tree is for --speculative chain")
+        _need(1 <= self.tree_max_bs <= TREE_MAX_BS,
+              f"trees are drafted in steps of 1 .. {TREE_MAX_BS} requests, got "
+              f"{self.tree_max_bs}")
         _need(self.draft_model is None or self.method == "draft",
               "--draft-model is for --speculative draft")
 

@@ -17,6 +17,7 @@ import torch
 
 from draftgraph.config import (
     SPEC_METHODS,
+    TREE_MAX_BS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -180,13 +181,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-head", default=None,
                    help="--speculative chain / block: a head directory (draftgraph "
                    "train-drafter writes one), or random[:layers=N,draft_vocab=V]")
-    s.add_argument("--num-draft-tokens", type=int, default=SpecConfig.num_draft_tokens,
-                   help="draft tokens proposed per step")
-    s.add_argument("--speculative-tree", default=None, metavar="WxD:N",
+    s.add_argument("--num-draft-tokens", type=int, default=None,
+                   help=f"draft tokens proposed per step (default {SpecConfig.num_draft_tokens})")
+    s.add_argument("--speculative-tree", default="auto", metavar="WxD:N|auto|off",
                    help="--speculative chain: in steps of up to 8 requests (greedy or "
                    "sampled), draft a tree (width W: beam and children per node, depth D, "
                    "N <= 16 verified nodes, e.g. 4x5:16) and accept its deepest path the "
-                   "target agrees with (faster than the chain on a GPU, slower on a CPU)")
+                   "target agrees with. auto (default): on one GPU, "
+                   f"{AUTO_TREE.width}x{AUTO_TREE.depth}:{AUTO_TREE.nodes} trees in steps "
+                   f"of up to {AUTO_TREE_MAX_BS} requests unless --num-draft-tokens is given "
+                   "(faster than the chain there; on a CPU slower, so the chain); off: the "
+                   "chain")
     s.add_argument("--block-size", type=int, default=None,
                    help="--speculative block: the anchor + this many - 1 mask tokens, "
                    "block-size - 1 drafts per step (default: the head's)")
@@ -202,15 +207,40 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "chain, block and draft-model drafters keep it fixed anyway)")
 
 
+# --speculative-tree auto: the shape and batch cap a chain head drafts with on one GPU. On an
+# H100 at batch 1 the real default model ran 1.40x / 1.42x plain decoding (MT-Bench /
+# HumanEval) with 4x5:16 trees against the chain's 1.14x / 1.15x; at batch 4 (random weights)
+# a tree round cost 1.28x the chain's, about its accept-length gain; larger batches unmeasured
+# (benchmarks/NOTES.md, stop 41).
+AUTO_TREE = TreeShape(4, 5, 16)
+AUTO_TREE_MAX_BS = 4
+
+
+def _tree(args: argparse.Namespace) -> tuple[TreeShape | None, int]:
+    """(tree, tree_max_bs) of --speculative-tree: a shape, "off", or "auto" (module note)."""
+    t = args.speculative_tree or "off"
+    if t == "off":
+        return None, TREE_MAX_BS
+    if t != "auto":
+        return TreeShape.parse(t), TREE_MAX_BS
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    if (args.speculative == "chain" and on_gpu and args.num_draft_tokens is None
+            and getattr(args, "tensor_parallel_size", 1) == 1):
+        return AUTO_TREE, AUTO_TREE_MAX_BS
+    return None, TREE_MAX_BS
+
+
 def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
     """The one mapping of the speculative flags to a SpecConfig."""
-    return SpecConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
+    tree, tree_max_bs = _tree(args)
+    k = args.num_draft_tokens if args.num_draft_tokens is not None else \
+        SpecConfig.num_draft_tokens
+    return SpecConfig(method=args.speculative, num_draft_tokens=k,
                       ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                       adaptive=not args.no_adaptive_draft, draft_model=args.draft_model,
                       draft_head=args.draft_head, block_size=args.block_size,
-                      confidence_threshold=args.confidence_threshold,
-                      tree=TreeShape.parse(args.speculative_tree)
-                      if args.speculative_tree else None)
+                      confidence_threshold=args.confidence_threshold, tree=tree,
+                      tree_max_bs=tree_max_bs)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

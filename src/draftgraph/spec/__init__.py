@@ -82,7 +82,7 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
     if cfg.method == "chain" and cfg.tree is not None:
         from draftgraph.spec.tree import TreeHeadDrafter
 
-        return TreeHeadDrafter(head, cfg.tree)
+        return TreeHeadDrafter(head, cfg.tree, max_bs=cfg.tree_max_bs)
     if cfg.method == "chain":
         from draftgraph.spec.chain_head import ChainHeadDrafter
 

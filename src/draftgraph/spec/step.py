@@ -42,7 +42,7 @@ from draftgraph.runtime.sampling import sample
 from draftgraph.runtime.schema import Field, Lanes
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
-from draftgraph.spec.tree import TREE_MAX_BS, accept_tree, ancestors
+from draftgraph.spec.tree import accept_tree, ancestors
 from draftgraph.spec.verify import emit, step_extras
 
 logger = logging.getLogger(__name__)
@@ -139,9 +139,9 @@ class StepBody:
 
     def _alloc_tree(self, max_bs: int, depth: int) -> None:
         """A tree verify's rows (spec/tree.py): every request's 1 + k rows as decode rows of
-        their own lists, for batches of up to TREE_MAX_BS requests, with their own metadata
-        buffers."""
-        dev, m, T = self.device, min(TREE_MAX_BS, max_bs), 1 + self.k
+        their own lists, for batches of up to the drafter's tree_max_bs requests, with their
+        own metadata buffers."""
+        dev, m, T = self.device, min(self.drafter.tree_max_bs, max_bs), 1 + self.k
         r = m * T
         self.tree_depth = depth
         # request row, KV length and path base of each row, one staging write for the three
@@ -165,7 +165,7 @@ class StepBody:
         top-N or controls (their tails read a chain), and room for the rows."""
         return (self.drafts_trees and "top_ids" not in self.out
                 and "repetition_penalty" not in self.raw
-                and bs <= TREE_MAX_BS)
+                and bs <= self.drafter.tree_max_bs)
 
     def bind(self, raw: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
         """The graph set's persistent raw-input and result buffers."""

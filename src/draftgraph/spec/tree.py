@@ -31,17 +31,19 @@ Sampled steps draft trees too (the same top-W children): the target's token afte
 is then the very draw plain sampling makes at that position (seeded by it), and a child is
 taken iff it carries that draw: the point-mass rule of `verify.rejection_sample` along a
 tree, so a sampled request emits plain sampling's tokens. Steps with top-N or sampling
-controls, and batches of more than TREE_MAX_BS requests, draft the head's chain of D instead:
+controls, and batches of more than `tree_max_bs` requests, draft the head's chain of D instead:
 the step body decides (`StepBody.tree_step`) and says so in `DraftContext.tree`.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.attention.metadata import MetadataBuffers, RowPaths
-from draftgraph.config import TreeShape
+from draftgraph.config import TREE_MAX_BS, TreeShape
 from draftgraph.kernels.tree import (
     TreeBuffers,
     TreeContext,
@@ -51,6 +53,8 @@ from draftgraph.kernels.tree import (
 )
 from draftgraph.spec.chain_head import ChainHeadDrafter
 from draftgraph.spec.drafter import DraftContext, Proposal
+
+logger = logging.getLogger(__name__)
 
 
 def ancestors(parents: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:
@@ -90,9 +94,6 @@ def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
     return path, depths.gather(1, last[:, None]).squeeze(1) + 1
 
 
-# the largest batch that drafts trees: its 1 + nodes rows a request are decode rows, each with
-# a list of its own (buffers sized for it); larger batches draft chains
-TREE_MAX_BS = 8
 
 
 class TreeHeadDrafter(ChainHeadDrafter):
@@ -101,9 +102,11 @@ class TreeHeadDrafter(ChainHeadDrafter):
     name = "chain-tree"
     drafts_trees = True
 
-    def __init__(self, head, shape: TreeShape, catch_up: bool = True) -> None:
+    def __init__(self, head, shape: TreeShape, catch_up: bool = True,
+                 max_bs: int = TREE_MAX_BS) -> None:
         super().__init__(head, shape.nodes, catch_up)
         self.shape = shape
+        self.tree_max_bs = max_bs  # larger steps draft the chain of D
 
     @property
     def num_steps(self) -> int:
@@ -112,7 +115,7 @@ class TreeHeadDrafter(ChainHeadDrafter):
     def bind(self, target) -> None:
         super().bind(target)
         w, d, dev = self.shape.width, self.shape.depth, target.device
-        m = min(TREE_MAX_BS, target.max_bs)
+        m = min(self.tree_max_bs, target.max_bs)
         total = self.shape.total
         # nodes, depth-major: W at depth 1, then each step's W x W children (beam row-major)
         self.node_tok = torch.zeros(m, total, dtype=torch.int64, device=dev)
@@ -138,6 +141,8 @@ class TreeHeadDrafter(ChainHeadDrafter):
                                 self.beam_path, self.t_feat, self.t_ids, self.t_rows)
         ctx_len = target.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, target.backend.sliding_window, dev)
+        logger.info("draft trees %dx%d:%d in steps of up to %d requests (larger and extras "
+                    "steps draft the chain of %d)", w, d, self.shape.nodes, m, d)
 
     # ---- the proposal (tree or chain: `ctx.tree`, never state left by an earlier call, which
     # would be the last captured graph's when the fallback rebuilds a step's metadata) --------
