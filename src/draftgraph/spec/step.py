@@ -189,7 +189,7 @@ class StepBody:
 
     # ---- the body ---------------------------------------------------------------------------
     def parts(self, bs: int, greedy: bool) -> list:
-        verify_meta = (lambda: self.backend.build_metadata(self._fb(bs, greedy)), False)
+        verify_meta = (lambda: self.backend.build_metadata(self._fb(bs)), False)
         verify = (lambda: self._forward_and_accept(bs, greedy), True)
         if self.k and not self.fused_draft and isinstance(self.drafter, StagedDrafter):
             return self._staged_parts(bs, greedy) + ([] if self.metadata_in_graph
@@ -217,7 +217,7 @@ class StepBody:
                 return
             self._pack(ctx, d.finish(ctx))
             if self.metadata_in_graph:
-                self.backend.build_metadata(self._fb(bs, greedy))
+                self.backend.build_metadata(self._fb(bs))
                 self._forward_and_accept(bs, greedy)
 
         parts = [(first, True)]
@@ -235,7 +235,7 @@ class StepBody:
                             v["reserved_slots"][:bs], v["top_p"][:bs], v["top_k"][:bs], greedy,
                             self.tree_step(bs))
 
-    def _fb(self, bs: int, greedy: bool = True) -> ForwardBatch:
+    def _fb(self, bs: int) -> ForwardBatch:
         v, meta = self.raw, self.target.meta
         if self.tree_step(bs):  # every row a decode row with its own list
             r = bs * (1 + self.k)
@@ -385,7 +385,7 @@ class StepBody:
 
     def _forward_and_accept(self, bs: int, greedy: bool) -> None:
         v, T = self.raw, 1 + self.k
-        fb = self._fb(bs, greedy)
+        fb = self._fb(bs)
         if self.tree_step(bs):  # every row a logit row
             x, residual = self.model(fb.input_ids, fb, self.backend, final_norm=False,
                                      capture=self.target.capture)
@@ -422,7 +422,7 @@ class StepBody:
 
     def _step(self, bs: int, greedy: bool) -> None:
         self._prepare(bs, greedy)
-        self.backend.build_metadata(self._fb(bs, greedy))
+        self.backend.build_metadata(self._fb(bs))
         self._forward_and_accept(bs, greedy)
 
 
