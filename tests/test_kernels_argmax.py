@@ -141,3 +141,35 @@ def test_argmax_lse_writes_into_given_buffers_with_the_argmax_logprob():
     A.argmax_lse_ref(logits, out=out2, top_logprob=lp2)
     assert torch.equal(out2, ref_idx)
     torch.testing.assert_close(lp2[:4], expect[:4])
+
+
+@pytest.mark.parametrize("bs,k", [(1, 4), (6, 4), (3, 1), (5, 16)])
+def test_the_greedy_emit_equals_the_verify_tails_torch_path(bs, k):
+    """Drafts that match the argmax for a random prefix, at every count 0 .. k: tokens,
+    logprobs and accept lengths equal to `spec.verify.emit`'s torch path (which runs on the
+    CPU), and each request's run is its matching prefix, then the argmax."""
+    from draftgraph.spec.verify import emit
+
+    g = torch.Generator().manual_seed(bs * 10 + k)
+    t, vocab = 1 + k, 50
+    logits = torch.randn(bs * t, vocab, generator=g)
+    argmax = logits.argmax(dim=-1).view(bs, t)
+    prefix = torch.randint(0, k + 1, (bs,), generator=g)
+    drafts = torch.where(torch.arange(k) < prefix[:, None], argmax[:, :k],
+                         (argmax[:, :k] + 1) % vocab)
+    num = torch.randint(0, k + 1, (bs,), generator=g)
+    zeros = torch.zeros(bs, dtype=torch.int64)
+    ref_tok, ref_lens, ref_lp = emit(logits, drafts, num, None, zeros.float(), zeros.float() + 1,
+                                     zeros, zeros, zeros, True)
+    am, lse = (x.to(DEVICE) for x in A.argmax_lse_ref(logits))  # emit's, bit for bit
+    out_tok = torch.full((bs + 1, t + 2), -9, dtype=torch.int64, device=DEVICE)[:bs, :t]
+    out_lp = torch.full((bs, t), 3.0, device=DEVICE)
+    lens = A.greedy_emit_triton(am, logits.to(DEVICE), lse, drafts.to(DEVICE), num.to(DEVICE),
+                                out_tok, out_lp)
+    assert torch.equal(out_tok.cpu(), ref_tok) and torch.equal(lens.cpu(), ref_lens)
+    assert torch.equal(out_lp.cpu(), ref_lp)
+    accepted = torch.minimum(prefix, num)
+    assert torch.equal(lens.cpu(), accepted + 1)
+    for b in range(bs):
+        a = int(accepted[b])
+        assert out_tok[b].tolist() == [*drafts[b, :a].tolist(), int(argmax[b, a])] + [-1] * (k - a)

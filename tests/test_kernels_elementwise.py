@@ -51,6 +51,21 @@ def test_rms_norm_matches_reference(dtype, with_residual):
     assert torch.equal(x, x_before)  # inputs untouched, like the reference
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_writes_into_a_half_of_a_wider_buffer(with_residual):
+    """`out=`: the normed rows land in the view (the chain head's two norms fill the halves of
+    its q/k/v input, no concatenation), bit for bit what a fresh output holds; the other half
+    untouched."""
+    x, weight = randn(5, 80), randn(80, seed=1) + 1
+    residual = randn(5, 80, seed=2) if with_residual else None
+    buf = torch.full((5, 160), 7.0, device=DEVICE)
+    got, res = ew.rms_norm_triton(x, weight, 1e-6, residual, out=buf[:, 80:])
+    fresh, fresh_res = ew.rms_norm_triton(x, weight, 1e-6, residual)
+    assert got.data_ptr() == buf[:, 80:].data_ptr()
+    assert torch.equal(buf[:, 80:], fresh) and (buf[:, :80] == 7.0).all()
+    assert (res is None) == (not with_residual) and (res is None or torch.equal(res, fresh_res))
+
+
 def _cos_sin(max_pos, rot_dim):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
     freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)

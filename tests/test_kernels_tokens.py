@@ -97,3 +97,91 @@ def test_speculative_step_inputs_shift_by_the_previous_accept_lengths(bs):
     assert int((table != -7).sum()) == bs
     if bs > 6:
         assert capped > 0  # the cap was exercised
+
+
+@pytest.mark.parametrize("bs,k", [(1, 4), (3, 4), (7, 16), (33, 1)])
+def test_the_chain_pack_equals_its_twin(bs, k):
+    """A verify's packed rows from drafts of every count 0 .. k (past each count the drafter
+    left junk): every buffer the kernel writes, the stale tail past the live rows, and the
+    token table, equal to the twin's; then the values themselves."""
+    g = torch.Generator().manual_seed(bs * 100 + k)
+    t = 1 + k
+    m = bs + 2  # buffers sized for more than the batch
+
+    def noise(*shape):
+        return torch.randint(100, 200, shape, generator=g).to(DEVICE)
+
+    drafts = noise(bs, k)
+    num = torch.randint(0, k + 1, (bs,), generator=g).to(DEVICE)
+    num[0] = k
+    last = noise(bs)
+    seq = torch.randint(1, 20, (bs,), generator=g).to(DEVICE)
+    rows = (torch.randperm(60, generator=g)[:bs] + 1).to(DEVICE)
+    slots = noise(bs, 1 + 2 * k)[:, :t]  # a view of the staged slots, as the step passes
+    table0 = torch.full((61, 48), -7, dtype=torch.int64, device=DEVICE)
+    table0[0, 0] = 0  # the dummy row's first entry (the twin's dead rows write it)
+    got = T.ChainPack(noise(m, k), noise(m), noise(m), noise(m), noise(m * t), noise(m * t),
+                      noise(m * t))
+    ref = T.ChainPack(*(x.clone() for x in vars(got).values()))
+    table, table_ref = table0.clone(), table0.clone()
+    T.pack_chain_triton(drafts, num, last, seq, rows, slots, table, got)
+    T.pack_chain_ref(drafts, num, last, seq, rows, slots, table_ref, ref)
+    for name in vars(got):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert torch.equal(table, table_ref)
+    # request 0 drafted k: its rows 0 .. k are its last token and drafts, in its slots
+    assert got.packed_ids[:t].tolist() == [last[0].item(), *drafts[0].tolist()]
+    assert got.packed_loc[:t].tolist() == slots[0].tolist()
+    assert table[rows[0], seq[0] - 1 : seq[0] + k].tolist() == got.packed_ids[:t].tolist()
+    n = int((1 + num).sum())
+    assert (got.packed_ids[n : bs * t] == 0).all() and (got.packed_loc[n : bs * t] == 0).all()
+    for b in range(bs):  # drafts past the count are 0; logit rows follow the packing
+        assert (got.draft_tokens[b, num[b]:] == 0).all()
+        start = int((1 + num[:b]).sum())
+        assert got.logit_rows[b * t : b * t + t].tolist() == [
+            min(start + j, bs * t - 1) for j in range(t)]
+
+
+@pytest.mark.parametrize("bs,m,tree", [(1, 4, False), (5, 4, False), (3, 5, True),
+                                       (9, 2, True)])
+def test_the_catch_up_staging_equals_its_twin(bs, m, tree):
+    """A chain head's catch-up inputs after a verify (a chain's packed rows of varied lengths,
+    or a tree's accepted path): every buffer equal to the twin's, and by hand for one row."""
+    g = torch.Generator().manual_seed(bs * 10 + m)
+    k = 3 * m if tree else m
+    t = 1 + k
+    seq = torch.randint(1, 40, (bs,), generator=g).to(DEVICE)
+    drafts = torch.full((bs,), k) if tree else torch.randint(0, k + 1, (bs,), generator=g)
+    vseq = seq + drafts.to(DEVICE)
+    lens = (torch.randint(0, 1 << 30, (bs,), generator=g) % (drafts.clamp_max(m) + 1) + 1)
+    tokens = torch.randint(-1, 90, (bs, t), generator=g).to(DEVICE)
+    slots = torch.randint(1, 500, (bs, t), generator=g).to(DEVICE)
+    path = None
+    if tree:  # depth j's accepted row, 0 past the accept length
+        path = torch.zeros(bs, 1 + m, dtype=torch.int64)
+        for b in range(bs):
+            rows = torch.randperm(k, generator=g)[: m] + 1
+            path[b, 1 : int(lens[b])] = rows[: int(lens[b]) - 1]
+        path = path.to(DEVICE)
+    lens = lens.to(DEVICE)
+    cap = bs + 1
+
+    def bufs():
+        return T.CatchUp(*(torch.full((n,), -5, device=DEVICE)
+                           for n in (cap * m, cap * m, cap, cap * m, cap)))
+
+    got, ref = bufs(), bufs()
+    total = bs * t
+    T.stage_catch_up_triton(tokens, lens, vseq, seq, slots, path, total, got)
+    T.stage_catch_up_ref(tokens, lens, vseq, seq, slots, path, total, ref)
+    for name in vars(got):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    b = bs - 1  # the last request: its packed start is the others' verified rows
+    start = int((1 + vseq[:b] - seq[:b]).sum())
+    p = path[b] if tree else torch.arange(1 + m, device=DEVICE)
+    assert got.feat_rows[b * m : b * m + m].tolist() == (start + p[:m]).clamp_max(
+        total - 1).tolist()
+    assert got.last_rows[b].item() == min(start + int(p[lens[b] - 1]), total - 1)
+    assert got.ids[b * m : b * m + m].tolist() == tokens[b, :m].clamp_min(0).tolist()
+    assert got.loc[b * m : b * m + m].tolist() == slots[b, 1 : 1 + m].tolist()
+    assert got.seq[b].item() == seq[b].item() + m

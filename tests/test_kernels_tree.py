@@ -131,3 +131,81 @@ def test_top_logprobs_equal_log_softmax_topk(n, vocab, w):
     tied = torch.zeros(1, vocab, device=DEVICE)
     tied[0, [7, 70, vocab - 1]] = 1.0
     assert T.top_logprobs_triton(tied, 4, chunk=64)[1].tolist() == [[7, 70, vocab - 1, 0]]
+
+
+def _verify_bufs(m: int, k: int, d: int, gen: torch.Generator) -> T.TreeVerify:
+    """Stale contents everywhere (the kernels must overwrite what they own)."""
+    t = 1 + k
+
+    def noise(*shape):
+        return torch.randint(0, 50, shape, generator=gen).to(DEVICE)
+
+    return T.TreeVerify(noise(m, k), noise(m), noise(m * t), noise(m * t), noise(3, m * t),
+                        noise(m * t, d), noise(m, t), (noise(m, t) % 3).to(torch.int8), noise(m, t),
+                        noise(m, t, d), noise(m), noise(m, 1 + d), noise(2, m * d))
+
+
+def _path_oracle(bufs: T.TreeVerify, bs: int, t: int, gen: torch.Generator) -> torch.Tensor:
+    """nxt [bs * t]: random tokens, except along the ancestors of a random live draft row,
+    which carry the target's token after their parents (that row is accepted)."""
+    nxt = torch.randint(0, 30, (bs * t,), generator=gen).to(DEVICE)
+    for b in range(bs):
+        rows = torch.nonzero(bufs.live[b, 1:t].cpu()).flatten() + 1
+        row = int(rows[torch.randint(0, len(rows), (1,), generator=gen)]) if len(rows) else 0
+        while row > 0:
+            parent = int(bufs.parents[b, row])
+            nxt[b * t + parent] = bufs.packed_ids[b * t + row]
+            row = parent
+    return nxt
+
+
+@pytest.mark.parametrize("w,d,bs,vocab", [(4, 5, 3, True), (2, 4, 5, False), (1, 3, 2, True),
+                                          (3, 2, 4, False)])
+def test_the_verify_pack_and_accept_equal_their_twins(w, d, bs, vocab):
+    """A grown tree's pick packed as the verify's rows, then accepted against the target's
+    tokens (one path planted per request, and wholly random ones), by the kernels and the
+    twins: every buffer and output, the KV copy list and the writes into the position and
+    token tables equal to the bit (requests past their budget and at 0 drafts among them)."""
+    a, _, ctx = _grow_both(w, d, bs, vocab, seed=w * 10 + d)
+    gen = torch.Generator().manual_seed(w + d + bs)
+    total = w + (d - 1) * w * w
+    k = min(total, 3 * w + 1)
+    t = 1 + k
+    drafts, parents, depths, live = T.tree_pick_ref(
+        a.node_score[:bs], a.node_tok[:bs], a.node_parent[:bs], _depths(w, d), ctx.max_draft, k)
+    slots = torch.randint(1, 500, (bs, t), generator=gen).to(DEVICE)
+    vctx = T.TreeContext(ctx.seq_lens, ctx.req_pool_indices, ctx.max_draft, slots)
+    last = torch.randint(0, 30, (bs,), generator=gen).to(DEVICE)
+    got, ref = _verify_bufs(bs + 1, k, d, gen), None
+    ref = T.TreeVerify(*(x.clone() for x in got))
+    T.tree_pack_triton(drafts, live, parents, depths, last, vctx, got)
+    T.tree_pack_ref(drafts, live, parents, depths, last, vctx, ref)
+    for name, x, y in zip(T.TreeVerify._fields, got, ref, strict=True):
+        assert torch.equal(x, y), name
+    assert (got.draft_tokens[:bs] != 0).any()  # not a trivially empty proposal
+    for trial in range(3):
+        nxt = (_path_oracle(ref, bs, t, gen) if trial < 2 else
+               torch.randint(0, 30, (bs * t,), generator=gen).to(DEVICE))
+        logits = torch.randn(bs * t, 1000, generator=gen).to(DEVICE)  # mapped ids < 1000
+        lse = torch.logsumexp(logits, dim=-1)
+        r2t0 = torch.randint(0, 50, (8, 64), generator=gen).to(DEVICE)
+        table0 = torch.randint(0, 50, (8, 64), generator=gen).to(DEVICE)
+        r2t0[0, 0] = table0[0, 0] = 0  # the dummy row's first entry (the twin rewrites it)
+        tables = []
+        for fn, bufs in ((T.tree_accept_triton, got), (T.tree_accept_ref, ref)):
+            r2t, table = r2t0.clone(), table0.clone()
+            out = T.TreeOutputs(torch.full((bs, t), -7, device=DEVICE),
+                                torch.full((bs, t), 9.0, device=DEVICE),
+                                torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+                                torch.zeros(bs, dtype=torch.int64, device=DEVICE))
+            fn(nxt, logits, lse, vctx, bufs, r2t, table, out)
+            tables.append((r2t, table, out))
+        (r2t_a, table_a, out_a), (r2t_b, table_b, out_b) = tables
+        assert torch.equal(r2t_a, r2t_b) and torch.equal(table_a, table_b), trial
+        assert not torch.equal(r2t_a, r2t0)  # budgets' slots recorded
+        # accepted drafts recorded (the planted paths are taken where the budget allows)
+        assert (out_a.accept_lens.max() > 1) == (trial < 2) == (not torch.equal(table_a, table0))
+        for name, x, y in zip(T.TreeOutputs._fields, out_a, out_b, strict=True):
+            assert _same(x, y), (name, trial)
+        for name in ("accepted", "copy"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), (name, trial)

@@ -21,8 +21,9 @@ from draftgraph.attention.kv_pool import KVPool
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
+from draftgraph.kernels.tree import accept_tree, ancestors
 from draftgraph.models.heads import random_head
-from draftgraph.spec.tree import TREE_MAX_BS, TreeHeadDrafter, accept_tree, ancestors
+from draftgraph.spec.tree import TREE_MAX_BS, TreeHeadDrafter
 
 SETS = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "accept_sets_smollm2_ids.json"
 TREE = TreeShape(4, 5, 16)
@@ -159,15 +160,15 @@ def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
     engine, drafter = _tree_engine(hf, tree)
     seen = _count_tree_steps(engine)
     body, short = engine.spec_graphs.body, []
-    keep = body._keep
+    pack = body._pack_tree
 
-    def checked(bs, prop):  # a step records 0 past a request's drafts (its last tokens)
-        keep(bs, prop)
+    def checked(ctx, prop):  # a step records 0 past a request's drafts (its last tokens)
+        pack(ctx, prop)
         for row, n in enumerate(prop.num_drafts.tolist()):
             if n < tree.nodes:
                 short.append(body.draft_tokens[row, n:].abs().sum().item())
 
-    body._keep = checked
+    body._pack_tree = checked
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
     assert short and not any(short)
     assert len(seen) > 20 and max(seen)[0] == len(PROMPTS)  # trees, the three together

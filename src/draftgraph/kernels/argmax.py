@@ -4,6 +4,10 @@
     argmax_lse(logits, out=tokens, top_logprob=lp)   also: into given buffers, and the
                                                      argmax's logprob (greedy decode's tail)
     row_argmax(logits [..., V]) -> [...] int64       the argmax alone (drafters' greedy draws)
+    greedy_emit_triton(argmax, logits, lse, drafts, num_drafts, out_tokens, out_logprobs)
+        a greedy verify's tail after them, in one launch (its twin: spec.verify.emit's torch
+        path): the longest prefix of active drafts equal to the argmax, then the argmax after
+        it, -1 past; each emitted token's logprob; accept lengths
 
 The argmax is the greedy token (ties go to the first index, like `torch.argmax`); with the lse
 the logprob of any emitted token is `logits.gather(1, tok) - lse`, with no full log_softmax.
@@ -191,3 +195,48 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
         flat = logits.reshape(-1, logits.shape[-1])
         return argmax_lse_triton(flat)[0].view(logits.shape[:-1])
     return logits.argmax(dim=-1)
+
+
+@triton.jit
+def _greedy_emit_kernel(argmax, logits, lse, drafts, num_drafts, out_tokens, out_logprobs,
+                        accept_lens, stride_logits, stride_drafts, stride_tok, stride_lp,
+                        K: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    T = K + 1
+    j = tl.arange(0, BLOCK_T)
+    jm = j < T
+    am = tl.load(argmax + b * T + j, mask=jm, other=-1)
+    d = tl.load(drafts + b * stride_drafts + j, mask=j < K, other=-2)
+    # draft j rejected, or past the request's count: the first such is the accept point
+    miss = (j < K) & ((d != am) | (j >= tl.load(num_drafts + b)))
+    na = tl.min(tl.where(miss, j, K), axis=0)
+    final = tl.sum(tl.where(j == na, am, 0), axis=0)
+    tok = tl.where(j < na, d, tl.where(j == na, final, -1))
+    tl.store(out_tokens + b * stride_tok + j, tok, mask=jm)
+    row = b * T + j
+    lp = tl.load(logits + row * stride_logits + tl.maximum(tok, 0), mask=jm, other=0.0)
+    lp = lp - tl.load(lse + row, mask=jm, other=0.0)
+    tl.store(out_logprobs + b * stride_lp + j, lp, mask=jm)
+    tl.store(accept_lens + b, (na + 1).to(tl.int64))
+
+
+def greedy_emit_triton(argmax: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
+                       drafts: torch.Tensor, num_drafts: torch.Tensor, out_tokens: torch.Tensor,
+                       out_logprobs: torch.Tensor) -> torch.Tensor:
+    """A greedy verify's emitted run in one launch: argmax [bs * T] int64 (the target's token
+    after each row, T = 1 + k), logits [bs * T, V] / lse [bs * T] fp32 (the raw
+    distribution's, for the logprobs), drafts [bs, k], num_drafts [bs]; writes out_tokens
+    [bs, T] (accepted drafts, the argmax after them, -1 past) and out_logprobs [bs, T] (each
+    token's log-probability; past the run token 0's); returns accept_lens [bs] int64."""
+    bs, k = drafts.shape
+    assert logits.stride(1) == 1 and drafts.stride(1) == 1 and argmax.is_contiguous()
+    assert out_tokens.stride(1) == 1 and out_logprobs.stride(1) == 1 and lse.is_contiguous()
+    accept_lens = torch.empty(bs, dtype=torch.int64, device=drafts.device)
+    if bs == 0:
+        return accept_lens
+    _greedy_emit_kernel[(bs,)](
+        argmax, logits, lse, drafts, num_drafts, out_tokens, out_logprobs, accept_lens,
+        logits.stride(0), drafts.stride(0), out_tokens.stride(0), out_logprobs.stride(0),
+        K=k, BLOCK_T=max(2, next_pow2(k + 1)), num_warps=1, **pdl_kwargs(logits))
+    return accept_lens

@@ -37,20 +37,27 @@ def _rms_norm_kernel(
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    *, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same semantics as `rms_norm_ref`: returns (normed, x + residual or None)."""
+    """Same semantics as `rms_norm_ref`: returns (normed, x + residual or None); the normed
+    rows written into `out` ([..., hidden], unit stride over hidden) when given."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows, n_cols = x2.shape
-    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)  # [rows, hidden]
+    given = out
+    if out is None:
+        out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)  # [rows, hidden]
+    else:
+        assert out.shape == shape and out.stride(-1) == 1 and out.dtype == x.dtype
+        out = out if out.dim() == 2 else out.view(rows, n_cols)  # a view, or it raises
     if residual is not None:
         r2 = residual.reshape(-1, n_cols)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-        residual_out = torch.empty_like(out)  # [rows, hidden] x.dtype
+        residual_out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     else:
         r2, residual_out = x2, out  # unused
     if rows:
@@ -62,7 +69,7 @@ def rms_norm_triton(
             **pdl_kwargs(x2),
         )
     new_residual = residual_out.view(shape) if residual is not None else None
-    return out.view(shape), new_residual
+    return (out.view(shape) if given is None else given), new_residual
 
 
 @triton.jit

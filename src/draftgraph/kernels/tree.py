@@ -416,3 +416,319 @@ def tree_pick(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent: tor
     if node_score.is_cuda and triton_usable(node_score):
         return tree_pick_triton(node_score, node_tok, node_parent, node_depth, max_draft, n)
     return tree_pick_ref(node_score, node_tok, node_parent, node_depth, max_draft, n)
+
+
+# ---- the verify's rows: pack and accept ----------------------------------------------------
+
+
+class TreeVerify(NamedTuple):
+    """A step body's tree-verify buffers (m = requests, T = 1 + k rows each, D = depth):
+    written by `tree_pack`, read by `tree_accept` and the verify forward."""
+
+    draft_tokens: torch.Tensor  # [max_bs, k] int64: the proposal's drafts, 0 past its count
+    num_drafts: torch.Tensor  # [max_bs] int64
+    packed_ids: torch.Tensor  # [max_bs * T] int64: the rows' tokens (last token, drafts)
+    packed_loc: torch.Tensor  # [max_bs * T] int64: their KV slots (a dead row's: 0)
+    rows: torch.Tensor  # [3, m * T] int64: request row, KV length, path base (dead: 0, 1, 1)
+    path: torch.Tensor  # [m * T, D] int64: a row's slots at depths 1 .. its own
+    parents: torch.Tensor  # [m, T] int64: the parent row (the root's: 0)
+    live: torch.Tensor  # [m, T] int8: 1 within the request's draft budget (no bool pointers)
+    depths: torch.Tensor  # [m, T] int64 (the root's: 0)
+    anc: torch.Tensor  # [m, T, D] int64: `ancestors`
+    verify_seq_lens: torch.Tensor  # [max_bs] int64: the request's packed rows (T) past seq_lens
+    accepted: torch.Tensor  # [m, 1 + D] int64: `tree_accept`'s path rows
+    copy: torch.Tensor  # [2, m * D] int64: `tree_accept`'s KV copy, sources then destinations
+
+
+def ancestors(parents: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:
+    """[bs, R, depth] int64: row i's ancestor at depth j + 1 (itself at its own depth), as a
+    row index; 0 past the row's depth. parents / depths [bs, R] (row 0 the root: depth 0)."""
+    bs, R = parents.shape
+    out = torch.zeros(bs, R, depth + 1, dtype=torch.int64, device=parents.device)
+    cur = torch.arange(R, device=parents.device).expand(bs, R)
+    d = depths
+    for _ in range(depth):  # up one level a pass; a finished row writes the spare column
+        out.scatter_(2, torch.where(d > 0, d - 1, depth)[..., None], cur[..., None])
+        cur = parents.gather(1, cur)
+        d = d - 1
+    return out[..., :depth]
+
+
+def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
+                depths: torch.Tensor, live: torch.Tensor, target_argmax: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance along a tree: (path rows [bs, 1 + D] (row 0, then the accepted row
+    at each depth; 0 past the accept length), accept_lens [bs] = accepted drafts + 1).
+
+    tokens / parents / depths / live / target_argmax [bs, R]: each row's token, its parent
+    row, its depth (row 0, the root, is 0), whether it may be accepted, the target's argmax
+    after it; anc [bs, R, D]: `ancestors`. A row is on the accepted path when it and each of
+    its ancestors carries the target's argmax after its parent; siblings carry distinct
+    tokens, so at most one row a depth is, and the deepest one ends the path (the first
+    such row on a tie). A fixed number of ops whatever the depth (no walk)."""
+    bs, R, D = anc.shape
+    match = (tokens == target_argmax.gather(1, parents)) & live  # [bs, R]
+    on = match.gather(1, anc.reshape(bs, -1)).view(bs, R, D)
+    below = torch.arange(D, device=anc.device) < depths[..., None]  # [bs, R, D]
+    ok = (on | ~below).all(dim=2)  # the root (depth 0) always
+    last = torch.where(ok, depths, -1).argmax(dim=1)  # [bs]: the deepest accepted row
+    path = torch.cat([torch.zeros_like(last)[:, None], anc[torch.arange(bs, device=anc.device),
+                                                           last]], dim=1)
+    return path, depths.gather(1, last[:, None]).squeeze(1) + 1
+
+
+def tree_pack_ref(drafts: torch.Tensor, num_drafts: torch.Tensor, parents: torch.Tensor,
+                  depths: torch.Tensor, last_tokens: torch.Tensor, ctx: TreeContext,
+                  bufs: TreeVerify) -> None:
+    """A tree proposal (drafts / parents (0: the last token, i: draft i - 1) / depths [bs, k]
+    in node order, num_drafts [bs]) as the verify's rows: request b's last token and its k
+    drafts at rows b (1 + k) + i, each at position seq_lens + depth - 1 in its own reserved
+    slot, its list the request's keys below seq_lens, then its path (its ancestors' slots
+    and its own); rows past the request's budget (max_draft) go to the dummy row 0, slot 0."""
+    bs, k = drafts.shape
+    T, D = 1 + k, bufs.anc.shape[2]
+    r = bs * T
+    dev = drafts.device
+    bufs.num_drafts[:bs].copy_(num_drafts)
+    torch.where(torch.arange(k, device=dev) < num_drafts[:, None], drafts, drafts.new_zeros(()),
+                out=bufs.draft_tokens[:bs])
+    zero = torch.zeros(bs, 1, dtype=torch.int64, device=dev)
+    depth = torch.cat([zero, depths], dim=1)  # [bs, T]
+    parent = torch.cat([zero, parents], dim=1)
+    live = depth <= ctx.max_draft[:, None]
+    bufs.parents[:bs].copy_(parent)
+    bufs.live[:bs].copy_(live)
+    bufs.depths[:bs].copy_(depth)
+    n = ctx.seq_lens[:, None]
+    bufs.packed_ids[:r].copy_(torch.cat([last_tokens[:, None], bufs.draft_tokens[:bs]],
+                                        dim=1).flatten())
+    slots = ctx.reserved_slots[:, :T]
+    bufs.packed_loc[:r].copy_(torch.where(live, slots, 0).flatten())
+    rows = torch.stack([ctx.req_pool_indices[:, None].expand(bs, T), n + depth, n.expand(bs, T)])
+    dead = torch.tensor([0, 1, 1], dtype=torch.int64, device=dev)[:, None, None]
+    bufs.rows[:, :r].copy_(torch.where(live, rows, dead).view(3, r))
+    anc = ancestors(parent, depth, D)  # [bs, T, D] rows
+    bufs.anc[:bs].copy_(anc)
+    bufs.path[:r].copy_(slots.gather(1, anc.reshape(bs, -1)).view(r, D))
+    bufs.verify_seq_lens[:bs].copy_(ctx.seq_lens + k)
+
+
+@triton.jit
+def _tree_pack_kernel(
+    drafts, num_drafts_in, parents_in, depths_in, last_tokens, seq_lens, req_pool_indices,
+    max_draft, reserved_slots, draft_tokens, num_drafts, packed_ids, packed_loc, rows, path,
+    parents, live, depths, anc, verify_seq_lens, stride_res0, stride_res1, stride_rows,
+    K: tl.constexpr, D: tl.constexpr, T_P: tl.constexpr, D_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    T = K + 1
+    i = tl.arange(0, T_P)
+    im = i < T
+    dm = (i >= 1) & im  # the draft rows
+    di = tl.maximum(i - 1, 0)
+    num = tl.load(num_drafts_in + b)
+    tl.store(num_drafts + b, num)
+    tok = tl.load(drafts + b * K + di, mask=dm, other=0)
+    tok = tl.where(di < num, tok, 0)
+    tl.store(draft_tokens + b * K + di, tok, mask=dm)
+    tok = tl.where(i == 0, tl.load(last_tokens + b), tok)
+    parent = tl.load(parents_in + b * K + di, mask=dm, other=0)
+    depth = tl.load(depths_in + b * K + di, mask=dm, other=0)
+    ok = depth <= tl.load(max_draft + b)
+    out = b * T + i
+    tl.store(parents + out, parent, mask=im)
+    tl.store(live + out, ok.to(tl.int8), mask=im)
+    tl.store(depths + out, depth, mask=im)
+    tl.store(packed_ids + out, tok, mask=im)
+    slot = tl.load(reserved_slots + b * stride_res0 + i * stride_res1, mask=im, other=0)
+    tl.store(packed_loc + out, tl.where(ok, slot, 0), mask=im)
+    n = tl.load(seq_lens + b)
+    zero = tl.zeros([T_P], tl.int64)
+    tl.store(rows + out, tl.where(ok, zero + tl.load(req_pool_indices + b), 0), mask=im)
+    tl.store(rows + stride_rows + out, tl.where(ok, n + depth, 1), mask=im)
+    tl.store(rows + 2 * stride_rows + out, tl.where(ok, zero + n, 1), mask=im)
+    # ancestors: up one level a pass, the row at depth d + 1 into column d (0 past the depth)
+    j = tl.arange(0, D_P)
+    a = tl.zeros([T_P, D_P], tl.int64)
+    cur = i.to(tl.int64)
+    d = depth
+    for _ in tl.static_range(D):
+        a = tl.where((j[None, :] == (d - 1)[:, None]) & (d > 0)[:, None], cur[:, None], a)
+        up = tl.load(parents_in + b * K + tl.maximum(cur - 1, 0), mask=im & (cur > 0), other=0)
+        cur = tl.where(cur > 0, up, 0)
+        d = d - 1
+    am = im[:, None] & (j < D)[None, :]
+    tl.store(anc + out[:, None] * D + j[None, :], a, mask=am)
+    ps = tl.load(reserved_slots + b * stride_res0 + a * stride_res1, mask=am, other=0)
+    tl.store(path + out[:, None] * D + j[None, :], ps, mask=am)
+    tl.store(verify_seq_lens + b, n + K)
+
+
+def tree_pack_triton(drafts: torch.Tensor, num_drafts: torch.Tensor, parents: torch.Tensor,
+                     depths: torch.Tensor, last_tokens: torch.Tensor, ctx: TreeContext,
+                     bufs: TreeVerify) -> None:
+    """Same semantics as `tree_pack_ref`, one launch (the twin is ~40)."""
+    bs, k = drafts.shape
+    D = bufs.anc.shape[2]
+    drafts, parents, depths = drafts.contiguous(), parents.contiguous(), depths.contiguous()
+    num_drafts = num_drafts.contiguous()
+    res = ctx.reserved_slots
+    _tree_pack_kernel[(bs,)](
+        drafts, num_drafts, parents, depths, last_tokens, ctx.seq_lens, ctx.req_pool_indices,
+        ctx.max_draft, res, bufs.draft_tokens, bufs.num_drafts, bufs.packed_ids,
+        bufs.packed_loc, bufs.rows, bufs.path, bufs.parents, bufs.live, bufs.depths, bufs.anc,
+        bufs.verify_seq_lens, res.stride(0), res.stride(1), bufs.rows.stride(0),
+        K=k, D=D, T_P=max(2, next_pow2(k + 1)), D_P=max(2, next_pow2(D)), num_warps=1,
+        **pdl_kwargs(drafts),
+    )
+
+
+def tree_pack(drafts: torch.Tensor, num_drafts: torch.Tensor, parents: torch.Tensor,
+              depths: torch.Tensor, last_tokens: torch.Tensor, ctx: TreeContext,
+              bufs: TreeVerify) -> None:
+    if drafts.is_cuda and triton_usable(drafts):
+        tree_pack_triton(drafts, num_drafts, parents, depths, last_tokens, ctx, bufs)
+    else:
+        tree_pack_ref(drafts, num_drafts, parents, depths, last_tokens, ctx, bufs)
+
+
+class TreeOutputs(NamedTuple):
+    """Where `tree_accept` writes a step's results ([bs, 1 + k] / [bs] views)."""
+
+    tokens: torch.Tensor  # int64, -1 past the accept length
+    logprobs: torch.Tensor  # fp32, columns 0 .. D written
+    accept_lens: torch.Tensor
+    num_drafts: torch.Tensor
+
+
+def tree_accept_ref(nxt: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
+                    ctx: TreeContext, bufs: TreeVerify, req_to_token: torch.Tensor,
+                    token_table: torch.Tensor, out: TreeOutputs) -> None:
+    """Acceptance of the packed tree against nxt [bs * T] (the target's token after each row:
+    its argmax, or a sampled step's draw): the emitted run (the path's drafts, then the
+    target's token after the last) into out.tokens, with the raw distribution's logprobs
+    (logits [bs * T, V], lse [bs * T]); the path's rows into bufs.accepted; the KV copy that
+    moves depth j's accepted node into reserved slot j (j >= the accept length: the slot
+    itself) into bufs.copy; reserved slots 1 .. max_draft recorded in req_to_token at their
+    positions, the accepted drafts in token_table."""
+    bs, T = ctx.seq_lens.shape[0], bufs.parents.shape[1]
+    D = bufs.anc.shape[2]
+    dev = nxt.device
+    tokens = bufs.packed_ids[: bs * T].view(bs, T)
+    path, lens = accept_tree(tokens, bufs.parents[:bs], bufs.anc[:bs], bufs.depths[:bs],
+                             bufs.live[:bs] != 0, nxt.view(bs, T))
+    rows = torch.arange(bs, device=dev)[:, None] * T + path  # [bs, 1 + D]
+    emitted = nxt[rows]  # row j's token: the draft at depth j + 1 on the path
+    j = torch.arange(1 + D, device=dev)
+    out.tokens[:, : 1 + D].copy_(torch.where(j < lens[:, None], emitted, -1))
+    out.tokens[:, 1 + D :].fill_(-1)
+    out.logprobs[:, : 1 + D].copy_(logits[rows, emitted] - lse[rows])
+    out.accept_lens.copy_(lens)
+    out.num_drafts.copy_(bufs.num_drafts[:bs])
+    bufs.accepted[:bs].copy_(path)
+    # a node's row is >= its depth, and copy_slots reads every source before it writes
+    took = j[None, 1:] < lens[:, None]  # [bs, D]
+    slots = ctx.reserved_slots
+    dst = slots[:, 1 : 1 + D]
+    bufs.copy[0, : bs * D].copy_(torch.where(took, slots.gather(1, path[:, 1:]), dst).flatten())
+    bufs.copy[1, : bs * D].copy_(dst.flatten())
+    rec = j[None, 1:] <= ctx.max_draft[:, None]
+    req = torch.where(rec, ctx.req_pool_indices[:, None], 0)
+    pos = torch.where(rec, ctx.seq_lens[:, None] - 1 + j[1:], 0)
+    req_to_token[req, pos] = torch.where(rec, dst, 0)
+    token_table[torch.where(took, req, 0), torch.where(took, pos, 0)] = \
+        torch.where(took, emitted[:, :D], 0)
+
+
+@triton.jit
+def _tree_accept_kernel(
+    nxt, logits, lse, seq_lens, req_pool_indices, max_draft, reserved_slots, packed_ids,
+    parents, live, depths, anc, num_drafts, accepted, copy, req_to_token, token_table,
+    out_tokens, out_logprobs, out_accept, out_num_drafts, stride_logits, stride_res0,
+    stride_res1, stride_r2t, stride_table, stride_tok, stride_lp, stride_copy,
+    T: tl.constexpr, D: tl.constexpr, T_P: tl.constexpr, D_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, T_P)
+    im = i < T
+    j = tl.arange(0, D_P)
+    jm = j < D
+    am = im[:, None] & jm[None, :]
+    row0 = b * T
+    depth = tl.load(depths + row0 + i, mask=im, other=0)
+    # row i is on the path when every ancestor a (itself included) carries the target's
+    # token after its parent and is live
+    a = tl.load(anc + (row0 + i)[:, None] * D + j[None, :], mask=am, other=0)
+    pa = tl.load(parents + row0 + a, mask=am, other=0)
+    hit = (tl.load(packed_ids + row0 + a, mask=am, other=-1)
+           == tl.load(nxt + row0 + pa, mask=am, other=-2))
+    hit = hit & (tl.load(live + row0 + a, mask=am, other=0) != 0)
+    bad = am & (j[None, :] < depth[:, None]) & ~hit
+    ok = im & (tl.sum(bad.to(tl.int32), axis=1) == 0)
+    score = tl.where(ok, depth, -1)
+    best = tl.max(score, axis=0)
+    last = tl.min(tl.where(score == best, i, T_P), axis=0).to(tl.int64)  # the first deepest
+    lens = tl.sum(tl.where(i == last, depth, 0), axis=0) + 1
+    # the emitted run: column c reads row path[c] (path[0] = 0, the root)
+    c = tl.arange(0, T_P)
+    cm = c < T
+    pm = (c >= 1) & (c <= D)
+    p = tl.load(anc + (row0 + last) * D + tl.maximum(c - 1, 0), mask=pm, other=0)
+    e = tl.load(nxt + row0 + p, mask=c <= D, other=0)
+    tl.store(out_tokens + b * stride_tok + c, tl.where(c < lens, e, -1), mask=cm)
+    lp = tl.load(logits + (row0 + p) * stride_logits + e, mask=c <= D, other=0.0)
+    lp = lp - tl.load(lse + row0 + p, mask=c <= D, other=0.0)
+    tl.store(out_logprobs + b * stride_lp + c, lp, mask=c <= D)
+    tl.store(out_accept + b, lens)
+    tl.store(out_num_drafts + b, tl.load(num_drafts + b))
+    tl.store(accepted + b * (1 + D) + c, p, mask=c <= D)
+    # KV copy: depth c's accepted node into reserved slot c (c >= lens: the slot itself)
+    dst = tl.load(reserved_slots + b * stride_res0 + c * stride_res1, mask=pm, other=0)
+    src = tl.load(reserved_slots + b * stride_res0 + p * stride_res1, mask=pm, other=0)
+    took = pm & (c < lens)
+    q = b * D + c - 1
+    tl.store(copy + q, tl.where(took, src, dst), mask=pm)
+    tl.store(copy + stride_copy + q, dst, mask=pm)
+    # reserved slots 1 .. max_draft at their positions; the accepted drafts in the table
+    req = tl.load(req_pool_indices + b)
+    pos = tl.load(seq_lens + b) - 1 + c
+    rec = pm & (c <= tl.load(max_draft + b))
+    tl.store(req_to_token + req * stride_r2t + pos, dst, mask=rec)
+    # the draft at depth c is the token emitted at column c - 1
+    prev = tl.load(nxt + row0 + tl.load(anc + (row0 + last) * D + tl.maximum(c - 2, 0),
+                                        mask=(c >= 2) & pm, other=0), mask=pm, other=0)
+    tl.store(token_table + req * stride_table + pos, prev, mask=took)
+
+
+def tree_accept_triton(nxt: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor,
+                       ctx: TreeContext, bufs: TreeVerify, req_to_token: torch.Tensor,
+                       token_table: torch.Tensor, out: TreeOutputs) -> None:
+    """Same semantics as `tree_accept_ref`, one launch (the twin is ~45)."""
+    bs, T = ctx.seq_lens.shape[0], bufs.parents.shape[1]
+    D = bufs.anc.shape[2]
+    assert logits.stride(1) == 1 and out.tokens.stride(1) == 1 and out.logprobs.stride(1) == 1
+    assert req_to_token.stride(1) == 1 and token_table.stride(1) == 1
+    res = ctx.reserved_slots
+    _tree_accept_kernel[(bs,)](
+        nxt, logits, lse, ctx.seq_lens, ctx.req_pool_indices, ctx.max_draft, res,
+        bufs.packed_ids, bufs.parents, bufs.live, bufs.depths, bufs.anc, bufs.num_drafts,
+        bufs.accepted, bufs.copy, req_to_token, token_table, out.tokens, out.logprobs,
+        out.accept_lens, out.num_drafts, logits.stride(0), res.stride(0), res.stride(1),
+        req_to_token.stride(0), token_table.stride(0), out.tokens.stride(0),
+        out.logprobs.stride(0), bufs.copy.stride(0),
+        T=T, D=D, T_P=max(2, next_pow2(T)), D_P=max(2, next_pow2(D)), num_warps=1,
+        **pdl_kwargs(nxt),
+    )
+
+
+def tree_accept(nxt: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, ctx: TreeContext,
+                bufs: TreeVerify, req_to_token: torch.Tensor, token_table: torch.Tensor,
+                out: TreeOutputs) -> None:
+    if nxt.is_cuda and triton_usable(nxt):
+        tree_accept_triton(nxt, logits, lse, ctx, bufs, req_to_token, token_table, out)
+    else:
+        tree_accept_ref(nxt, logits, lse, ctx, bufs, req_to_token, token_table, out)

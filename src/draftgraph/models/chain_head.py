@@ -121,9 +121,12 @@ class HeadFirstLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
 
     def qkv(self, embeds: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
-        e, _ = self.input_layernorm(embeds)
-        f, _ = self.hidden_norm(feat)
-        return self.self_attn.qkv_proj(torch.cat([e, f], dim=-1))
+        h = embeds.shape[-1]
+        x = embeds.new_empty(*embeds.shape[:-1], 2 * h)  # the norms write its halves
+        ln, hn = self.input_layernorm, self.hidden_norm
+        ops.rms_norm(embeds, ln.weight, ln.eps, out=x[..., :h])
+        ops.rms_norm(feat, hn.weight, hn.eps, out=x[..., h:])
+        return self.self_attn.qkv_proj(x)
 
     def forward(self, embeds, feat, fb, backend, cos_sin_cache):
         attn = self.self_attn

@@ -31,6 +31,7 @@ import logging
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.kernels.tokens import CatchUp, stage_catch_up
 from draftgraph.models.chain_head import ChainHead
 from draftgraph.runtime.executor import ModelExecutor
 from draftgraph.runtime.schema import StepBatch
@@ -72,9 +73,10 @@ class ChainHeadDrafter(ChainDrafter):
         self.step_feat = torch.zeros(m, h, dtype=dt, device=dev)  # [max_bs, H] chain input
         # the catch-up extend's raw inputs: an entry per draft step per request
         s = self.num_steps
-        self.cu_ids = torch.zeros(m * s, dtype=torch.int64, device=dev)
-        self.cu_loc = torch.zeros(m * s, dtype=torch.int64, device=dev)
-        self.cu_seq = torch.ones(m, dtype=torch.int64, device=dev)
+        self.cu = CatchUp(*(torch.zeros(m * s, dtype=torch.int64, device=dev) for _ in range(2)),
+                          torch.ones(m, dtype=torch.int64, device=dev),
+                          torch.zeros(m * s, dtype=torch.int64, device=dev),
+                          torch.zeros(m, dtype=torch.int64, device=dev))
         self.cu_ext = torch.full((m,), s, dtype=torch.int64, device=dev)
         self.alloc_steps(m, dev)
         logger.info("chain head: %d layer(s), target layers %s, draft vocabulary %d, KV pool "
@@ -107,27 +109,21 @@ class ChainHeadDrafter(ChainDrafter):
     # ---- catch-up ---------------------------------------------------------------------------
     def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
         bs, m = ctx.seq_lens.shape[0], self.num_steps
-        n = ctx.seq_lens
-        ext = 1 + accept.verify_seq_lens - n  # verified tokens per request, packed
-        qo_start = ext.cumsum(0) - ext
         total = bs * (1 + self.k)
         feats = self.head.features(self.capture.out[:total])  # [bs * (1 + k), H]
-        # the packed rows of the emitted path: a chain's row j is j, a tree's its path's
-        path = (accept.path if accept.path is not None else
-                torch.arange(1 + m, device=n.device).expand(bs, 1 + m))
-        rows = (qo_start[:, None] + path).clamp_max(total - 1)  # [bs, 1 + m]
+        # the entries' tokens, slots and feature rows (a chain's packed rows 0 .. m, a tree's
+        # path's), and the row of each request's new last feature: one launch on the GPU
+        cu = self.cu
+        stage_catch_up(accept.tokens, accept.accept_lens, accept.verify_seq_lens, ctx.seq_lens,
+                       ctx.reserved_slots, accept.path, total, cu)
         if self.catch_up:
-            ids, loc = self.cu_ids[: bs * m], self.cu_loc[: bs * m]
-            ids.copy_(accept.tokens[:, :m].clamp_min(0).flatten())
-            loc.copy_(ctx.reserved_slots[:, 1 : 1 + m].flatten())
-            torch.add(n, m, out=self.cu_seq[:bs])
-            fb = ForwardBatch(Phase.EXTEND, ids, ctx.req_pool_indices, self.cu_seq[:bs],
-                              self.cu_ext[:bs], loc, self.executor.meta)
+            ids = cu.ids[: bs * m]
+            fb = ForwardBatch(Phase.EXTEND, ids, ctx.req_pool_indices, cu.seq[:bs],
+                              self.cu_ext[:bs], cu.loc[: bs * m], self.executor.meta)
             self.executor.backend.build_metadata(fb)
-            self.head.write_kv(self._embed(ids), feats[rows[:, :m].flatten()], fb,
+            self.head.write_kv(self._embed(ids), feats[cu.feat_rows[: bs * m]], fb,
                                self.executor.backend)
-        self.last_feat[ctx.req_pool_indices] = feats[rows.gather(
-            1, (accept.accept_lens - 1)[:, None]).squeeze(1)]
+        self.last_feat[ctx.req_pool_indices] = feats[cu.last_rows[:bs]]
 
     def observe(self, sb: StepBatch) -> None:
         """An eager target forward captured the features of its tokens: the head writes its

@@ -37,12 +37,12 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.attention.metadata import MetadataBuffers, RowPaths
 from draftgraph.kernels.argmax import argmax_lse
-from draftgraph.kernels.tokens import AheadInputs, record_last_tokens
+from draftgraph.kernels.tokens import AheadInputs, ChainPack, pack_chain, record_last_tokens
+from draftgraph.kernels.tree import TreeContext, TreeOutputs, TreeVerify, tree_accept, tree_pack
 from draftgraph.runtime.sampling import sample
 from draftgraph.runtime.schema import Field, Lanes
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Drafter
-from draftgraph.spec.tree import accept_tree, ancestors
 from draftgraph.spec.verify import emit, step_extras
 
 logger = logging.getLogger(__name__)
@@ -106,8 +106,11 @@ class StepBody:
         # [max_bs, 1 + k] int64: this step's KV slots, resolved from the staged 1 + 2k
         self.slots = torch.zeros(max_bs, T, dtype=torch.int64, device=dev)
         self.num_drafts = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.draft_slot = torch.arange(self.k, device=dev)  # [k]
-        self.no_token = torch.zeros((), dtype=torch.int64, device=dev)
+        # request b's logit row j: its packed row (clamped past the last)
+        self.logit_rows = torch.zeros(max_bs * T, dtype=torch.int64, device=dev)
+        self.pack = ChainPack(self.draft_tokens, self.num_drafts, self.extend_lens,
+                              self.verify_seq_lens, self.packed_ids, self.packed_loc,
+                              self.logit_rows)
         # NOTE: a drafter is bound once per target: every body that drafts with it (a graph
         # set and its twins) shares its buffers and state, so each request's draft state is
         # the same whichever body runs its step (a second bind would leave graphs captured
@@ -140,23 +143,22 @@ class StepBody:
     def _alloc_tree(self, max_bs: int, depth: int) -> None:
         """A tree verify's rows (spec/tree.py): every request's 1 + k rows as decode rows of
         their own lists, for batches of up to the drafter's tree_max_bs requests, with their
-        own metadata buffers."""
+        own metadata buffers; packed and accepted by kernels/tree.py."""
         dev, m, T = self.device, min(self.drafter.tree_max_bs, max_bs), 1 + self.k
         r = m * T
         self.tree_depth = depth
-        # request row, KV length and path base of each row, one staging write for the three
-        # (a dead row's: the dummy row 0, length 1, base 1)
-        self.t_rows = torch.zeros(3, r, dtype=torch.int64, device=dev)
-        self.t_req, self.t_seq, self.t_base = (self.t_rows[i] for i in range(3))
-        self.t_dead = torch.tensor([0, 1, 1], dtype=torch.int64, device=dev)[:, None, None]
+
+        def buf(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        # rows [3, r]: request row, KV length and path base of each row (a dead row's: the
+        # dummy row 0, length 1, base 1)
+        self.tv = TreeVerify(self.draft_tokens, self.num_drafts, self.packed_ids,
+                             self.packed_loc, buf(3, r), buf(r, depth), buf(m, T),
+                             buf(m, T, dtype=torch.int8), buf(m, T), buf(m, T, depth),
+                             self.verify_seq_lens, buf(m, 1 + depth), buf(2, m * depth))
+        self.t_req, self.t_seq, self.t_base = (self.tv.rows[i] for i in range(3))
         self.t_ones = torch.ones(r, dtype=torch.int64, device=dev)
-        self.t_path = torch.zeros(r, depth, dtype=torch.int64, device=dev)
-        # per request and row [m, 1 + k]: parent row, whether it may be accepted, depth, and
-        # its ancestors' rows [.., depth]
-        self.t_parents = torch.zeros(m, T, dtype=torch.int64, device=dev)
-        self.t_live = torch.zeros(m, T, dtype=torch.bool, device=dev)
-        self.t_depths = torch.zeros(m, T, dtype=torch.int64, device=dev)
-        self.t_anc = torch.zeros(m, T, depth, dtype=torch.int64, device=dev)
         ctx_len = self.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, self.backend.sliding_window, dev)
 
@@ -241,7 +243,7 @@ class StepBody:
             r = bs * (1 + self.k)
             return ForwardBatch(Phase.DECODE, self.packed_ids[:r], self.t_req[:r],
                                 self.t_seq[:r], self.t_ones[:r], self.packed_loc[:r],
-                                self.tree_meta, paths=RowPaths(self.t_path[:r], self.t_base[:r]))
+                                self.tree_meta, paths=RowPaths(self.tv.path[:r], self.t_base[:r]))
         if self.k == 0:  # decode reads the raw inputs themselves: one token per request
             return ForwardBatch(Phase.DECODE, v["input_ids"][:bs], v["req_pool_indices"][:bs],
                                 v["seq_lens"][:bs], self.extend_lens[:bs],
@@ -269,84 +271,45 @@ class StepBody:
         if self.k:
             self._pack(ctx, self.drafter.propose(ctx))
 
-    def _keep(self, bs: int, prop) -> None:
-        """The proposal's drafts, 0 past each request's count (drafters leave there whatever
-        their steps past the budget made: dead rows' reads), so a step's recorded drafts are
-        its own."""
-        self.num_drafts[:bs].copy_(prop.num_drafts)
-        torch.where(self.draft_slot < prop.num_drafts[:, None], prop.draft_tokens,
-                    self.no_token, out=self.draft_tokens[:bs])
-
     def _pack(self, ctx: DraftContext, prop) -> None:
-        """The proposal kept; the packed 1 + d tokens of each request and their slots."""
+        """The proposal kept (0 past each request's count: drafters leave there whatever
+        their steps past the budget made, dead rows' reads, so a step's recorded drafts are
+        its own); the packed 1 + d tokens of each request, their slots and logit rows, the
+        drafts' token ids at their positions (`kernels.tokens.pack_chain`: rows past a
+        request's length are rewritten before they are ever read)."""
         if prop.parents is not None:
             self._pack_tree(ctx, prop)
             return
-        T = 1 + self.k
-        bs = ctx.seq_lens.shape[0]
-        table = ctx.token_table
-        self._keep(bs, prop)
         self._draft_probs, self._draft_index = prop.draft_probs, prop.draft_index
-        rows, seq, last = ctx.req_pool_indices, ctx.seq_lens, ctx.last_tokens
-        ext = 1 + prop.num_drafts
-        self.extend_lens[:bs].copy_(ext)
-        self.verify_seq_lens[:bs].copy_(seq + prop.num_drafts)
-        qo_end = ext.cumsum(0)
-        start = qo_end - ext
-        t = torch.arange(bs * T, device=self.device)
-        r = torch.searchsorted(qo_end, t, right=True).clamp_max(bs - 1)  # [bs*T] request
-        j = t - start[r]  # [bs*T] index inside the request's 1 + d tokens
-        live = j < ext[r]
-        jc = j.clamp(0, T - 1)
-        cand = torch.where(j == 0, last[r], prop.draft_tokens[r, (jc - 1).clamp_min(0)])
-        self.packed_ids[: bs * T].copy_(torch.where(live, cand, 0))
-        self.packed_loc[: bs * T].copy_(torch.where(live, ctx.reserved_slots[r, jc], 0))
-        # the drafts' token ids at their positions (rows past a request's length are rewritten
-        # before they are ever read); dead slots go to the dummy row 0
-        table[torch.where(live, rows[r], 0), torch.where(live, seq[r] - 1 + jc, 0)] = \
-            self.packed_ids[: bs * T]
+        pack_chain(prop.draft_tokens, prop.num_drafts, ctx.last_tokens, ctx.seq_lens,
+                   ctx.req_pool_indices, ctx.reserved_slots, ctx.token_table, self.pack)
 
     def _pack_tree(self, ctx: DraftContext, prop) -> None:
-        """A tree's rows: request b's last token and its k drafts at rows b(1 + k) + i, each
-        at position t + depth into its own reserved slot, its list the request's keys up to
-        t, then its path (its ancestors' slots and its own); rows past the request's draft
-        budget (and padded requests' drafts) go to the dummy row 0, slot 0."""
-        bs, T = ctx.seq_lens.shape[0], 1 + self.k
-        r = bs * T
-        self._keep(bs, prop)
+        """A tree's rows (`kernels.tree.tree_pack`): request b's last token and its k drafts
+        at rows b(1 + k) + i, each at position t + depth into its own reserved slot, its list
+        the request's keys up to t, then its path (its ancestors' slots and its own); rows
+        past the request's draft budget (and padded requests' drafts) go to the dummy row 0,
+        slot 0; the drafts kept, 0 past the count (as `_pack`)."""
         self._draft_probs, self._draft_index = None, None
-        zero = torch.zeros(bs, 1, dtype=torch.int64, device=self.device)
-        depths = torch.cat([zero, prop.depths], dim=1)  # [bs, T]
-        parents = torch.cat([zero, prop.parents], dim=1)
-        live = depths <= ctx.max_draft[:, None]
-        self.t_parents[:bs].copy_(parents)
-        self.t_live[:bs].copy_(live)
-        n = ctx.seq_lens[:, None]
-        self.packed_ids[:r].copy_(torch.cat([ctx.last_tokens[:, None],
-                                             self.draft_tokens[:bs]], dim=1).flatten())
-        self.packed_loc[:r].copy_(torch.where(live, ctx.reserved_slots, 0).flatten())
-        rows = torch.stack([ctx.req_pool_indices[:, None].expand(bs, T), n + depths,
-                            n.expand(bs, T)])
-        self.t_rows[:, :r].copy_(torch.where(live, rows, self.t_dead).view(3, r))
-        anc = ancestors(parents, depths, self.tree_depth)  # [bs, T, D] rows
-        self.t_anc[:bs].copy_(anc)
-        self.t_depths[:bs].copy_(depths)
-        self.t_path[:r].copy_(ctx.reserved_slots.gather(1, anc.reshape(bs, -1)).view(r, -1))
-        # the request's packed rows: T each (the catch-up reads its features by this)
-        self.verify_seq_lens[:bs].copy_(ctx.seq_lens + self.k)
+        tree_pack(prop.draft_tokens, prop.num_drafts, prop.parents, prop.depths,
+                  ctx.last_tokens, self._tree_ctx(ctx), self.tv)
+
+    @staticmethod
+    def _tree_ctx(ctx: DraftContext) -> TreeContext:
+        return TreeContext(ctx.seq_lens, ctx.req_pool_indices, ctx.max_draft,
+                           ctx.reserved_slots)
 
     def _accept_tree(self, bs: int, logits: torch.Tensor, greedy: bool) -> None:
         """Acceptance along the tree against the target's token after every row (its argmax,
         or in a sampled step the very draw plain sampling makes at that position: a child is
         taken iff it carries it, the point-mass rule of `verify.rejection_sample`, so the
-        emitted tokens are plain sampling's); the emitted run (the path's drafts, then the
-        target's token after the last) with the logprobs of the raw distribution; the
-        accepted nodes' K and V copied to the slots of their positions (reserved slot j for
-        depth j) in every target layer, those slots recorded at their positions, the accepted
-        drafts in the token table; the drafter's after_accept reads the path."""
+        emitted tokens are plain sampling's): `kernels.tree.tree_accept` writes the emitted
+        run with the raw distribution's logprobs, the path, the positions' slots and the
+        accepted drafts in the token table; then the accepted nodes' K and V are copied to
+        the slots of their positions (reserved slot j for depth j) in every target layer, and
+        the drafter's after_accept reads the path."""
         T, D, o = 1 + self.k, self.tree_depth, self.out
         ctx = self._ctx(bs, greedy)
-        tokens = torch.cat([ctx.last_tokens[:, None], self.draft_tokens[:bs]], dim=1)
         argmax, lse = argmax_lse(logits)  # [bs * T] each: one pass over every row
         nxt = argmax
         if not greedy:  # a row at depth d draws the token of position seq_lens + d
@@ -355,33 +318,14 @@ class StepBody:
                          v["top_p"][:bs].repeat_interleave(T),
                          v["top_k"][:bs].repeat_interleave(T),
                          v["seeds"][:bs].repeat_interleave(T),
-                         (ctx.seq_lens[:, None] + self.t_depths[:bs]).flatten(), argmax)
-        path, lens = accept_tree(tokens, self.t_parents[:bs], self.t_anc[:bs],
-                                 self.t_depths[:bs], self.t_live[:bs], nxt.view(bs, T))
-        rows = torch.arange(bs, device=self.device)[:, None] * T + path  # [bs, 1 + D]
-        emitted = nxt[rows]  # row j's token: the draft at depth j + 1 on the path
-        j = torch.arange(1 + D, device=self.device)
-        out = torch.where(j < lens[:, None], emitted, -1)
-        o["tokens"][:bs, : 1 + D].copy_(out)
-        o["tokens"][:bs, 1 + D :].fill_(-1)
-        o["logprobs"][:bs, : 1 + D].copy_(logits[rows, emitted] - lse[rows])
-        o["accept_lens"][:bs].copy_(lens)
-        o["num_drafts"][:bs].copy_(self.num_drafts[:bs])
-        # depth j's accepted node into reserved slot j (a node's row is >= its depth, and
-        # every source is read before any slot is written); j >= the accept length: itself
-        took = j[None, 1:] < lens[:, None]  # [bs, D]
-        slots = ctx.reserved_slots
-        dst = slots[:, 1 : 1 + D]
-        self.target.kv_pool.copy_slots(torch.where(took, slots.gather(1, path[:, 1:]), dst)
-                                       .flatten(), dst.flatten())
-        rec = j[None, 1:] <= ctx.max_draft[:, None]
-        req = torch.where(rec, ctx.req_pool_indices[:, None], 0)
-        pos = torch.where(rec, ctx.seq_lens[:, None] - 1 + j[1:], 0)
-        self.backend.req_to_token[req, pos] = torch.where(rec, dst, 0)
-        ctx.token_table[torch.where(took, req, 0), torch.where(took, pos, 0)] = \
-            torch.where(took, emitted[:, :D], 0)
-        self.drafter.after_accept(ctx, Acceptance(out, lens, self.verify_seq_lens[:bs],
-                                                  self._fb(bs), path))
+                         (ctx.seq_lens[:, None] + self.tv.depths[:bs]).flatten(), argmax)
+        tree_accept(nxt, logits, lse, self._tree_ctx(ctx), self.tv, self.backend.req_to_token,
+                    ctx.token_table, TreeOutputs(o["tokens"][:bs], o["logprobs"][:bs],
+                                                 o["accept_lens"][:bs], o["num_drafts"][:bs]))
+        self.target.kv_pool.copy_slots(self.tv.copy[0, : bs * D], self.tv.copy[1, : bs * D])
+        self.drafter.after_accept(ctx, Acceptance(o["tokens"][:bs], o["accept_lens"][:bs],
+                                                  self.verify_seq_lens[:bs], self._fb(bs),
+                                                  self.tv.accepted[:bs]))
 
     def _forward_and_accept(self, bs: int, greedy: bool) -> None:
         v, T = self.raw, 1 + self.k
@@ -399,9 +343,7 @@ class StepBody:
             # the final norm goes into the LM head kernel, as for decode rows
             x, residual = self.model(fb.input_ids, fb, self.backend, final_norm=False,
                                      capture=self.target.capture)
-            qo_start = self.extend_lens[:bs].cumsum(0) - self.extend_lens[:bs]
-            idx = (qo_start[:, None] + torch.arange(T, device=self.device)).clamp_max(
-                bs * T - 1).flatten()
+            idx = self.logit_rows[: bs * T]
             logits = self.model.compute_logits(x[idx], residual[idx])  # [bs * T, V] fp32
             drafts, num_drafts = self.draft_tokens[:bs], self.num_drafts[:bs]
             probs = self._draft_probs

@@ -19,13 +19,15 @@ own at positions t + 1 .. t + depth. So neither the head's steps nor the target'
 an attention mask, and a verify row on the accepted path attends to exactly the keys its
 decode row would.
 
-Acceptance (`accept_tree`, in a fixed number of ops): what walking from the root to the child
-whose token is the target's token after the current row (its argmax, or a sampled step's
-draw), D times, would reach; the emitted tokens are the path's drafts and the target's token
-after the last, exactly plain decoding's. The step body (spec/step.py) then copies the
-accepted nodes' K and V to the slots of their positions (a depth-j node's KV into reserved
-slot j, in every target layer) and records those positions, so the sequence's cache is the
-chain layout again; the head's catch-up reads the target's features along the path.
+The verify (spec/step.py): `kernels.tree.tree_pack` lays the proposal out as the verify's
+rows (one launch on the GPU); after the forward, `tree_accept` (one launch) finds what walking
+from the root to the child whose token is the target's token after the current row (its
+argmax, or a sampled step's draw), D times, would reach (`accept_tree`, its twin's core: a
+fixed number of ops, no walk); the emitted tokens are the path's drafts and the target's token
+after the last, exactly plain decoding's. The step body then copies the accepted nodes' K and
+V to the slots of their positions (a depth-j node's KV into reserved slot j, in every target
+layer) and the positions record those slots, so the sequence's cache is the chain layout
+again; the head's catch-up reads the target's features along the path.
 
 Sampled steps draft trees too (the same top-W children): the target's token after each row
 is then the very draw plain sampling makes at that position (seeded by it), and a child is
@@ -55,45 +57,6 @@ from draftgraph.spec.chain_head import ChainHeadDrafter
 from draftgraph.spec.drafter import DraftContext, Proposal
 
 logger = logging.getLogger(__name__)
-
-
-def ancestors(parents: torch.Tensor, depths: torch.Tensor, depth: int) -> torch.Tensor:
-    """[bs, R, depth] int64: row i's ancestor at depth j + 1 (itself at its own depth), as a
-    row index; 0 past the row's depth. parents / depths [bs, R] (row 0 the root: depth 0)."""
-    bs, R = parents.shape
-    out = torch.zeros(bs, R, depth + 1, dtype=torch.int64, device=parents.device)
-    cur = torch.arange(R, device=parents.device).expand(bs, R)
-    d = depths
-    for _ in range(depth):  # up one level a pass; a finished row writes the spare column
-        out.scatter_(2, torch.where(d > 0, d - 1, depth)[..., None], cur[..., None])
-        cur = parents.gather(1, cur)
-        d = d - 1
-    return out[..., :depth]
-
-
-def accept_tree(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor,
-                depths: torch.Tensor, live: torch.Tensor, target_argmax: torch.Tensor,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance along a tree: (path rows [bs, 1 + D] (row 0, then the accepted row
-    at each depth; 0 past the accept length), accept_lens [bs] = accepted drafts + 1).
-
-    tokens / parents / depths / live / target_argmax [bs, R]: each row's token, its parent
-    row, its depth (row 0, the root, is 0), whether it may be accepted, the target's argmax
-    after it; anc [bs, R, D]: `ancestors`. A row is on the accepted path when it and each of
-    its ancestors carries the target's argmax after its parent; siblings carry distinct
-    tokens, so at most one row a depth is, and the deepest one ends the path. A fixed number
-    of ops whatever the depth (no walk)."""
-    bs, R, D = anc.shape
-    match = (tokens == target_argmax.gather(1, parents)) & live  # [bs, R]
-    on = match.gather(1, anc.reshape(bs, -1)).view(bs, R, D)
-    below = torch.arange(D, device=anc.device) < depths[..., None]  # [bs, R, D]
-    ok = (on | ~below).all(dim=2)  # the root (depth 0) always
-    last = torch.where(ok, depths, -1).argmax(dim=1)  # [bs]: the deepest accepted row
-    path = torch.cat([torch.zeros_like(last)[:, None], anc[torch.arange(bs, device=anc.device),
-                                                           last]], dim=1)
-    return path, depths.gather(1, last[:, None]).squeeze(1) + 1
-
-
 
 
 class TreeHeadDrafter(ChainHeadDrafter):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from draftgraph.kernels._triton import triton_usable
-from draftgraph.kernels.argmax import argmax_lse
+from draftgraph.kernels.argmax import argmax_lse, greedy_emit_triton
 from draftgraph.kernels.sampling import rejection_sample_triton
 from draftgraph.runtime.controls import ControlTables, StepControls, apply_controls
 from draftgraph.runtime.sampling import (
@@ -278,6 +278,11 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
     if k == 0:
         tokens = sample(logits, temperature, top_p, top_k, seeds, positions, target_argmax)
         tokens, accept_lens = tokens[:, None], ones
+    elif greedy and _greedy_emit_fused(logits):  # the tail below, one launch
+        accept_lens = greedy_emit_triton(target_argmax, raw, raw_lse, draft_tokens,
+                                         num_draft_tokens, out_tokens, out_logprobs)
+        _top_n(raw, raw_lse, out_top_ids, out_top_logprobs)
+        return out_tokens, accept_lens, out_logprobs
     elif greedy:
         tokens, accept_lens = greedy_accept_from_argmax(draft_tokens, num_draft_tokens,
                                                         target_argmax.view(bs, T))
@@ -295,6 +300,11 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
     torch.sub(picked, raw_lse, out=out_logprobs.view(-1))
     _top_n(raw, raw_lse, out_top_ids, out_top_logprobs)
     return out_tokens, accept_lens, out_logprobs
+
+
+def _greedy_emit_fused(logits: torch.Tensor) -> bool:
+    """Whether a greedy verify's tail runs as `kernels.argmax.greedy_emit_triton` (CUDA)."""
+    return logits.is_cuda and triton_usable(logits)
 
 
 def _top_n(logits: torch.Tensor, lse: torch.Tensor, out_ids: torch.Tensor | None,
