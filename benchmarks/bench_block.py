@@ -9,6 +9,11 @@ run over one target: the plain decode step, then per arm the speculative round (
                               verified nodes)
     <method>|<head>|batchplan the in-graph arm (k = 4) with verify attention planned by the
                               requests, not the rows (the A arm of that plan)
+    <arm>/twins               the arm with a step's packing, acceptance and catch-up staging as
+                              the torch ops they were before their kernels (`glue_twins`: the A
+                              arm of kernels/tree.py's pack / accept, kernels/tokens.py's
+                              pack_chain / stage_catch_up, kernels/argmax.py's greedy_emit:
+                              `glue`)
 
 with <head> a head directory or `random:...` (models/heads.py: random_head). Per arm: ms per
 round, tokens per round per request, host-launched kernels and graph launches per round
@@ -24,6 +29,7 @@ Random heads accept almost nothing, so rounds are priced at accept length ~1. Ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -37,6 +43,35 @@ from draftgraph.engine.engine import LLMEngine
 from draftgraph.models.loader import load_model
 from draftgraph.spec import make_drafter
 from draftgraph.spec.block import BlockHeadDrafter
+
+
+@contextlib.contextmanager
+def glue(variant: str):
+    """A step's glue (packing, acceptance, the chain head's catch-up staging) for the graphs
+    captured inside: "twins", the torch ops it was before its kernels (the A arm); "kernels",
+    the Triton launchers even on a CPU (under TRITON_INTERPRET=1: to count launches); anything
+    else, the engine's own dispatch."""
+    import draftgraph.spec.chain_head as chain_head
+    import draftgraph.spec.step as step
+    import draftgraph.spec.verify as verify
+    from draftgraph.kernels import tokens, tree
+
+    which = {"twins": 0, "kernels": 1}.get(variant)
+    patches = [] if which is None else [
+        (step, "tree_pack", (tree.tree_pack_ref, tree.tree_pack_triton)[which]),
+        (step, "tree_accept", (tree.tree_accept_ref, tree.tree_accept_triton)[which]),
+        (step, "pack_chain", (tokens.pack_chain_ref, tokens.pack_chain_triton)[which]),
+        (chain_head, "stage_catch_up",
+         (tokens.stage_catch_up_ref, tokens.stage_catch_up_triton)[which]),
+        (verify, "_greedy_emit_fused", lambda logits: bool(which))]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    for mod, name, fn in patches:
+        setattr(mod, name, fn)
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def main() -> int:
@@ -76,6 +111,7 @@ def main() -> int:
     del e
     for arm in a.arms.split(";"):
         method, head, mode = arm.split("|")
+        mode, _, variant = mode.partition("/")
         tree = TreeShape.parse(mode) if ":" in mode else None
         spec = SpecConfig(method=method, draft_head=head, tree=tree,
                           num_draft_tokens=int(mode) if mode.isdigit() else 4)
@@ -87,14 +123,16 @@ def main() -> int:
         # batchplan: verify attention planned by the requests, as before rows planned it
         TritonBackend.verify_plan_by_rows = mode != "batchplan"
         try:
-            e = engine(d)
-            assert e.spec_graphs.body.fused_draft == (not patched)
-            r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)
+            with glue(variant):
+                e = engine(d)
+                assert e.spec_graphs.body.fused_draft == (not patched)
+                r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)
         finally:
             TritonBackend.verify_plan_by_rows = True
             if patched:
                 BlockHeadDrafter.in_graph = saved
-        r.update(method=method, head=head, mode=mode, num_drafts=d.k,
+        r.update(method=method, head=head, mode=mode, variant=variant or "kernels",
+                 num_drafts=d.k,
                  head_shape=model_shape(d.head.config),
                  head_config=dict(vars(d.head.head_config)),
                  round_over_decode_step=r["ms_per_round"] / out["plain_decode"]["ms_per_round"])

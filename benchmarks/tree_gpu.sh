@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Draft trees on the GPU (spec/tree.py, `--speculative-tree`; issue 14).
-#   tests:  the tree and argmax kernels against their twins (compiled), the GPU tree tests
+#   tests:  the tree, argmax, token and norm kernels against their twins (compiled; the
+#           step's pack / accept / catch-up staging among them), the GPU tree tests
 #           (oracle trees, greedy and sampled, accepted to full depth in fused graphs, the
 #           per-step fallback and eager; random-head trees agree across the three), the
 #           metadata builders (tree rows' lists) and the chain-head GPU tests (its catch-up
 #           now reads a path); fp32.
+#   tests2: the graph, block, draft-model and exact-rows GPU tests (the chain pack and the
+#           greedy tail under every drafter).
+#   sites:  launches per round by the draftgraph function that issued them (eager rounds,
+#           profile_round_sites.py): tree 4x5:16, chain k = 4, plain decode; GLUE=twins: the
+#           step's glue as the torch ops it was.
 #   rounds: ms per round of the default model's shape (random weights, bf16, batches
 #           BATCHES, 512 tokens of context) with the shipped chain head: chain k = 4 against
-#           trees, plain decode step in the same run (`bench_block.py`); TEMP=0.7: sampled.
+#           trees, each also with the step's glue as the torch ops it was (`/twins`: the A
+#           arm), the plain decode step in the same run (`bench_block.py`); TEMP=0.7: sampled.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
 #           calls 1-7 `bash benchmarks/tree_gpu.sh stage N` with carry [".modeliN"], then
 #           `bash benchmarks/tree_gpu.sh real` with carry [".modeli8", ".whl_gguf"]): greedy
@@ -20,12 +27,25 @@ H=src/draftgraph/heads/smollm2-135m-chain
 TREES=${TREES:-4x5:16 2x4:8}
 case "${1:-}" in
   tests)
-    timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_tree.py \
-      tests/test_kernels_argmax.py tests/test_gpu_tree.py tests/test_kernels_metadata.py \
-      tests/test_gpu_chain_head.py 2>&1 | tail -25 | tee "$OUT/tree_tests.log" ;;
+    timeout 500 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_tree.py \
+      tests/test_kernels_argmax.py tests/test_kernels_tokens.py tests/test_kernels_elementwise.py \
+      tests/test_gpu_tree.py tests/test_kernels_metadata.py tests/test_gpu_chain_head.py 2>&1 \
+      | tail -25 | tee "$OUT/tree_tests.log" ;;
+  tests2)  # the chain pack and greedy tail under every other drafter
+    timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py \
+      tests/test_gpu_block.py tests/test_gpu_draft_model.py tests/test_gpu_exact_rows.py 2>&1 \
+      | tail -25 | tee "$OUT/other_gpu_tests.log" ;;
+  sites)
+    for m in 4x5:16 4 plain; do
+      arm="chain|$H|$m"; [ "$m" = plain ] && arm=plain
+      timeout 200 python3 benchmarks/profile_round_sites.py --arm "$arm" \
+        --temperature ${TEMP:-0} --batch-size ${BS:-1} --glue ${GLUE:-default} \
+        --out "$OUT/round_sites_${m/:/_}_bs${BS:-1}_t${TEMP:-0}_${GLUE:-default}.json" 2>&1 \
+        | grep -v -i warn | head -45
+    done ;;
   rounds)
-    arms="chain|$H|4"
-    for t in $TREES; do arms="$arms;chain|$H|$t"; done
+    arms="chain|$H|4;chain|$H|4/twins"
+    for t in $TREES; do arms="$arms;chain|$H|$t;chain|$H|$t/twins"; done
     for bs in ${BATCHES:-1 4}; do
       timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m \
         --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
@@ -44,5 +64,5 @@ case "${1:-}" in
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}.json" 2>&1 | grep -v Warning | tail -12
     ;;
-  *) echo "usage: $0 tests | rounds | stage N | real"; exit 2 ;;
+  *) echo "usage: $0 tests | tests2 | sites | rounds | stage N | real"; exit 2 ;;
 esac
