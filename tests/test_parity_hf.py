@@ -188,7 +188,10 @@ def test_default_model_prompt_logprobs_equal_transformers_log_softmax(ours, hf_m
         row = ref[p - 1]
         assert abs(out.prompt_logprobs[p] - float(row[ids[p]])) < 1e-3, f"position {p}"
         rank, top_ids, top_lps = out.prompt_top_logprobs[p]
-        assert rank == int((row > row[ids[p]]).sum()) + 1
+        # tokens within rounding of this one may rank either side of it (the two forwards
+        # round differently: deep in the tail a tie at rank ~29k flipped)
+        near = int(((row - row[ids[p]]).abs() < 1e-4).sum()) - 1
+        assert abs(rank - (int((row > row[ids[p]]).sum()) + 1)) <= near
         assert top_lps == pytest.approx(row.topk(5).values.tolist(), abs=1e-3)
         assert top_ids[0] == int(row.argmax())
     assert mate.prompt_logprobs is None

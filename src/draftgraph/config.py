@@ -198,6 +198,10 @@ class EngineConfig:
     # "int4": the projections and LM head read 4-bit weights (CPU only; models/quant.py), the
     # target's and a draft model's; approximate, so off ("none") by default
     quantization: str = "none"
+    # CPU, fp32: projections of 2 .. 64 rows (verify rows, batched decode) through a blocked
+    # copy of each weight (oneDNN: 1.3-2.2x MKL's GEMM there; models/row_pack.py), twice the
+    # weight memory; "auto": on for models of at most 1 GiB of weights
+    row_pack: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -220,6 +224,12 @@ class EngineConfig:
             self.exact_rows = "on" if self.quantization == "int4" else "off"
         _need(self.exact_rows in ("auto", "on", "off"),
               f"--exact-rows must be auto, on or off, got {self.exact_rows!r}")
+        _need(self.row_pack in ("auto", "on", "off"),
+              f"--row-pack must be auto, on or off, got {self.row_pack!r}")
+        _need(self.row_pack != "on" or (self.device == "cpu" and self.dtype == "float32"
+                                        and self.quantization == "none"),
+              "--row-pack on is for fp32 weights on the CPU (--device cpu --dtype float32, "
+              "no --quantization)")
         _need(self.quantization in ("none", "int4"),
               f"--quantization must be none or int4, got {self.quantization!r}")
         _need(self.quantization == "none" or self.device == "cpu",

@@ -137,6 +137,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int4: the projections and LM head read 4-bit weights in groups of 32 "
                         "(CPU only: 6.4x fewer bytes per projection; approximate, no "
                         "longer fp32-exact; a GGUF Q4_1 keeps its own codes)")
+    e.add_argument("--row-pack", choices=["auto", "on", "off"], default="auto",
+                   help="CPU, fp32: projections of 2 to 64 rows (speculative verify rows, "
+                        "batched decode) through a blocked copy of each weight (oneDNN), "
+                        "twice the weight memory (auto: on for models of at most 1 GiB)")
     e.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="attention kernels (default: triton on GPU, torch on CPU)")
     gpu, cpu = SchedulerConfig.GPU_DEFAULTS, SchedulerConfig.CPU_DEFAULTS
@@ -262,6 +266,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         exact_rows=args.exact_rows,
         deterministic=args.deterministic,
         quantization=args.quantization,
+        row_pack=args.row_pack,
         seed=args.engine_seed,
         tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens),

@@ -22,6 +22,7 @@ from draftgraph.engine.request import Request, RequestOutput, Status
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
 from draftgraph.engine.speculation import SpecPolicy
+from draftgraph.models import row_pack
 from draftgraph.runtime import host_memory
 from draftgraph.runtime.controls import StepControls
 from draftgraph.runtime.executor import build_target
@@ -64,6 +65,12 @@ class LLMEngine:
             q = quantize_int4_(loaded.model)
             logger.info("int4: %d weights packed; a step reads %.0f MB of them, not %.0f MB",
                         q["packed"], q["bytes_after"] / 1e6, q["bytes_before"] / 1e6)
+        if (config.device == "cpu" and config.quantization == "none"
+                and config.tensor_parallel_size == 1
+                and (config.row_pack == "on" or (config.row_pack == "auto"
+                                                 and row_pack.wants(loaded.model)))):
+            logger.info("row pack: blocked weight copies for 2 .. %d-row products, %.0f MB",
+                        row_pack.ROWS_MAX, row_pack.pack_rows_(loaded.model) / 1e6)
         self.model = self.loaded.model
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer

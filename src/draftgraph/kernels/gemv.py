@@ -624,9 +624,17 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
     return x.is_cuda and triton_usable(x) and pays(x.numel() // max(k, 1), weight)
 
 
-# A weight with a packed form (`--quantization int4`, models/quant.py) carries it here: a
-# callable taking F.linear's arguments, which `linear` calls instead of F.linear.
+# A weight with a packed form (`--quantization int4`, models/quant.py; `--row-pack`,
+# models/row_pack.py) carries it here: a callable taking F.linear's arguments, which `linear`
+# calls instead of F.linear.
 PACKED_ATTR = "_draftgraph_packed"
+
+
+def dense_form(weight: torch.Tensor) -> bool:
+    """Whether F.linear over the weight's own values is its product: no packed form, or one
+    that keeps the dense values authoritative (`keeps_dense`: row packing, not int4)."""
+    packed = getattr(weight, PACKED_ATTR, None)
+    return packed is None or getattr(packed, "keeps_dense", False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftgraph.kernels.gemv import PACKED_ATTR
+from draftgraph.kernels.gemv import PACKED_ATTR, dense_form
 
 GROUP = 32
 
@@ -88,7 +88,7 @@ class HalfLinear:
 def _pack(param: nn.Parameter, form, drop_dense: bool) -> int:
     """Attach the packed form to `param` (once: a shared model is packed already); drop its
     dense values unless something else reads them. Returns the bytes a step reads."""
-    if getattr(param, PACKED_ATTR, None) is None:
+    if dense_form(param):  # none yet, or a row-packed copy (int4 replaces it)
         setattr(param, PACKED_ATTR, form(param.data))
         if drop_dense:  # a stride-0 stand-in keeps the shape the dispatch reads
             param.data = torch.zeros(1, dtype=param.dtype).expand(param.shape)
