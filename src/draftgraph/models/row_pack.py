@@ -2,11 +2,12 @@
 
 On the CPU a projection of 2 .. 64 rows (a speculative step's verify rows, a batched decode
 step) runs MKL's GEMM well below its rate for one row: on a 2-core Xeon, SmolLM2's LM head
-takes 4.1 ms for one row, 8.6 ms for 5 and 11.7 ms for 8; oneDNN's linear over a weight
-reordered once into its blocked layout takes 4.6 and 5.2 ms (gate_up 321 against 511 us at
-5 rows; `benchmarks/NOTES.md`). A lone row stays fastest on the dense weight (MKL's GEMV:
-down 122 against 245 us) and long prefill chunks gain nothing (0.5-1.1x at 128-256 rows). So
-each projection and the LM head keep their dense values and carry a blocked copy for
+takes 3.5 ms for one row, 6.2 ms for 5 and 9.1 ms for 8; oneDNN's linear over a weight
+reordered once into its blocked layout takes 4.2 and 4.7 ms (gate_up 331 against 472 us at
+5 rows, a whole layer 645 against 799; `benchmarks/results/row_pack_products_cpu.json`). A
+lone row stays fastest on the dense weight (MKL's GEMV: down 112 against 159 us) and long
+prefill chunks gain little (0.9-1.3x at 128-256 rows). So each projection and the LM head
+keep their dense values and carry a blocked copy for
 2 .. ROWS_MAX rows, through the hook int4 uses (`kernels.gemv.PACKED_ATTR`, which
 `kernels.gemv.linear` calls): twice the weight memory, hence "auto" only for models of at most
 MAX_BYTES of weights. The blocked product rounds differently from MKL's (as MKL's own GEMM
@@ -21,7 +22,7 @@ from torch import nn
 
 from draftgraph.kernels.gemv import PACKED_ATTR
 
-ROWS_MAX = 64  # above it the blocked product stops paying (128 rows: 0.96-1.1x)
+ROWS_MAX = 64  # above it the blocked product stops paying (128 rows: 0.88-1.07x a shape)
 ROWS_HINT = 8  # the row count oneDNN's reorder is told to expect
 MAX_BYTES = 1 << 30  # "auto": models of at most this many bytes of weights
 
