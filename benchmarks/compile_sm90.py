@@ -1,0 +1,134 @@
+"""Compile the step's Triton kernels for an H100 / H200 (sm_90) on a machine without a GPU:
+Triton's own front end, its MLIR passes and the ptxas its wheel ships, down to a cubin, with
+the argument types and constexprs the launchers pass (the default model's shapes). What a
+CPU session can say about a kernel the interpreter ran but no GPU compiled; not a substitute
+for a GPU run (this Triton may be newer than the GPU machine's).
+
+    python benchmarks/compile_sm90.py --out benchmarks/results/compile_sm90.json
+
+Per kernel configuration: compiled or the error, registers and spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+
+import triton  # noqa: E402
+from _meta import run_header  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from draftgraph.kernels import argmax as A  # noqa: E402
+from draftgraph.kernels import elementwise as E  # noqa: E402
+from draftgraph.kernels import tokens as K  # noqa: E402
+from draftgraph.kernels import tree as T  # noqa: E402
+
+I64 = "*i64"
+
+
+def kernel_configs() -> list[tuple[str, object, dict, dict]]:
+    """(label, kernel, argument types (pointers and scalars; default *i64), constexprs)."""
+    f32 = "*fp32"
+    c = []
+    for lt in ("*fp32", "*bf16"):  # logits as a verify (fp32) or a draft head (bf16) gives them
+        c.append((f"argmax chunk {lt}", A._argmax_lse_chunk_kernel,
+                  {"logits": lt, "part_max": f32, "part_idx": "*i32", "part_sum": f32,
+                   "vocab": "i32", "stride_row": "i32", "num_chunks": "i32"},
+                  {"CHUNK": 1024, "PDL": True}))
+        c.append((f"top-W chunk {lt}", T._top_chunk_kernel,
+                  {"logits": lt, "part_val": f32, "part_idx": "*i32", "part_max": f32,
+                   "part_sum": f32, "vocab": "i32", "stride_row": "i32", "num_chunks": "i32"},
+                  {"W": 4, "CHUNK": 1024, "PDL": True}))
+    c.append(("argmax combine", A._argmax_lse_combine_kernel,
+              {"part_max": f32, "part_idx": "*i32", "part_sum": f32, "lse": f32,
+               "top_logprob": f32, "vocab": "i32", "num_chunks": "i32"},
+              {"HAS_TOP_LP": True, "BLOCK_C": 64, "PDL": True}))
+    c.append(("top-W combine", T._top_combine_kernel,
+              {"part_val": f32, "part_idx": "*i32", "part_max": f32, "part_sum": f32,
+               "top_lp": f32, "vocab": "i32", "num_chunks": "i32"},
+              {"W": 4, "BLOCK_C": 16, "BLOCK_CW": 64, "PDL": True}))
+    for first, stage in ((True, True), (False, True), (False, False)):
+        c.append((f"tree grow first={first} stage={stage}", T._tree_grow_kernel,
+                  {"top_lp": f32, "stream": "*bf16", "node_score": f32, "t_feat": "*bf16",
+                   **{n: "i32" for n in ("step", "lo", "total", "hidden", "stride_stream",
+                                         "stride_feat", "stride_rows", "stride_res0",
+                                         "stride_res1")}},
+                  {"W": 4, "R": 1 if first else 4, "D": 5, "C_P": 4 if first else 16,
+                   "W_P": 4, "D_P": 8, "BLOCK_H": 256, "FIRST": first, "STAGE": stage,
+                   "HAS_VOCAB": True, "PDL": True}))
+    c.append(("tree pick", T._tree_pick_kernel, {"node_score": f32, "total": "i32"},
+              {"N": 16, "T_P": 128, "PDL": True}))
+    c.append(("tree pack 4x5:16", T._tree_pack_kernel,
+              {"live": "*i8", "stride_res0": "i32", "stride_res1": "i32", "stride_rows": "i32"},
+              {"K": 16, "D": 5, "T_P": 32, "D_P": 8, "PDL": True}))
+    c.append(("tree accept 4x5:16", T._tree_accept_kernel,
+              {"logits": f32, "lse": f32, "live": "*i8", "out_logprobs": f32,
+               **{n: "i32" for n in ("stride_logits", "stride_res0", "stride_res1",
+                                     "stride_r2t", "stride_table", "stride_tok", "stride_lp",
+                                     "stride_copy")}},
+              {"T": 17, "D": 5, "T_P": 32, "D_P": 8, "PDL": True}))
+    for k, block in ((4, 256), (16, 256), (4, 2)):
+        c.append((f"chain pack k={k} bs<={block}", K._pack_chain_kernel,
+                  {"bs": "i32", "stride_drafts": "i32", "stride_slots": "i32",
+                   "stride_table": "i32"},
+                  {"K": k, "BLOCK": block, "BLOCK_T": triton.next_power_of_2(k + 1)}))
+    for path in (False, True):
+        c.append((f"catch-up staging path={path}", K._stage_catch_up_kernel,
+                  {"bs": "i32", "total": "i32", "stride_tok": "i32", "stride_slots": "i32",
+                   "stride_path": "i32"},
+                  {"M": 5 if path else 4, "HAS_PATH": path, "BLOCK": 256, "BLOCK_M": 8}))
+    c.append(("greedy emit k=4", A._greedy_emit_kernel,
+              {"logits": f32, "lse": f32, "out_logprobs": f32,
+               **{n: "i32" for n in ("stride_logits", "stride_drafts", "stride_tok",
+                                     "stride_lp")}},
+              {"K": 4, "BLOCK_T": 8, "PDL": True}))
+    c.append(("rms norm (a half of a wider buffer)", E._rms_norm_kernel,
+              {"x": "*bf16", "weight": "*bf16", "residual": "*bf16", "out": "*bf16",
+               "residual_out": "*bf16", "n_cols": "i32", "eps": "fp32", "stride_x": "i32",
+               "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32"},
+              {"HAS_RESIDUAL": False, "BLOCK": 1024, "PDL": True}))
+    return c
+
+
+def compile_one(kernel, types: dict, consts: dict, arch: int) -> dict:
+    names = kernel.arg_names
+    sig = {n: ("constexpr" if n in consts else types.get(n, I64)) for n in names}
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    meta = getattr(k, "metadata", None)
+    return {"ok": True, "cubin_bytes": len(k.asm.get("cubin", b"")),
+            "shared": getattr(meta, "shared", None)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    out = {"benchmark": "compile_sm90", **run_header("cpu"), "triton": triton.__version__,
+           "arch": a.arch, "kernels": {}}
+    failed = 0
+    for label, kernel, types, consts in kernel_configs():
+        try:
+            r = compile_one(kernel, types, consts, a.arch)
+        except Exception as e:  # report every kernel, then fail
+            r = {"ok": False, "error": f"{type(e).__name__}: {e}"[:4000],
+                 "trace": traceback.format_exc()[-2000:]}
+            failed += 1
+        out["kernels"][label] = r
+        print(("ok   " if r["ok"] else "FAIL ") + label +
+              ("" if r["ok"] else "\n" + r["error"]), flush=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
