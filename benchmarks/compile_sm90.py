@@ -77,12 +77,14 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
         c.append((f"chain pack k={k} bs<={block}", K._pack_chain_kernel,
                   {"bs": "i32", "stride_drafts": "i32", "stride_slots": "i32",
                    "stride_table": "i32"},
-                  {"K": k, "BLOCK": block, "BLOCK_T": triton.next_power_of_2(k + 1)}))
+                  {"K": k, "BLOCK": block, "BLOCK_T": triton.next_power_of_2(k + 1),
+                   "PDL": True}))
     for path in (False, True):
         c.append((f"catch-up staging path={path}", K._stage_catch_up_kernel,
                   {"bs": "i32", "total": "i32", "stride_tok": "i32", "stride_slots": "i32",
                    "stride_path": "i32"},
-                  {"M": 5 if path else 4, "HAS_PATH": path, "BLOCK": 256, "BLOCK_M": 8}))
+                  {"M": 5 if path else 4, "HAS_PATH": path, "BLOCK": 256, "BLOCK_M": 8,
+                   "PDL": True}))
     c.append(("greedy emit k=4", A._greedy_emit_kernel,
               {"logits": f32, "lse": f32, "out_logprobs": f32,
                **{n: "i32" for n in ("stride_logits", "stride_drafts", "stride_tok",

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftgraph.kernels._triton import next_pow2, tl, triton, triton_usable
+from draftgraph.kernels._triton import next_pow2, pdl_kwargs, pdl_wait, tl, triton, triton_usable
 
 
 @dataclass
@@ -195,7 +195,9 @@ def pack_chain_ref(drafts: torch.Tensor, num_drafts: torch.Tensor, last_tokens: 
 def _pack_chain_kernel(drafts, num_in, last, seq_lens, rows, slots, table, draft_tokens,
                        num_out, extend_lens, verify_seq_lens, packed_ids, packed_loc,
                        logit_rows, bs, stride_drafts, stride_slots, stride_table,
-                       K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+                       K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_wait(PDL)
     T = K + 1
     b = tl.arange(0, BLOCK)
     bm = b < bs
@@ -243,6 +245,7 @@ def pack_chain_triton(drafts: torch.Tensor, num_drafts: torch.Tensor,
         out.num_drafts, out.extend_lens, out.verify_seq_lens, out.packed_ids, out.packed_loc,
         out.logit_rows, bs, drafts.stride(0), slots.stride(0), token_table.stride(0),
         K=k, BLOCK=max(2, next_pow2(bs)), BLOCK_T=max(2, next_pow2(k + 1)),
+        **pdl_kwargs(drafts),
     )
 
 
@@ -279,7 +282,8 @@ def stage_catch_up_ref(tokens: torch.Tensor, accept_lens: torch.Tensor,
 def _stage_catch_up_kernel(tokens, accept_lens, verify_seq_lens, seq_lens, slots, path, ids,
                            loc, seq_out, feat_rows, last_rows, bs, total, stride_tok,
                            stride_slots, stride_path, M: tl.constexpr, HAS_PATH: tl.constexpr,
-                           BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+                           BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     b = tl.arange(0, BLOCK)
     bm = b < bs
     seq = tl.load(seq_lens + b, mask=bm, other=0)
@@ -318,6 +322,7 @@ def stage_catch_up_triton(tokens: torch.Tensor, accept_lens: torch.Tensor,
         out.last_rows, bs, total, tokens.stride(0), slots.stride(0),
         path.stride(0) if path is not None else 0, M=m, HAS_PATH=path is not None,
         BLOCK=max(2, next_pow2(bs)), BLOCK_M=max(2, next_pow2(m + 1)),
+        **pdl_kwargs(seq_lens),
     )
 
 
