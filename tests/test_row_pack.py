@@ -63,6 +63,7 @@ def test_the_engine_packs_fp32_cpu_models_by_default_and_int4_replaces_the_copy(
     (dict(row_pack="sometimes"), "--row-pack must be auto, on or off"),
     (dict(row_pack="on", dtype="bfloat16"), "--row-pack on is for fp32 weights on the CPU"),
     (dict(row_pack="on", quantization="int4"), "--row-pack on is for fp32 weights on the CPU"),
+    (dict(row_pack="on", tensor_parallel_size=2), "one process"),
 ])
 def test_row_pack_refuses_what_it_cannot_run(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -227,10 +227,12 @@ class EngineConfig:
               f"--exact-rows must be auto, on or off, got {self.exact_rows!r}")
         _need(self.row_pack in ("auto", "on", "off"),
               f"--row-pack must be auto, on or off, got {self.row_pack!r}")
-        _need(self.row_pack != "on" or (self.device == "cpu" and self.dtype == "float32"
-                                        and self.quantization == "none"),
+        _need(self.row_pack != "on" or (self.device.startswith("cpu")
+                                        and self.dtype == "float32"
+                                        and self.quantization == "none"
+                                        and self.tensor_parallel_size == 1),
               "--row-pack on is for fp32 weights on the CPU (--device cpu --dtype float32, "
-              "no --quantization)")
+              "no --quantization, one process)")
         _need(self.quantization in ("none", "int4"),
               f"--quantization must be none or int4, got {self.quantization!r}")
         _need(self.quantization == "none" or self.device == "cpu",

@@ -65,7 +65,7 @@ class LLMEngine:
             q = quantize_int4_(loaded.model)
             logger.info("int4: %d weights packed; a step reads %.0f MB of them, not %.0f MB",
                         q["packed"], q["bytes_after"] / 1e6, q["bytes_before"] / 1e6)
-        if (config.device == "cpu" and config.quantization == "none"
+        if (config.device.startswith("cpu") and config.quantization == "none"
                 and config.tensor_parallel_size == 1
                 and (config.row_pack == "on" or (config.row_pack == "auto"
                                                  and row_pack.wants(loaded.model)))):

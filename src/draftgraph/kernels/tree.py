@@ -1,6 +1,7 @@
 """A draft tree's bookkeeping (spec/tree.py) in three launches a step: each row's W likeliest
 tokens; the beam's children scored, the next beam chosen and its rows staged; and one launch
-to pick the verified nodes.
+to pick the verified nodes. Its verify (spec/step.py) in one launch each side of the forward:
+the rows packed, and the tree accepted.
 
     top_logprobs(logits, W) -> (top_lp, top_idx) [rows, W]: each row's W likeliest tokens
     tree_grow(step, top_lp, top_idx, vocab, stream, bufs, ctx, stage)
@@ -10,9 +11,15 @@ to pick the verified nodes.
     tree_pick(node_score, node_tok, node_parent, node_depth, max_draft, n)
         -> (drafts, parents, depths, live): the n best nodes (past a request's budget ranked
         last), in node order, parents as rows
+    tree_pack(drafts, num_drafts, parents, depths, last_tokens, ctx, bufs: TreeVerify)
+        the proposal as the verify's rows (tokens, slots, KV lengths, paths, ancestors)
+    tree_accept(nxt, logits, lse, ctx, bufs, req_to_token, token_table, out: TreeOutputs)
+        the deepest path the target agrees with: the emitted run and its logprobs, the path,
+        the KV copy list, the positions' slots and the accepted drafts recorded
 
-Twins: `top_logprobs_ref`, `tree_grow_ref`, `tree_pick_ref` (the torch ops spec/tree.py ran
-before: a beam step was ~40 launches of a few us and a 64 us torch.topk, the pick ~30). The
+Twins: `top_logprobs_ref`, `tree_grow_ref`, `tree_pick_ref`, `tree_pack_ref`,
+`tree_accept_ref` (the torch ops spec/ ran before: a beam step was ~40 launches of a few us
+and a 64 us torch.topk, the pick ~30, the pack ~60 with `ancestors`, the acceptance ~50). The
 public functions dispatch: the Triton kernels on CUDA, the twins elsewhere; tests call the
 `*_triton` launchers (the interpreter on CPU). One program per request (the pick, the grow) or
 per row and chunk (the top-W): W <= 16 beam rows, at most W + (D - 1) W^2 <= 272 nodes (the
