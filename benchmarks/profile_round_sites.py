@@ -122,8 +122,6 @@ def main() -> int:
                           num_draft_tokens=int(mode) if mode.isdigit() else 4)
         d = make_drafter(spec, a.device, dtype, target.config)
     n = a.context + 40 * a.rounds + 256
-    stack = glue(a.glue)
-    stack.__enter__()
     e = LLMEngine(EngineConfig(
         model=a.target, device=a.device, dtype=dtype_name, use_graphs=False,
         async_scheduling=False, prefill_graph_tokens=0,
@@ -140,12 +138,9 @@ def main() -> int:
     for _ in range(3):  # prefill, then rounds
         e.step()
     sites = Sites()
-    try:
-        with count_triton(sites), sites:
-            for _ in range(a.rounds):
-                e.step()
-    finally:
-        stack.__exit__(None, None, None)
+    with glue(a.glue), count_triton(sites), sites:  # eager rounds: the glue is read per step
+        for _ in range(a.rounds):
+            e.step()
     per_round = {f"{s} {op}": c / a.rounds for (s, op), c in sites.counts.most_common()}
     by_site: collections.Counter = collections.Counter()
     for (s, _), c in sites.counts.items():

@@ -512,7 +512,8 @@ def tree_pack_ref(drafts: torch.Tensor, num_drafts: torch.Tensor, parents: torch
     slots = ctx.reserved_slots[:, :T]
     bufs.packed_loc[:r].copy_(torch.where(live, slots, 0).flatten())
     rows = torch.stack([ctx.req_pool_indices[:, None].expand(bs, T), n + depth, n.expand(bs, T)])
-    dead = torch.tensor([0, 1, 1], dtype=torch.int64, device=dev)[:, None, None]
+    # a dead row's (0, 1, 1), built on the device: a host tensor cannot be copied in a capture
+    dead = (torch.arange(3, device=dev) != 0)[:, None, None]
     bufs.rows[:, :r].copy_(torch.where(live, rows, dead).view(3, r))
     anc = ancestors(parent, depth, D)  # [bs, T, D] rows
     bufs.anc[:bs].copy_(anc)
