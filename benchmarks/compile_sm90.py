@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from draftgraph.kernels import argmax as A  # noqa: E402
 from draftgraph.kernels import elementwise as E  # noqa: E402
+from draftgraph.kernels import metadata as M  # noqa: E402
 from draftgraph.kernels import tokens as K  # noqa: E402
 from draftgraph.kernels import tree as T  # noqa: E402
 
@@ -95,6 +96,15 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                "residual_out": "*bf16", "n_cols": "i32", "eps": "fp32", "stride_x": "i32",
                "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32"},
               {"HAS_RESIDUAL": False, "BLOCK": 1024, "PDL": True}))
+    for slots, lists, sliding, paths, new in ((True, True, False, False, True),
+                                              (True, False, False, False, False),
+                                              (False, True, True, False, True),
+                                              (False, True, False, True, False)):
+        c.append((f"metadata slots={slots} lists={lists} sliding={sliding} paths={paths}",
+                  M._metadata_kernel,
+                  {n: "i32" for n in ("r2t_stride", "capacity", "window", "path_stride")},
+                  {"SLOTS": slots, "LISTS": lists, "SLIDING": sliding, "PATHS": paths,
+                   "NEW": new, "SCAN_BLOCK": M.SCAN_BLOCK, "BLOCK": M.COPY_BLOCK}))
     return c
 
 

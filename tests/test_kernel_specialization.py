@@ -39,6 +39,6 @@ def test_request_count_is_never_specialised():
     kernels = json.loads(res.stdout)
     with_bs = {k: v["bs"] for k, v in kernels.items() if "bs" in v}
     # the extend attention, the metadata scans and the async token record all take bs
-    assert {"attention._extend_kernel", "metadata._kv_count_scan_kernel",
+    assert {"attention._extend_kernel", "metadata._scan_inplace_kernel",
             "tokens._record_last_tokens_kernel"} <= set(with_bs)
     assert all(with_bs.values()), [k for k, v in with_bs.items() if not v]

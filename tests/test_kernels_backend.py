@@ -14,12 +14,12 @@ from draftgraph.attention.kv_pool import KVPool  # noqa: E402
 from draftgraph.attention.metadata import MetadataBuffers  # noqa: E402
 from draftgraph.attention.triton_backend import TritonBackend  # noqa: E402
 from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
-from draftgraph.kernels.metadata import _kv_compact_kernel  # noqa: E402
+from draftgraph.kernels.metadata import _metadata_kernel  # noqa: E402
 from draftgraph.models.config import ModelConfig  # noqa: E402
 from draftgraph.models.llama import LlamaForCausalLM  # noqa: E402
 from draftgraph.runtime.kv_cache import ReqToTokenPool  # noqa: E402
 
-if compiled_for_cpu_missing(_kv_compact_kernel):
+if compiled_for_cpu_missing(_metadata_kernel):
     pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "
                 "(set it in the environment to run them on CPU)", allow_module_level=True)
 

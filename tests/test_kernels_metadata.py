@@ -13,7 +13,7 @@ from draftgraph.attention import metadata as ref  # noqa: E402
 from draftgraph.kernels import metadata as tri  # noqa: E402
 from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
 
-if compiled_for_cpu_missing(tri._kv_compact_kernel):
+if compiled_for_cpu_missing(tri._metadata_kernel):
     pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 was set "
                 "(set it in the environment to run them on CPU)", allow_module_level=True)
 
@@ -241,3 +241,50 @@ def test_tree_rows_read_their_own_paths(window):
     assert bufs["ref"].positions[: len(rows)].tolist() == [s - 1 for s in seq]
     for req, n, first in zip(reqs, bases, (0, 4), strict=True):
         assert int(r2t["tri"][req, n - 1]) == loc[first]
+
+
+def test_one_launch_lists_take_new_slots_from_out_cache_loc():
+    """The one-launch build reads a request's new slots from out_cache_loc, never back from
+    the table (which other programs of the launch may not have written yet): lists built
+    against a table with nothing recorded equal the reference's, built after recording."""
+    for window in (None, 4):
+        bufs, r2t = make_state(window)
+        batch = make_batch([12, 30, 5, 9], [12, 1, 5, 3], seed=4)
+        poison(bufs["ref"])
+        poison(bufs["tri"])
+        ref.build_metadata(*batch, r2t["ref"], bufs["ref"])
+        req_pool_indices, seq_lens, extend_lens, out_cache_loc = batch
+        for kind in bufs["tri"].kinds(False):
+            tri.build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, r2t["tri"],
+                                     bufs["tri"].lists[kind], out_cache_loc=out_cache_loc)
+            la, lb = bufs["ref"].lists[kind], bufs["tri"].lists[kind]
+            total = int(la.kv_indptr[4])
+            assert torch.equal(la.kv_indptr[:5], lb.kv_indptr[:5]), kind
+            assert torch.equal(la.kv_indices[:total], lb.kv_indices[:total]), kind
+        # the table itself was not touched: nothing read back from it
+        assert not torch.equal(r2t["ref"], r2t["tri"])
+
+
+def test_tree_lists_wait_for_the_roots_slot():
+    """Tree rows read their root's position from the table, written by the root's program:
+    with the root last in the batch (the interpreter runs programs in order), the one-launch
+    form lists a stale slot and `build_metadata`, which lists tree rows in a launch of their
+    own, the root's."""
+    bufs, r2t = make_state(None)
+    req, n, slots = 7, 6, [300_001, 300_002, 300_003]
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)
+    # two depth-1 siblings, then the root (depth 0, the last token at position n - 1)
+    batch = (t([req] * 3), t([n + 1, n + 1, n]), t([1, 1, 1]), t(slots))
+    tree = ref.RowPaths(t([[slots[0]], [slots[1]], [0]]), t([n] * 3))
+    want = r2t["ref"][req, : n - 1].tolist() + [slots[2]]
+    tri.build_metadata(*batch, r2t["tri"], bufs["tri"], False, tree)
+    lists = bufs["tri"].lists[ref.FULL]
+    for r in range(2):
+        got = lists.kv_indices[lists.kv_indptr[r] : lists.kv_indptr[r + 1]].tolist()
+        assert got == want + [slots[r]], r
+    # the one-launch form on a fresh table: the siblings read the root's entry before it lands
+    bufs, r2t = make_state(None)
+    tri._launch(*batch, r2t["tri"], bufs["tri"], bufs["tri"].lists[ref.FULL], tree)
+    lists = bufs["tri"].lists[ref.FULL]
+    got = lists.kv_indices[lists.kv_indptr[0] : lists.kv_indptr[1]].tolist()
+    assert got != want + [slots[0]]

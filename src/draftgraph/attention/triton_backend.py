@@ -104,7 +104,8 @@ class TritonBackend(AttentionBackend):
 
     def advance_metadata(self, fb: ForwardBatch) -> None:
         """The next draft step's metadata, inside the graph: the builders are capturable, so
-        the advance is a rebuild from the advanced raw inputs (3 launches), never a host trip.
+        the advance is a rebuild from the advanced raw inputs (one launch, two for tree rows),
+        never a host trip.
         """
         self.build_metadata(fb)
 

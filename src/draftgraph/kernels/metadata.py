@@ -7,8 +7,12 @@ CUDA-graph capturable:
   - loops inside a program are bounded by runtime lengths loaded from tensors, never by
     max_seq_len or a buffer's capacity.
 
-Ragged lists follow count -> scan -> compact. The scan runs in a single program over bs in
-blocks of SCAN_BLOCK with a running total, so any bs works.
+A forward's metadata is one launch (`_metadata_kernel`, one program a request): each program
+sums the extend lengths and list lengths of the requests before it (in blocks of SCAN_BLOCK,
+so any bs works) for its offsets, records its slots and writes its lists, reading its own new
+slots from out_cache_loc rather than back from the table. Tree rows read their root's slot
+from the table, recorded by another program, so their lists take a second launch; so does
+each further layer kind (a sliding window beside the full lists).
 
 `bufs` / `lists` are duck-typed `MetadataBuffers` / `KVIndexLists` (kernels/ sits below
 attention/ and does not import it).
@@ -31,58 +35,85 @@ def _zero_i64():
 
 
 @triton.jit
-def _positions_and_slots_kernel(
+def _metadata_kernel(
     req_pool_indices, seq_lens, extend_lens, out_cache_loc, req_to_token, r2t_stride,
     qo_indptr, positions, token_req,
-    SCAN_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    kv_indptr, kv_start, kv_indices, capacity, window, path_slots, path_stride, path_base,
+    SLOTS: tl.constexpr, LISTS: tl.constexpr, SLIDING: tl.constexpr, PATHS: tl.constexpr,
+    NEW: tl.constexpr, SCAN_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # One program per request. Its query offset is the sum of the extend lengths before it
-    # (bs is small, so each program summing its own prefix beats a separate scan launch).
+    # One program per request. Its offsets (first query token, first list entry) are sums
+    # over the requests before it, each program summing its own prefix (bs is small, so this
+    # beats a separate scan launch). SLOTS: qo_indptr, positions, token_req and the
+    # req_to_token record of its new slots; LISTS: kv_start, kv_indptr and kv_indices of one
+    # layer kind (a list starts at first_position - window + 1 when SLIDING).
     r = tl.program_id(0)
     ext = tl.load(extend_lens + r).to(tl.int64)
     seq_len = tl.load(seq_lens + r).to(tl.int64)
     req = tl.load(req_pool_indices + r).to(tl.int64)
+    first_pos = seq_len - ext
     q0 = _zero_i64()
+    d0 = _zero_i64()
     for b in range(0, r, SCAN_BLOCK):
         offs = b + tl.arange(0, SCAN_BLOCK)
-        q0 += tl.sum(tl.load(extend_lens + offs, mask=offs < r, other=0).to(tl.int64), axis=0)
-    if r == 0:
-        tl.store(qo_indptr, q0)
-    tl.store(qo_indptr + r + 1, q0 + ext)
-    first_pos = seq_len - ext
-    row = tl.zeros([BLOCK], dtype=tl.int64) + r
-    for j in range(0, ext, BLOCK):
-        offs = j + tl.arange(0, BLOCK)
-        mask = offs < ext
-        pos = first_pos + offs
-        tl.store(positions + q0 + offs, pos, mask=mask)
-        tl.store(token_req + q0 + offs, row, mask=mask)
-        loc = tl.load(out_cache_loc + q0 + offs, mask=mask)
-        tl.store(req_to_token + req * r2t_stride + pos, loc, mask=mask)
-
-
-@triton.jit(do_not_specialize=["bs"])
-def _kv_count_scan_kernel(
-    seq_lens, extend_lens, kv_indptr, kv_start, bs, window,
-    SLIDING: tl.constexpr, SCAN_BLOCK: tl.constexpr,
-):
-    # Single program: kv_start and the per-row counts, scanned with a running total into
-    # kv_indptr[1:] (the counts are scanned in registers, never re-read from memory).
-    total = _zero_i64()
-    tl.store(kv_indptr, total)
-    for b in range(0, bs, SCAN_BLOCK):
-        offs = b + tl.arange(0, SCAN_BLOCK)
-        mask = offs < bs
-        seq_len = tl.load(seq_lens + offs, mask=mask, other=0).to(tl.int64)
+        mask = offs < r
+        e = tl.load(extend_lens + offs, mask=mask, other=0).to(tl.int64)
+        q0 += tl.sum(e, axis=0)
+        if LISTS:
+            s = tl.load(seq_lens + offs, mask=mask, other=0).to(tl.int64)
+            if SLIDING:
+                d0 += tl.sum(s - tl.maximum(s - e - window + 1, 0), axis=0)
+            else:
+                d0 += tl.sum(s, axis=0)
+    if SLOTS:
+        if r == 0:
+            tl.store(qo_indptr, q0)
+        tl.store(qo_indptr + r + 1, q0 + ext)
+        row = tl.zeros([BLOCK], dtype=tl.int64) + r
+        for j in range(0, ext, BLOCK):
+            offs = j + tl.arange(0, BLOCK)
+            mask = offs < ext
+            pos = first_pos + offs
+            tl.store(positions + q0 + offs, pos, mask=mask)
+            tl.store(token_req + q0 + offs, row, mask=mask)
+            loc = tl.load(out_cache_loc + q0 + offs, mask=mask)
+            tl.store(req_to_token + req * r2t_stride + pos, loc, mask=mask)
+    if LISTS:
         if SLIDING:
-            ext = tl.load(extend_lens + offs, mask=mask, other=0).to(tl.int64)
-            start = tl.maximum(seq_len - ext - window + 1, 0)
+            start = tl.maximum(first_pos - window + 1, 0)
         else:
-            start = seq_len * 0
-        counts = seq_len - start
-        tl.store(kv_start + offs, start, mask=mask)
-        tl.store(kv_indptr + 1 + offs, tl.cumsum(counts, axis=0) + total, mask=mask)
-        total += tl.sum(counts, axis=0)
+            start = first_pos * 0
+        count = seq_len - start
+        if r == 0:
+            tl.store(kv_indptr, d0)
+        tl.store(kv_start + r, start)
+        tl.store(kv_indptr + r + 1, d0 + count)
+        # a list's entries: the request's table below its first new position, then (NEW) its
+        # new slots straight from out_cache_loc, never read back from the table this program
+        # has just written; a tree row (PATHS) reads positions from path_base[r] on from its
+        # path instead
+        if NEW:
+            fresh = first_pos - start  # list index of the first new slot
+        else:
+            fresh = count
+        src = req_to_token + req * r2t_stride + start
+        new = out_cache_loc + q0 - fresh
+        if PATHS:
+            base = tl.load(path_base + r).to(tl.int64) - start
+            path = path_slots + r.to(tl.int64) * path_stride - base
+        for j in range(0, count, BLOCK):
+            offs = j + tl.arange(0, BLOCK)
+            mask = offs < count
+            old = offs < fresh
+            if PATHS:
+                old = offs < base
+                slot = tl.load(src + offs, mask=mask & old)
+                slot = tl.where(old, slot, tl.load(path + offs, mask=mask & (offs >= base)))
+            else:
+                slot = tl.load(src + offs, mask=mask & old)
+                slot = tl.where(old, slot, tl.load(new + offs, mask=mask & (offs >= fresh)))
+            dst = d0 + offs
+            tl.store(kv_indices + dst, slot, mask=mask & (dst < capacity))
 
 
 @triton.jit(do_not_specialize=["bs"])
@@ -96,34 +127,6 @@ def _scan_inplace_kernel(indptr, bs, SCAN_BLOCK: tl.constexpr):
         counts = tl.load(indptr + 1 + offs, mask=mask, other=0).to(tl.int64)
         tl.store(indptr + 1 + offs, tl.cumsum(counts, axis=0) + total, mask=mask)
         total += tl.sum(counts, axis=0)
-
-
-@triton.jit
-def _kv_compact_kernel(
-    req_pool_indices, seq_lens, req_to_token, r2t_stride, kv_indptr, kv_start, kv_indices,
-    capacity, path_slots, path_stride, path_base, BLOCK: tl.constexpr, PATHS: tl.constexpr,
-):
-    # One program per request: kv_indices[indptr[r] + j] = req_to_token[req, start + j]; a tree
-    # row (PATHS) reads positions from path_base[r] on from its path instead.
-    r = tl.program_id(0)
-    req = tl.load(req_pool_indices + r).to(tl.int64)
-    start = tl.load(kv_start + r)
-    count = tl.load(seq_lens + r).to(tl.int64) - start
-    dst0 = tl.load(kv_indptr + r)
-    src = req_to_token + req * r2t_stride + start
-    if PATHS:
-        base = tl.load(path_base + r).to(tl.int64) - start
-        path = path_slots + r.to(tl.int64) * path_stride - base
-    for j in range(0, count, BLOCK):
-        offs = j + tl.arange(0, BLOCK)
-        mask = offs < count
-        if PATHS:
-            slot = tl.load(src + offs, mask=mask & (offs < base))
-            slot = tl.where(offs < base, slot, tl.load(path + offs, mask=mask & (offs >= base)))
-        else:
-            slot = tl.load(src + offs, mask=mask)
-        dst = dst0 + offs
-        tl.store(kv_indices + dst, slot, mask=mask & (dst < capacity))
 
 
 @triton.jit
@@ -160,6 +163,41 @@ def _candidate_compact_kernel(
 # ---- host wrappers (shape arithmetic only) ----------------------------------------------
 
 
+def _launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc, req_to_token, bufs,
+            lists=None, paths=None, slots=True) -> None:
+    """One `_metadata_kernel` launch: the slots (`slots`) and/or one kind's lists (new slots
+    from `out_cache_loc` when given, else from the table)."""
+    bs = req_pool_indices.shape[0]
+    if bs == 0:
+        if slots:
+            bufs.qo_indptr[:1].zero_()
+        if lists is not None:
+            lists.kv_indptr[:1].zero_()
+        return
+    # a list starts at first_position - window + 1; a draft block reaches one position further
+    # back (its window is of context positions before the block)
+    window = 0 if lists is None else (lists.window or 0) + (1 if lists.noncausal else 0)
+    dummy = seq_lens
+    new = out_cache_loc is not None and paths is None
+    out_cache_loc = out_cache_loc if out_cache_loc is not None else dummy
+    path_slots, path_base = (paths.slots, paths.base) if paths is not None else (dummy, dummy)
+    _metadata_kernel[(bs,)](
+        req_pool_indices, seq_lens, extend_lens, out_cache_loc, req_to_token,
+        req_to_token.stride(0),
+        bufs.qo_indptr if bufs is not None else dummy,
+        bufs.positions if bufs is not None else dummy,
+        bufs.token_req if bufs is not None else dummy,
+        lists.kv_indptr if lists is not None else dummy,
+        lists.kv_start if lists is not None else dummy,
+        lists.kv_indices if lists is not None else dummy,
+        lists.kv_indices.shape[0] if lists is not None else 0, window,
+        path_slots, path_slots.stride(0), path_base,
+        SLOTS=slots, LISTS=lists is not None, NEW=new,
+        SLIDING=lists is not None and lists.window is not None, PATHS=paths is not None,
+        SCAN_BLOCK=SCAN_BLOCK, BLOCK=COPY_BLOCK, num_warps=4,
+    )
+
+
 def build_positions_and_slots(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -169,15 +207,7 @@ def build_positions_and_slots(
     bufs,
 ) -> None:
     """qo_indptr, positions, token_req; record out_cache_loc in req_to_token. One launch."""
-    bs = req_pool_indices.shape[0]
-    if bs == 0:
-        bufs.qo_indptr[:1].zero_()
-        return
-    _positions_and_slots_kernel[(bs,)](
-        req_pool_indices, seq_lens, extend_lens, out_cache_loc, req_to_token,
-        req_to_token.stride(0), bufs.qo_indptr, bufs.positions, bufs.token_req,
-        SCAN_BLOCK=SCAN_BLOCK, BLOCK=COPY_BLOCK, num_warps=1,
-    )
+    _launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc, req_to_token, bufs)
 
 
 def build_kv_index_lists(
@@ -187,30 +217,19 @@ def build_kv_index_lists(
     req_to_token: torch.Tensor,
     lists,
     paths=None,
+    out_cache_loc: torch.Tensor | None = None,
 ) -> None:
-    """kv_indptr / kv_indices / kv_start for one layer kind: count+scan, then compact (tree
-    rows' positions from `paths.base` on from their paths: `RowPaths`).
+    """kv_indptr / kv_indices / kv_start for one layer kind, one launch (tree rows' positions
+    from `paths.base` on from their paths: `RowPaths`). A request's new slots (its last
+    extend_lens positions) are read from `out_cache_loc` when given, else from the table
+    (recorded there by `build_positions_and_slots` before).
 
     NOTE: the reference raises when the lists overflow kv_indices; this graph-safe version
     cannot read the total back, so it drops entries past the capacity instead. Buffers sized
     by `MetadataBuffers` never overflow for batches within its max_bs / max_num_tokens.
     """
-    bs = req_pool_indices.shape[0]
-    # the count kernel starts a list at first_position - window + 1; a draft block reaches
-    # one position further back (its window is of context positions before the block)
-    window = (lists.window or 0) + (1 if lists.noncausal else 0)
-    _kv_count_scan_kernel[(1,)](
-        seq_lens, extend_lens, lists.kv_indptr, lists.kv_start, bs, window,
-        SLIDING=lists.window is not None, SCAN_BLOCK=SCAN_BLOCK, num_warps=4,
-    )
-    if bs == 0:
-        return
-    slots, base = (paths.slots, paths.base) if paths is not None else (seq_lens, seq_lens)
-    _kv_compact_kernel[(bs,)](
-        req_pool_indices, seq_lens, req_to_token, req_to_token.stride(0), lists.kv_indptr,
-        lists.kv_start, lists.kv_indices, lists.kv_indices.shape[0], slots,
-        slots.stride(0), base, BLOCK=COPY_BLOCK, PATHS=paths is not None, num_warps=4,
-    )
+    _launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc, req_to_token, None,
+            lists, paths, slots=False)
 
 
 def build_metadata(
@@ -223,13 +242,16 @@ def build_metadata(
     draft_block: bool = False,
     paths=None,
 ) -> None:
-    """All metadata of one forward, in dependency order (slots before index lists); a draft
-    block builds its own lists alone; tree rows read their paths."""
-    build_positions_and_slots(req_pool_indices, seq_lens, extend_lens, out_cache_loc,
-                              req_to_token, bufs)
-    for kind in bufs.kinds(draft_block):
-        build_kv_index_lists(req_pool_indices, seq_lens, extend_lens, req_to_token,
-                             bufs.lists[kind], paths)
+    """All metadata of one forward: one launch for the slots and the first kind's lists,
+    one more per further kind. Tree rows (`paths`) read their root's slot from the table,
+    recorded there by another program of the same launch, so their lists wait for a launch
+    of their own."""
+    kinds = bufs.kinds(draft_block)
+    first = None if paths is not None else bufs.lists[kinds[0]]
+    _launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc, req_to_token, bufs, first)
+    for kind in kinds[first is not None:]:
+        _launch(req_pool_indices, seq_lens, extend_lens, out_cache_loc, req_to_token, None,
+                bufs.lists[kind], paths, slots=False)
 
 
 def exclusive_scan_inplace(indptr: torch.Tensor, bs: int) -> None:
