@@ -224,8 +224,9 @@ class ChainHead(nn.Module):
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor,
                lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [T, V'] fp32, next feature x + residual [T, hidden]) through `lm_head`
-        (`lm_head_weight`): V' is the draft vocabulary (map with `d2t`) or the target's."""
-        logits, stream = gemv.rmsnorm_gemv(x, self.norm.weight, self.norm.eps, lm_head, None,
-                                           residual)
-        return logits.float(), stream
+        """(logits [T, V'], next feature x + residual [T, hidden]) through `lm_head`
+        (`lm_head_weight`): V' is the draft vocabulary (map with `d2t`) or the target's.
+        The logits stay in the model's dtype: every reader (argmax, top-W, draft sampling,
+        their twins) reads them in fp32 itself, so a bf16 head saves a conversion launch a
+        step and gets the same drafts."""
+        return gemv.rmsnorm_gemv(x, self.norm.weight, self.norm.eps, lm_head, None, residual)
