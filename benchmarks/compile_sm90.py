@@ -96,6 +96,13 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                "residual_out": "*bf16", "n_cols": "i32", "eps": "fp32", "stride_x": "i32",
                "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32"},
               {"HAS_RESIDUAL": False, "BLOCK": 1024, "PDL": True}))
+    for mapped, stage in ((True, True), (False, False)):
+        c.append((f"draft take vocab={mapped} stage={stage}", K._draft_take_kernel,
+                  {"part_max": f32, "part_idx": "*i32",
+                   "vocab_map": "*i64" if mapped else "*i32",
+                   **{n: "i32" for n in ("col", "vocab", "num_chunks", "stride_drafts",
+                                         "stride_reserved")}},
+                  {"HAS_VOCAB": mapped, "STAGE": stage, "BLOCK_C": 16, "PDL": True}))
     for slots, lists, sliding, paths, new in ((True, True, False, False, True),
                                               (True, False, False, False, False),
                                               (False, True, True, False, True),

@@ -1,10 +1,10 @@
 """The step's glue kernels inside the engine (on a CPU through Triton's interpreter, where the
 engine would take their torch twins): a tree verify's pack and acceptance, a chain verify's
-pack, the greedy tail and the chain head's catch-up staging, fed the step body's own buffers
-and views. Greedy output equals plain decoding with an oracle tree accepted to full depth, a
-chain head and n-gram drafts; a sampled oracle tree gives plain seeded sampling's tokens; the
-chain head's drafts, KV pool and last features equal the twins' to the bit (a wrong tree KV
-copy or catch-up row fails them)."""
+pack, the greedy tail, a chain step's take and the chain head's catch-up staging, fed the
+step body's own buffers and views. Greedy output equals plain decoding with an oracle tree
+accepted to full depth, a chain head and n-gram drafts; a sampled oracle tree gives plain
+seeded sampling's tokens; the chain head's drafts, KV pool and last features equal the
+twins' to the bit (a wrong tree KV copy or catch-up row fails them)."""
 
 import os
 
@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="Triton kernels need the triton package")
 from _tiny import tiny_engine, tiny_loaded  # noqa: E402
 from test_spec_tree import GREEDY, PROMPTS, TREE, _oracle_engine, oracle_run  # noqa: E402
 
+import draftgraph.spec.chain as chain  # noqa: E402
 import draftgraph.spec.chain_head as chain_head  # noqa: E402
 import draftgraph.spec.step as step  # noqa: E402
 import draftgraph.spec.verify as verify  # noqa: E402
@@ -49,6 +50,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(step, "pack_chain", counted("pack_chain", tokens.pack_chain_triton))
     monkeypatch.setattr(chain_head, "stage_catch_up",
                         counted("stage_catch_up", tokens.stage_catch_up_triton))
+    monkeypatch.setattr(chain, "draft_take", counted("draft_take", tokens.draft_take_triton))
     monkeypatch.setattr(verify, "greedy_emit_triton",
                         counted("greedy_emit", verify.greedy_emit_triton))
     monkeypatch.setattr(verify, "_greedy_emit_fused", lambda logits: True)
@@ -94,9 +96,11 @@ def test_a_chain_head_and_ngram_through_the_kernels_equal_plain(hf, kernels, mon
     chained, drafts, kv, feat = _head_drafts(hf, spec)
     assert chained == plain
     assert kernels["pack_chain"] > 5 and kernels["stage_catch_up"] > 5
+    assert kernels["draft_take"] >= 4 * kernels["stage_catch_up"]  # k = 4 takes a round
     with monkeypatch.context() as m:  # the twins: the same drafts and head state
         m.setattr(step, "pack_chain", tokens.pack_chain_ref)
         m.setattr(chain_head, "stage_catch_up", tokens.stage_catch_up_ref)
+        m.setattr(chain, "draft_take", tokens.draft_take_ref)
         m.setattr(verify, "_greedy_emit_fused", lambda logits: False)
         twin_out, twin_drafts, twin_kv, twin_feat = _head_drafts(hf, spec)
     assert (twin_out, twin_drafts) == (plain, drafts)

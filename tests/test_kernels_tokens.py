@@ -185,3 +185,45 @@ def test_the_catch_up_staging_equals_its_twin(bs, m, tree):
     assert got.ids[b * m : b * m + m].tolist() == tokens[b, :m].clamp_min(0).tolist()
     assert got.loc[b * m : b * m + m].tolist() == slots[b, 1 : 1 + m].tolist()
     assert got.seq[b].item() == seq[b].item() + m
+
+
+def _steps(bs, k, fill):
+    z = lambda *s: torch.full(s, fill, dtype=torch.int64, device=DEVICE)
+    return T.ChainSteps(z(bs + 3), z(bs + 3), z(bs + 3), z(bs + 3, k))
+
+
+@pytest.mark.parametrize("bs,width,mapped", [(1, 3000, True), (5, 1024, False), (3, 77, True)])
+def test_the_draft_take_equals_its_twin(bs, width, mapped):
+    """A chain step's greedy take: the argmax of each row (ties to the first index: planted
+    repeats of the max), through the draft vocabulary, into the drafts' column i and the
+    next step's token, and the next step's KV length and slot; nothing staged on the last
+    step, nothing touched past the batch or in other columns."""
+    g = torch.Generator().manual_seed(bs * width)
+    k = 4
+    logits = torch.randn(bs, width, generator=g).to(torch.float16).to(DEVICE)
+    logits[:, width // 2] = 9.0  # the max twice: the first index wins
+    logits[:, width - 1] = 9.0
+    if bs > 1:
+        logits[1, 5] = 10.0
+    vocab = (torch.randperm(50_000, generator=g)[:width] + 7).to(DEVICE) if mapped else None
+    seq = torch.randint(5, 90, (bs,), generator=g).to(DEVICE)
+    reserved = torch.randint(0, 10_000, (bs, k + 1), generator=g).to(DEVICE)
+    want = logits.float().argmax(-1)
+    want = vocab[want] if mapped else want
+    assert int(want[0]) == (int(vocab[width // 2]) if mapped else width // 2)
+    for i, stage in ((0, True), (2, True), (3, False)):
+        a, b = _steps(bs, k, -5), _steps(bs, k, -5)
+        got = T.draft_take_triton(logits, vocab, i, seq, reserved, a, stage)
+        T.draft_take_ref(logits, vocab, i, seq, reserved, b, stage)
+        for x, y in zip((a.ids, a.seq_lens, a.loc, a.drafts), (b.ids, b.seq_lens, b.loc,
+                                                              b.drafts), strict=True):
+            assert torch.equal(x, y)
+        assert torch.equal(got, want) and torch.equal(a.drafts[:bs, i], want)
+        assert torch.equal(a.ids[:bs], want)
+        assert (a.drafts[:, [j for j in range(k) if j != i]] == -5).all()
+        assert (a.ids[bs:] == -5).all() and (a.drafts[bs:] == -5).all()
+        if stage:
+            assert torch.equal(a.seq_lens[:bs], seq + i + 1)
+            assert torch.equal(a.loc[:bs], reserved[:, i + 1])
+        else:
+            assert (a.seq_lens == -5).all() and (a.loc == -5).all()

@@ -110,8 +110,8 @@ class _Accepting(ChainHeadDrafter):
         self.future = torch.tensor(future + [0] * (k + 2))
 
     def take(self, ctx, i, logits):
-        bs = super().take(ctx, i, logits).shape[0]
-        tok = self.future[self.step_seq_lens[:bs].clamp_max(len(self.future) - 1)]
+        bs = super().take(ctx, i, logits).shape[0]  # (it stages the next step)
+        tok = self.future[(ctx.seq_lens[:bs] + i).clamp_max(len(self.future) - 1)]
         self.drafts[:bs, i].copy_(tok)
         self.step_ids[:bs].copy_(tok)
         return tok

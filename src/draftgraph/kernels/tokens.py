@@ -37,6 +37,14 @@ the packed rows of the target features they read (path [bs, 1 + m], a tree's acc
 or None: a chain's rows 0 .. m, offset by the request's packed start, the exclusive prefix sum
 of 1 + verify_seq_lens - seq_lens; clamped to total - 1), and the row of its new last feature
 (path[accept_lens - 1]). One launch (the twin is ~16 small ops).
+
+    draft_take(logits, vocab, i, seq_lens, reserved_slots, out, stage)
+
+A chain drafter's greedy draft i (spec/chain.py): the argmax of each row of logits [bs, V']
+over the drafter's vocabulary, mapped to the target's ids (vocab [V'], or None), recorded as
+drafts[:, i] and fed as the next step's token; with `stage`, the next step's KV length
+seq_lens + i + 1 and slot reserved_slots[:, i + 1] too. Two launches: the argmax's chunk
+stage (`kernels.argmax`), then one program a row (the twin is ~7 small ops).
 """
 
 from __future__ import annotations
@@ -45,7 +53,16 @@ from dataclasses import dataclass
 
 import torch
 
-from draftgraph.kernels._triton import next_pow2, pdl_kwargs, pdl_wait, tl, triton, triton_usable
+from draftgraph.kernels._triton import (
+    cdiv,
+    next_pow2,
+    pdl_kwargs,
+    pdl_wait,
+    tl,
+    triton,
+    triton_usable,
+)
+from draftgraph.kernels.argmax import CHUNK, CHUNK_WARPS, _argmax_lse_chunk_kernel
 
 
 @dataclass
@@ -80,6 +97,16 @@ class CatchUp:
     seq: torch.Tensor  # [max_bs] int64: KV length after them
     feat_rows: torch.Tensor  # [max_bs * m] int64: the capture rows their features come from
     last_rows: torch.Tensor  # [max_bs] int64: the capture row of the request's last feature
+
+
+@dataclass
+class ChainSteps:
+    """A chain drafter's per-step inputs `draft_take` writes (persistent, [max_bs ...])."""
+
+    ids: torch.Tensor  # [max_bs] int64: the next step's token (the draft just taken)
+    seq_lens: torch.Tensor  # [max_bs] int64: the next step's KV length
+    loc: torch.Tensor  # [max_bs] int64: the next step's KV slot
+    drafts: torch.Tensor  # [max_bs, k] int64
 
 
 @triton.jit(do_not_specialize=["bs"])
@@ -336,3 +363,78 @@ def stage_catch_up(tokens: torch.Tensor, accept_lens: torch.Tensor,
     else:
         stage_catch_up_ref(tokens, accept_lens, verify_seq_lens, seq_lens, slots, path, total,
                            out)
+
+
+def draft_take_ref(logits: torch.Tensor, vocab: torch.Tensor | None, i: int,
+                   seq_lens: torch.Tensor, reserved_slots: torch.Tensor, out: ChainSteps,
+                   stage: bool) -> torch.Tensor:
+    bs = logits.shape[0]
+    tok = logits.argmax(dim=-1)
+    if vocab is not None:
+        tok = vocab[tok]
+    out.drafts[:bs, i].copy_(tok)
+    out.ids[:bs].copy_(tok)
+    if stage:
+        torch.add(seq_lens, i + 1, out=out.seq_lens[:bs])
+        out.loc[:bs].copy_(reserved_slots[:, i + 1])
+    return out.drafts[:bs, i]
+
+
+@triton.jit(do_not_specialize=["col"])
+def _draft_take_kernel(part_max, part_idx, vocab_map, drafts, ids, seq_lens, reserved, seq_out,
+                       loc_out, col, vocab, num_chunks, stride_drafts, stride_reserved,
+                       HAS_VOCAB: tl.constexpr, STAGE: tl.constexpr, BLOCK_C: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    cmask = c < num_chunks
+    m = tl.load(part_max + row * num_chunks + c, mask=cmask, other=float("-inf"))
+    i = tl.load(part_idx + row * num_chunks + c, mask=cmask, other=0)
+    # the smallest index among the chunks holding the row's max: torch's first index
+    tok = tl.min(tl.where((m == tl.max(m, axis=0)) & cmask, i, vocab), axis=0).to(tl.int64)
+    if HAS_VOCAB:
+        tok = tl.load(vocab_map + tok).to(tl.int64)
+    tl.store(drafts + row * stride_drafts + col, tok)
+    tl.store(ids + row, tok)
+    if STAGE:
+        tl.store(seq_out + row, tl.load(seq_lens + row) + col + 1)
+        tl.store(loc_out + row, tl.load(reserved + row * stride_reserved + col + 1))
+
+
+def draft_take_triton(logits: torch.Tensor, vocab: torch.Tensor | None, i: int,
+                      seq_lens: torch.Tensor, reserved_slots: torch.Tensor, out: ChainSteps,
+                      stage: bool) -> torch.Tensor:
+    bs, width = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if bs == 0:
+        return out.drafts[:0, i]
+    assert out.drafts.stride(1) == 1 and reserved_slots.stride(1) == 1
+    num_chunks = cdiv(width, CHUNK)
+    pdl = pdl_kwargs(logits)
+    part_max = torch.empty(bs, num_chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(bs, num_chunks, dtype=torch.int32, device=logits.device)
+    part_sum = torch.empty(bs, num_chunks, dtype=torch.float32, device=logits.device)
+    _argmax_lse_chunk_kernel[(bs, num_chunks)](
+        logits, part_max, part_idx, part_sum, width, logits.stride(0), num_chunks,
+        CHUNK=CHUNK, num_warps=CHUNK_WARPS, **pdl,
+    )
+    block_c = max(next_pow2(num_chunks), 2)
+    _draft_take_kernel[(bs,)](
+        part_max, part_idx, vocab if vocab is not None else part_idx, out.drafts, out.ids,
+        seq_lens, reserved_slots, out.seq_lens, out.loc, i, width, num_chunks,
+        out.drafts.stride(0), reserved_slots.stride(0), HAS_VOCAB=vocab is not None,
+        STAGE=stage, BLOCK_C=block_c, num_warps=1 if block_c <= 256 else 4, **pdl,
+    )
+    return out.drafts[:bs, i]
+
+
+def draft_take(logits: torch.Tensor, vocab: torch.Tensor | None, i: int,
+               seq_lens: torch.Tensor, reserved_slots: torch.Tensor, out: ChainSteps,
+               stage: bool) -> torch.Tensor:
+    """Kernel only on CUDA; the twin elsewhere. Returns the drafts taken, [bs] (a view of
+    out.drafts)."""
+    if logits.is_cuda and triton_usable(logits):
+        return draft_take_triton(logits, vocab, i, seq_lens, reserved_slots, out, stage)
+    return draft_take_ref(logits, vocab, i, seq_lens, reserved_slots, out, stage)

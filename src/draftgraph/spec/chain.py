@@ -28,6 +28,7 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.kernels.argmax import row_argmax
 from draftgraph.kernels.sampling import draft_sample
+from draftgraph.kernels.tokens import ChainSteps, draft_take
 from draftgraph.runtime.sampling import STREAM_DRAFT
 from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
 
@@ -160,6 +161,7 @@ class ChainDrafter(StagedDrafter):
         self.step_loc = torch.zeros(m, dtype=torch.int64, device=dev)  # [max_bs] int64
         self.ones = torch.ones(m, dtype=torch.int64, device=dev)
         self.drafts = torch.zeros(m, self.k, dtype=torch.int64, device=dev)
+        self.steps = ChainSteps(self.step_ids, self.step_seq_lens, self.step_loc, self.drafts)
 
     # ---- the pieces of a proposal (each graph-safe) -----------------------------------------
     def begin(self, ctx: DraftContext) -> None:
@@ -167,9 +169,12 @@ class ChainDrafter(StagedDrafter):
         self._probs = []
 
     def stage_step(self, ctx: DraftContext, i: int) -> None:
-        bs = ctx.seq_lens.shape[0]
-        torch.add(ctx.seq_lens, i, out=self.step_seq_lens[:bs])
-        self.step_loc[:bs].copy_(ctx.reserved_slots[:, i])
+        """Step 0's KV lengths and slots; a later step's were staged by the previous step's
+        `take` (with its draft: one launch on the GPU)."""
+        if i == 0:
+            bs = ctx.seq_lens.shape[0]
+            self.step_seq_lens[:bs].copy_(ctx.seq_lens)
+            self.step_loc[:bs].copy_(ctx.reserved_slots[:, 0])
 
     def step_fb(self, ctx: DraftContext, i: int) -> ForwardBatch:
         bs = ctx.seq_lens.shape[0]
@@ -178,16 +183,23 @@ class ChainDrafter(StagedDrafter):
                             self.executor.meta)
 
     def take(self, ctx: DraftContext, i: int, logits: torch.Tensor) -> torch.Tensor:
-        """Draft i from logits [bs, V'] over the drafter's vocabulary (the target's, or
-        `vocab`'s tokens): recorded, fed next. A draw keeps its distribution over V' for
-        rejection sampling."""
+        """Draft i [bs] from logits [bs, V'] over the drafter's vocabulary (the target's, or
+        `vocab`'s tokens): recorded, fed next, and the next step's KV lengths and slots
+        staged (a greedy take is one combine launch after the argmax's chunks on the GPU:
+        `kernels.tokens.draft_take`). A draw keeps its distribution over V' for rejection
+        sampling."""
+        stage = i + 1 < self.num_steps
         if ctx.greedy:
-            tok = self.draft_argmax(logits)  # [bs] int64
-        else:
-            tok, q = self.sample_drafts(logits, ctx, self.step_seq_lens[: logits.shape[0]])
-            self._probs.append(q)
-        self.drafts[: tok.shape[0], i].copy_(tok)
-        self.step_ids[: tok.shape[0]].copy_(tok)
+            return draft_take(logits, self.vocab, i, ctx.seq_lens, ctx.reserved_slots,
+                              self.steps, stage)
+        bs = logits.shape[0]
+        tok, q = self.sample_drafts(logits, ctx, self.step_seq_lens[:bs])
+        self._probs.append(q)
+        self.drafts[:bs, i].copy_(tok)
+        self.step_ids[:bs].copy_(tok)
+        if stage:
+            torch.add(ctx.seq_lens, i + 1, out=self.step_seq_lens[:bs])
+            self.step_loc[:bs].copy_(ctx.reserved_slots[:, i + 1])
         return tok
 
     def finish(self, ctx: DraftContext) -> Proposal:

@@ -108,12 +108,9 @@ class TreeHeadDrafter(ChainHeadDrafter):
                     "steps draft the chain of %d)", w, d, self.shape.nodes, m, d)
 
     # ---- the proposal (tree or chain: `ctx.tree`, never state left by an earlier call, which
-    # would be the last captured graph's when the fallback rebuilds a step's metadata) --------
-    def stage_step(self, ctx: DraftContext, i: int) -> None:
-        if i == 0 or not ctx.tree:
-            super().stage_step(ctx, i)
-        # a tree's step i > 0: its rows were staged by step i - 1's grow (it holds the streams)
-
+    # would be the last captured graph's when the fallback rebuilds a step's metadata); step
+    # 0 is staged as the chain's, a tree's step i > 0 by step i - 1's grow (it holds the
+    # streams), a chain's by its take ------------------------------------------------------
     def step_fb(self, ctx: DraftContext, i: int) -> ForwardBatch:
         if i == 0 or not ctx.tree:
             return super().step_fb(ctx, i)
