@@ -47,10 +47,12 @@ from draftgraph.spec.block import BlockHeadDrafter
 
 @contextlib.contextmanager
 def glue(variant: str):
-    """A step's glue (packing, acceptance, the chain head's catch-up staging) for the graphs
-    captured inside: "twins", the torch ops it was before its kernels (the A arm); "kernels",
-    the Triton launchers even on a CPU (under TRITON_INTERPRET=1: to count launches); anything
-    else, the engine's own dispatch."""
+    """A step's glue (packing, acceptance, a chain step's take, the chain head's catch-up
+    staging) for the graphs captured inside: "twins", the torch ops it was before its kernels
+    (the A arm); "kernels", the Triton launchers even on a CPU (under TRITON_INTERPRET=1: to
+    count launches); anything else, the engine's own dispatch. (The metadata builders have
+    no capturable twin: both arms build a forward's in one launch.)"""
+    import draftgraph.spec.chain as chain
     import draftgraph.spec.chain_head as chain_head
     import draftgraph.spec.step as step
     import draftgraph.spec.verify as verify
@@ -63,6 +65,7 @@ def glue(variant: str):
         (step, "pack_chain", (tokens.pack_chain_ref, tokens.pack_chain_triton)[which]),
         (chain_head, "stage_catch_up",
          (tokens.stage_catch_up_ref, tokens.stage_catch_up_triton)[which]),
+        (chain, "draft_take", (tokens.draft_take_ref, tokens.draft_take_triton)[which]),
         (verify, "_greedy_emit_fused", lambda logits: bool(which))]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     for mod, name, fn in patches:

@@ -62,7 +62,7 @@ from draftgraph.kernels._triton import (
     triton,
     triton_usable,
 )
-from draftgraph.kernels.argmax import CHUNK, CHUNK_WARPS, _argmax_lse_chunk_kernel
+from draftgraph.kernels.argmax import CHUNK, CHUNK_WARPS, _argmax_lse_chunk_kernel, row_argmax
 
 
 @dataclass
@@ -369,7 +369,7 @@ def draft_take_ref(logits: torch.Tensor, vocab: torch.Tensor | None, i: int,
                    seq_lens: torch.Tensor, reserved_slots: torch.Tensor, out: ChainSteps,
                    stage: bool) -> torch.Tensor:
     bs = logits.shape[0]
-    tok = logits.argmax(dim=-1)
+    tok = row_argmax(logits)  # (on CUDA the argmax kernels: the A arm is what it was)
     if vocab is not None:
         tok = vocab[tok]
     out.drafts[:bs, i].copy_(tok)
