@@ -21,7 +21,9 @@ replay's (`train.chain.replay_acceptance`, printed beside it as a check).
 A block head (`--head` of kind block) grows the same trees from its one forward
 (`BlockTree`); its `1x7:7` tree is the engine's block of 8 without a confidence cut.
 
-Tree "WxD:N": width W, depth D, N verified nodes.
+Tree "WxD:N": width W, depth D, N verified nodes; "+gG": with a branch of the n-gram
+drafter's (prompt lookup, n = 4 .. 1) up to G drafts from the root, verified beside the N
+nodes (a round accepts the deeper of the two); "0xD:0+gG": the n-gram drafter alone.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from draftgraph.engine.sampling import SamplingParams
 from draftgraph.kernels.ops import rope_ref
 from draftgraph.models.heads import head_kind, load_head
 from draftgraph.models.loader import load_model
+from draftgraph.spec.ngram import propose_ref
 from draftgraph.train.block import block_forward
 from draftgraph.train.chain import _mlp_block, replay_acceptance, ttt_loss
 from draftgraph.train.loop import TargetOracle, walk_rounds
@@ -236,26 +239,44 @@ class _Leads:
         return self.fn(i)
 
 
-def walk(drafter, context, ids, prompt_len, width, depth, nodes) -> dict:
+def ngram_lead(ids: list[int], t: int, k: int, cap: int, min_n: int = 1,
+               max_n: int = 4) -> int:
+    """The round at t of the engine's n-gram drafter (prompt lookup over ids[: t + 1]): its
+    leading drafts equal to ids[t + 1 ..] (<= cap)."""
+    drafts = propose_ref(ids[: t + 1], min_n, max_n, k)
+    a = 0
+    while a < min(cap, len(drafts)) and drafts[a] == ids[t + a + 1]:
+        a += 1
+    return a
+
+
+def walk(drafter, context, ids, prompt_len, width, depth, nodes, ngram: int = 0) -> dict:
     """`walk_rounds` with the tree's leads; context: the drafter's `context` of the
-    sequence. Returns rounds (that drafted), accepted (tokens) and steps (all)."""
+    sequence; `ngram` > 0: the tree gains a branch of the n-gram drafter's (up to `ngram`)
+    drafts from the root (verified beside the tree's nodes). Returns rounds (that drafted),
+    accepted (tokens) and steps (all)."""
     last = len(ids) - 1
 
     def lead(i: int) -> int:
         t = prompt_len + i
-        return drafter.lead(*context, ids, t, width, depth, nodes, min(depth, last - t - 1))
+        cap = min(depth, last - t - 1)
+        a = drafter.lead(*context, ids, t, width, depth, nodes, cap) if nodes else 0
+        return max(a, ngram_lead(ids, t, ngram, cap)) if ngram else a
 
     s = walk_rounds(_Leads(lead), prompt_len, len(ids), depth)
     return {"rounds": s["num_drafts"], "accepted": s["num_accepted_tokens"],
             "steps": s["steps"]}
 
 
-def parse_trees(spec: str) -> list[tuple[int, int, int]]:
+def parse_trees(spec: str) -> list[tuple[int, int, int, int]]:
+    """"WxD:N" trees, "WxD:N+gG" with an n-gram branch of up to G drafts; "0xD:0+gG": the
+    n-gram drafter alone (k = min(D, G))."""
     out = []
     for part in spec.split(","):
+        part, _, g = part.partition("+g")
         wd, n = part.split(":")
         w, d = wd.split("x")
-        out.append((int(w), int(d), int(n)))
+        out.append((int(w), int(d), int(n), int(g or 0)))
     return out
 
 
@@ -264,6 +285,7 @@ def main() -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--head", required=True)
     ap.add_argument("--sets", required=True)
+    ap.add_argument("--only", default=None, help="comma-separated set names (default: all)")
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--trees", default="1x4:4,2x4:8,4x5:16,8x6:32")
@@ -289,6 +311,8 @@ def main() -> int:
     oracle = TargetOracle(model, head.head_config.hidden_layer_ids, 2048, 1, 2048, "cpu",
                           torch.float32, "torch")
     for name, prompts in sets.items():
+        if a.only and name not in a.only.split(","):
+            continue
         prompts = pick(prompts, a.num_prompts, "spread")
         engine = LLMEngine(EngineConfig(
             model=a.model, device="cpu", cache=CacheConfig(kv_cache_tokens=len(prompts) * 1200),
@@ -299,17 +323,19 @@ def main() -> int:
                                                        ignore_eos=not a.stop_at_eos))
         del engine
         print(f"{name}: {len(prompts)} plain outputs in {time.time() - t0:.0f} s", flush=True)
-        sums = {f"{w}x{d}:{n}": {"rounds": 0, "accepted": 0, "steps": 0} for w, d, n in trees}
+        name_of = {tr: f"{tr[0]}x{tr[1]}:{tr[2]}" + (f"+g{tr[3]}" if tr[3] else "")
+                   for tr in trees}
+        sums = {name_of[tr]: {"rounds": 0, "accepted": 0, "steps": 0} for tr in trees}
         chain = {"num_drafts": 0, "num_accepted_tokens": 0}
         for prompt, o in zip(prompts, outs, strict=True):
             ids = list(prompt) + o.token_ids
             streams, logits = oracle([ids])
             context = (drafter.context(streams, ids, len(prompt)) if block
                        else drafter.context(streams, ids))
-            for w, d, n in trees:
-                r = walk(drafter, context, ids, len(prompt), w, d, n)
+            for tr in trees:
+                r = walk(drafter, context, ids, len(prompt), *tr)
                 for key in r:
-                    sums[f"{w}x{d}:{n}"][key] += r[key]
+                    sums[name_of[tr]][key] += r[key]
             if block:  # no chain replay to check against: its 1x(g-1) tree is the block
                 continue
             mask = torch.zeros(1, len(ids), dtype=torch.bool)
