@@ -8,10 +8,12 @@ do not: a row by row matmul and logsumexp are each needed there, each shown by r
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
+from draftgraph.kernels import gemv
 
 NGRAM = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
 
@@ -54,3 +56,62 @@ def test_without_exact_rows_the_verify_rows_round_differently():
     plain, _ = _run(SpecConfig(), "off", _prompts())
     spec, _ = _run(NGRAM, "off", _prompts())
     assert [lp for _, lp in spec] != [lp for _, lp in plain]
+
+
+def _weight(n: int = 24, k: int = 40, packed=None) -> torch.Tensor:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    if packed is not None:
+        setattr(w, gemv.PACKED_ATTR, packed)
+    return w
+
+
+def _exact(x, w, b=None):
+    """A product of whole numbers: every summation order gives the same bits."""
+    return F.linear(x.round(), w.round(), b)
+
+
+def _rounds_by_m(from_m: int):
+    """A product whose rows round differently once it has from_m rows or more (as MKL's
+    blocked kernels may), counted."""
+    calls = []
+
+    def mm(x, w, b):
+        calls.append(x.shape[0])
+        y = _exact(x, w, b)
+        return y + 0.5 if x.shape[0] >= from_m else y
+    return mm, calls
+
+
+def test_the_probe_finds_where_rows_stop_being_their_lone_rows():
+    assert gemv.probe_rows(_weight(packed=_rounds_by_m(5)[0]), max_m=12) == 4
+    assert gemv.probe_rows(_weight(packed=_rounds_by_m(2)[0]), max_m=12) == 1
+    assert gemv.probe_rows(_weight(packed=_exact), max_m=12) == 12
+
+
+def test_exact_rows_go_batched_only_within_the_probed_bound():
+    mm, calls = _rounds_by_m(5)
+    w = _weight(packed=mm)
+    setattr(w, gemv.EXACT_ROWS_ATTR, 16)
+    x = torch.randn(7, 40)
+    setattr(w, gemv.ROWS_INVARIANT_ATTR, gemv.probe_rows(w, max_m=12))  # 4
+    calls.clear()
+    gemv.linear(x[:4], w)
+    assert calls == [4]  # within the bound: one product
+    calls.clear()
+    y = gemv.linear(x, w)
+    assert calls == [1] * 7  # past it: row by row, each its lone value
+    assert torch.equal(y, torch.cat([_exact(x[i : i + 1], w) for i in range(7)]))
+    setattr(w, gemv.EXACT_ROWS_ATTR, 0)  # exact rows off: batched whatever the probe said
+    calls.clear()
+    gemv.linear(x, w)
+    assert calls == [7]
+
+
+def test_an_exact_engine_on_the_cpu_marks_its_weights_with_their_probed_bound():
+    _, engine = _run(SpecConfig(), "on", _prompts()[:1], max_tokens=2)
+    model = engine.target.model
+    ws = [p for p in model.parameters() if p.dim() == 2]
+    assert ws and all(getattr(p, gemv.ROWS_INVARIANT_ATTR, None) == gemv.probe_rows(p)
+                      for p in ws[:3])
+    _, off = _run(SpecConfig(), "off", _prompts()[:1], max_tokens=2)
+    assert not any(getattr(p, gemv.EXACT_ROWS_ATTR, 0) for p in off.target.model.parameters())

@@ -151,6 +151,53 @@ def mark_exact_rows(module: torch.nn.Module, max_m: int = EXACT_ROWS_MAX_M) -> N
         setattr(p, EXACT_ROWS_ATTR, max_m)
 
 
+# Exact rows on the CPU without the cost: where a weight's product of up to M rows is measured
+# bitwise equal to its lone rows' on this machine (`probe_rows`: oneDNN picks its kernels by
+# shape, dtype and ISA, and e.g. bf16 on AMX computes each row alike), `linear` runs such rows
+# batched, still exactly as decode rows. Elsewhere (fp32 MKL / oneDNN round a row by M) the
+# rows go one at a time as before.
+ROWS_INVARIANT_ATTR = "_draftgraph_rows_invariant"
+PROBE_MAX_M = 32  # rows probed: a 4x5:16 tree's verify at batch 1 (17), a chain's up to 6
+
+
+def probe_rows(weight: torch.Tensor, max_m: int = PROBE_MAX_M, seed: int = 0) -> int:
+    """The largest M <= max_m such that for every m in 2 .. M the product (F.linear, or the
+    weight's packed form) of m random rows equals each row's lone product to the bit (1: not
+    even two rows)."""
+    mm = getattr(weight, PACKED_ATTR, None) or F.linear
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max_m, weight.shape[1], generator=g).to(weight.dtype)
+    alone = [mm(x[:1], weight, None)]
+    for m in range(2, max_m + 1):  # (a lone row more per m: a failing weight costs 3 calls)
+        alone.append(mm(x[m - 1 : m], weight, None))
+        if not torch.equal(mm(x[:m], weight, None), torch.cat(alone)):
+            return m - 1
+    return max_m
+
+
+_PROBED: dict = {}  # (shape, dtype, packed form, max_m) -> bound: once per process
+
+
+def mark_rows_invariant(module: torch.nn.Module, max_m: int = PROBE_MAX_M) -> dict:
+    """`probe_rows` once per distinct (shape, dtype, packed form) of the module's 2-D CPU
+    weights that take exact rows (and once per process); marks each with its bound.
+    Returns {shape: bound}."""
+    bounds: dict = {}
+    for p in module.parameters():
+        if p.dim() != 2 or p.is_cuda or not getattr(p, EXACT_ROWS_ATTR, 0):
+            continue
+        packed = getattr(p, PACKED_ATTR, None)
+        key = (tuple(p.shape), p.dtype, type(packed).__name__)
+        if key not in bounds:
+            if key + (max_m,) not in _PROBED:
+                with torch.no_grad():
+                    _PROBED[key + (max_m,)] = probe_rows(p, max_m)
+            bounds[key] = _PROBED[key + (max_m,)]
+        setattr(p, ROWS_INVARIANT_ATTR, bounds[key])
+    return {f"{k[0][0]}x{k[0][1]} {str(k[1]).removeprefix('torch.')}": v
+            for k, v in bounds.items()}
+
+
 # Batch invariance (`--deterministic`): on CUDA every product with a marked weight, at every M,
 # runs the batch-invariant matmul (kernels/matmul.py) after the plain norm / activation
 # kernels, which are row-wise already: a row's bits then depend on nothing but the row, so a
@@ -642,12 +689,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     weight's exact-rows bound go one at a time: a multi-row matmul may round a row differently
     from the lone row (MKL/oneDNN pick other kernels by M, and which ones depends on the CPU),
     so a verify row equals the decode row at its position only this way. It costs a weight
-    read per row, hence opt-in."""
+    read per row, hence opt-in; unless this machine's product of M rows was measured to be
+    its lone rows' (`mark_rows_invariant`): then the rows go together."""
     if x.is_cuda and getattr(weight, INVARIANT_ATTR, False):
         return matmul.dot_linear(x, weight, bias)
     mm = getattr(weight, PACKED_ATTR, None) or F.linear
     m = x.numel() // max(x.shape[-1], 1)
-    if x.is_cuda or not 1 < m <= getattr(weight, EXACT_ROWS_ATTR, 0):
+    if (x.is_cuda or not 1 < m <= getattr(weight, EXACT_ROWS_ATTR, 0)
+            or m <= getattr(weight, ROWS_INVARIANT_ATTR, 0)):
         return mm(x, weight, bias)
     rows = x.reshape(m, x.shape[-1])
     y = torch.cat([mm(rows[i : i + 1], weight, bias) for i in range(m)])

@@ -88,6 +88,11 @@ class ModelExecutor:
         if exact_rows is not None or deterministic:
             gemv.mark_exact_rows(model, gemv.EXACT_ROWS_MAX_M if exact else 0)
             gemv.mark_invariant(model, deterministic)
+            if exact and device.type == "cpu":
+                bounds = gemv.mark_rows_invariant(model)
+                logger.info("exact rows on the CPU: products of up to N rows measured bitwise "
+                            "their lone rows' here go batched, the rest one row at a time "
+                            "(N by weight: %s)", bounds)
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads,
                                     max_num_tokens=max_num_tokens, invariant=deterministic)
