@@ -149,7 +149,9 @@ def _keys(k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor, run: 
 class TorchBackend(AttentionBackend):
     """Reference backend: torch metadata builders and per-request SDPA. Eager only. With
     `exact_rows`, a verify chunk attends one row at a time over the keys the decode row at
-    that position owns (the decode row's own SDPA call), not under one causal mask."""
+    that position owns (the decode row's own SDPA call), not under one causal mask; without,
+    a request's tree rows (`RowPaths`: decode rows with lists of their own) attend in one
+    call over their shared prefix and all their paths, each row masked to its own list."""
 
     name = "torch"
     kernels = {Phase.EXTEND: "sdpa", Phase.DECODE: "sdpa", Phase.VERIFY: "sdpa",
@@ -163,11 +165,51 @@ class TorchBackend(AttentionBackend):
         bs = fb.bs
         self._offsets = {"qo": fb.meta.qo_indptr[: bs + 1].tolist()}
         self._positions = fb.positions.tolist() if self.exact_rows else None
+        self._trees = {}
         for kind in fb.meta.kinds(fb.phase is Phase.DRAFT_BLOCK):
             lists = fb.meta.lists[kind]
             indptr = lists.kv_indptr[: bs + 1]
             self._offsets[kind] = (indptr.tolist(), lists.kv_start[:bs].tolist(),
                                    run_starts(lists.kv_indices, indptr).tolist())
+            if fb.paths is not None and not self.exact_rows:
+                self._trees[kind] = self._tree_groups(fb, lists, *self._offsets[kind][:2])
+
+    def _tree_groups(self, fb: ForwardBatch, lists: KVIndexLists, indptr: list[int],
+                     start: list[int]) -> dict[int, tuple]:
+        """Runs of two or more tree rows of one request (the same request row and path base,
+        so the same keys below the base): {first row: (end row, the keys' slots [S], mask
+        [R, S])}, the keys the run's lowest-starting list below the base, then every row's
+        path entries; a row sees the shared keys within its window and its own entries."""
+        bs = fb.bs
+        reqs, base = fb.req_pool_indices.tolist(), fb.paths.base[:bs].tolist()
+        pos = [n - 1 for n in fb.seq_lens.tolist()]  # a tree row's position: its last key's
+        dev, ind, groups, r = fb.seq_lens.device, lists.kv_indices, {}, 0
+        while r < bs:
+            e = r + 1
+            while e < bs and reqs[e] == reqs[r] and base[e] == base[r]:
+                e += 1
+            if e - r > 1:
+                b, lo = base[r], min(start[r:e])
+                j = start.index(lo, r, e)
+                shared = max(0, b - lo)
+                parts = [ind[indptr[j] : indptr[j] + shared]]
+                kpos, own = list(range(lo, lo + shared)), [-1] * shared
+                for i in range(r, e):
+                    t0 = indptr[i] + max(0, b - start[i])
+                    parts.append(ind[t0 : indptr[i + 1]])
+                    n = indptr[i + 1] - t0
+                    kpos += range(pos[i] - n + 1, pos[i] + 1)
+                    own += [i] * n
+                kp = torch.tensor(kpos, device=dev)[None, :]
+                qp = torch.tensor(pos[r:e], device=dev)[:, None]
+                ow = torch.tensor(own, device=dev)[None, :]
+                rows = torch.arange(r, e, device=dev)[:, None]
+                mask = (kp <= qp) & ((ow < 0) | (ow == rows))
+                if lists.window is not None:
+                    mask &= qp - kp < lists.window
+                groups[r] = (e, torch.cat(parts), mask)
+            r = e
+        return groups
 
     def forward(self, q, k, v, layer_id, sliding, fb):
         self.kernel_for(fb.phase)
@@ -180,7 +222,20 @@ class TorchBackend(AttentionBackend):
                                                  SLIDING if sliding else FULL]
         out = torch.zeros_like(q)  # dead packed tokens (past the live ones) read zeros
         by_row = self.exact_rows and fb.phase is Phase.VERIFY
+        trees = self._trees.get(BLOCK if lists.noncausal else SLIDING if sliding else FULL, {})
+        done = 0  # rows below it were attended with their tree run
         for r in range(fb.bs):
+            if r < done:
+                continue
+            if r in trees:  # a run of tree rows (decode rows: row i is token i), one call
+                done, idx, mask = trees[r]
+                qr = q[r:done].transpose(0, 1)[None]  # [1, Hq, R, D]
+                kr = k_cache[idx].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
+                vr = v_cache[idx].transpose(0, 1)[None].to(q.dtype)
+                o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=True)
+                out[r:done] = o[0].transpose(0, 1)
+                continue
             q0, q1 = qo[r], qo[r + 1]
             if q1 == q0:
                 continue
