@@ -115,6 +115,23 @@ def _argmax_lse_combine_kernel(
         tl.store(top_logprob + row, big_m - row_lse)
 
 
+def chunk_partials(logits: torch.Tensor, chunk: int = CHUNK,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1 (one launch): per (row, chunk) of logits [n, V] (unit column stride) its max,
+    the first index of it and its sum of exp(x - max), [n, num_chunks] each (inside a
+    capture from the graph's pool); a combine stage reads them."""
+    n, vocab = logits.shape
+    num_chunks = cdiv(vocab, chunk)
+    part_max = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
+    part_sum = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
+    _argmax_lse_chunk_kernel[(n, num_chunks)](
+        logits, part_max, part_idx, part_sum, vocab, logits.stride(0), num_chunks,
+        CHUNK=chunk, num_warps=CHUNK_WARPS, **pdl_kwargs(logits),
+    )
+    return part_max, part_idx, part_sum
+
+
 def argmax_lse_triton(
     logits: torch.Tensor, chunk: int = CHUNK, *, out: torch.Tensor | None = None,
     top_logprob: torch.Tensor | None = None,
@@ -133,22 +150,14 @@ def argmax_lse_triton(
         assert top_logprob.dtype == torch.float32 and top_logprob.is_contiguous()
     if n == 0:
         return argmax, lse
-    num_chunks = cdiv(vocab, chunk)
-    pdl = pdl_kwargs(logits)
-    # per (row, chunk) partials; inside a capture these come from the graph's pool
-    part_max = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
-    part_sum = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
-    _argmax_lse_chunk_kernel[(n, num_chunks)](
-        logits, part_max, part_idx, part_sum, vocab, logits.stride(0), num_chunks,
-        CHUNK=chunk, num_warps=CHUNK_WARPS, **pdl,
-    )
+    part_max, part_idx, part_sum = chunk_partials(logits, chunk)
+    num_chunks = part_max.shape[1]
     block_c = max(next_pow2(num_chunks), 2)
     _argmax_lse_combine_kernel[(n,)](
         part_max, part_idx, part_sum, argmax, lse,
         top_logprob if top_logprob is not None else lse, vocab, num_chunks,
         HAS_TOP_LP=top_logprob is not None, BLOCK_C=block_c,
-        num_warps=1 if block_c <= 256 else 4, **pdl,
+        num_warps=1 if block_c <= 256 else 4, **pdl_kwargs(logits),
     )
     return argmax, lse
 

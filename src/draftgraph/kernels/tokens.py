@@ -54,7 +54,6 @@ from dataclasses import dataclass
 import torch
 
 from draftgraph.kernels._triton import (
-    cdiv,
     next_pow2,
     pdl_kwargs,
     pdl_wait,
@@ -62,7 +61,7 @@ from draftgraph.kernels._triton import (
     triton,
     triton_usable,
 )
-from draftgraph.kernels.argmax import CHUNK, CHUNK_WARPS, _argmax_lse_chunk_kernel, row_argmax
+from draftgraph.kernels.argmax import chunk_partials, row_argmax
 
 
 @dataclass
@@ -411,21 +410,15 @@ def draft_take_triton(logits: torch.Tensor, vocab: torch.Tensor | None, i: int,
     if bs == 0:
         return out.drafts[:0, i]
     assert out.drafts.stride(1) == 1 and reserved_slots.stride(1) == 1
-    num_chunks = cdiv(width, CHUNK)
-    pdl = pdl_kwargs(logits)
-    part_max = torch.empty(bs, num_chunks, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(bs, num_chunks, dtype=torch.int32, device=logits.device)
-    part_sum = torch.empty(bs, num_chunks, dtype=torch.float32, device=logits.device)
-    _argmax_lse_chunk_kernel[(bs, num_chunks)](
-        logits, part_max, part_idx, part_sum, width, logits.stride(0), num_chunks,
-        CHUNK=CHUNK, num_warps=CHUNK_WARPS, **pdl,
-    )
+    part_max, part_idx, _ = chunk_partials(logits)
+    num_chunks = part_max.shape[1]
     block_c = max(next_pow2(num_chunks), 2)
     _draft_take_kernel[(bs,)](
         part_max, part_idx, vocab if vocab is not None else part_idx, out.drafts, out.ids,
         seq_lens, reserved_slots, out.seq_lens, out.loc, i, width, num_chunks,
         out.drafts.stride(0), reserved_slots.stride(0), HAS_VOCAB=vocab is not None,
-        STAGE=stage, BLOCK_C=block_c, num_warps=1 if block_c <= 256 else 4, **pdl,
+        STAGE=stage, BLOCK_C=block_c, num_warps=1 if block_c <= 256 else 4,
+        **pdl_kwargs(logits),
     )
     return out.drafts[:bs, i]
 
