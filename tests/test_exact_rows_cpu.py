@@ -101,6 +101,9 @@ def test_exact_rows_go_batched_only_within_the_probed_bound():
     y = gemv.linear(x, w)
     assert calls == [1] * 7  # past it: row by row, each its lone value
     assert torch.equal(y, torch.cat([_exact(x[i : i + 1], w) for i in range(7)]))
+    calls.clear()
+    gemv.linear(x[:4], w, torch.zeros(24))  # a bias: the probe did not measure that product
+    assert calls == [1] * 4
     setattr(w, gemv.EXACT_ROWS_ATTR, 0)  # exact rows off: batched whatever the probe said
     calls.clear()
     gemv.linear(x, w)

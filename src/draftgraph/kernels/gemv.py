@@ -690,13 +690,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     from the lone row (MKL/oneDNN pick other kernels by M, and which ones depends on the CPU),
     so a verify row equals the decode row at its position only this way. It costs a weight
     read per row, hence opt-in; unless this machine's product of M rows was measured to be
-    its lone rows' (`mark_rows_invariant`): then the rows go together."""
+    its lone rows' (`mark_rows_invariant`, probed without a bias, so a biased product keeps
+    the rows apart): then the rows go together."""
     if x.is_cuda and getattr(weight, INVARIANT_ATTR, False):
         return matmul.dot_linear(x, weight, bias)
     mm = getattr(weight, PACKED_ATTR, None) or F.linear
     m = x.numel() // max(x.shape[-1], 1)
     if (x.is_cuda or not 1 < m <= getattr(weight, EXACT_ROWS_ATTR, 0)
-            or m <= getattr(weight, ROWS_INVARIANT_ATTR, 0)):
+            or (bias is None and m <= getattr(weight, ROWS_INVARIANT_ATTR, 0))):
         return mm(x, weight, bias)
     rows = x.reshape(m, x.shape[-1])
     y = torch.cat([mm(rows[i : i + 1], weight, bias) for i in range(m)])
