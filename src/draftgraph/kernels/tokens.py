@@ -53,14 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftgraph.kernels._triton import (
-    next_pow2,
-    pdl_kwargs,
-    pdl_wait,
-    tl,
-    triton,
-    triton_usable,
-)
+from draftgraph.kernels._triton import next_pow2, pdl_kwargs, pdl_wait, tl, triton, triton_usable
 from draftgraph.kernels.argmax import chunk_partials, row_argmax
 
 
