@@ -33,3 +33,24 @@ def model_shape(cfg) -> dict:
     return {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
             "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size}
+
+
+def timed_generate(engine, prompts: list, params) -> dict:
+    """One timed `engine.generate` after a 4-token warm-up on the first prompt: tokens/s, the
+    outputs' digest (to compare arms) and, when the engine speculated, its accept length
+    (accepted drafts per verify step + 1, the warm-up included)."""
+    import hashlib
+    import time
+
+    from draftgraph.engine.sampling import SamplingParams
+
+    engine.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0))
+    t0 = time.perf_counter()
+    toks = [o.token_ids for o in engine.generate(prompts, params)]
+    dt = time.perf_counter() - t0
+    out = {"tokens_per_s": sum(map(len, toks)) / dt,
+           "outputs_md5": hashlib.md5(str(toks).encode()).hexdigest()}
+    st = engine.stats
+    if st.get("num_drafts"):
+        out["accept_length"] = 1 + st["num_accepted_tokens"] / st["num_drafts"]
+    return out

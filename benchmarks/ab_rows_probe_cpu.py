@@ -12,14 +12,13 @@ length, and whether each arm's outputs equal plain decoding's with exact rows.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _meta import model_shape, run_header
+from _meta import model_shape, run_header, timed_generate
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
@@ -73,19 +72,9 @@ def main() -> int:
                     for p in loaded.model.parameters():
                         setattr(p, gemv.ROWS_INVARIANT_ATTR, 0)
                 ps = prompts if bs > 1 else prompts[::2]  # batch 1: 4 of them
-                e.generate([ps[0]], SamplingParams(max_tokens=4, temperature=0.0))  # warm
-                t0 = time.perf_counter()
-                res = e.generate(ps, params)
-                dt = time.perf_counter() - t0
-                toks = [o.token_ids for o in res]
-                n = sum(len(t) for t in toks)
                 run = {"repeat": rep, "mode": label, "arm": arm, "batch": bs,
-                       "tokens_per_s": n / dt, "engine_start_s": start_s,
-                       "probed_rows": sorted(set(bounds.values())),
-                       "outputs_md5": hashlib.md5(str(toks).encode()).hexdigest()}
-                if arm != "plain":  # accepted drafts per verify step + 1 (warm-up included)
-                    st = e.stats
-                    run["accept_length"] = 1 + st["num_accepted_tokens"] / max(st["num_drafts"], 1)
+                       **timed_generate(e, ps, params), "engine_start_s": start_s,
+                       "probed_rows": sorted(set(bounds.values()))}
                 out["runs"].append(run)
                 print(json.dumps(run), flush=True)
                 del e, d

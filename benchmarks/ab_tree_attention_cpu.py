@@ -10,14 +10,12 @@ arms interleaved over `--repeats` rounds. Tokens/s, accept length, outputs equal
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-from _meta import model_shape, run_header
+from _meta import model_shape, run_header, timed_generate
 
 from draftgraph.attention.backend import TorchBackend
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
@@ -64,17 +62,8 @@ def main() -> int:
                         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=2048,
                                                   max_model_len=2048), spec=spec),
                         loaded=loaded, drafter=d)
-                    e.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0))
-                    t0 = time.perf_counter()
-                    toks = [o.token_ids for o in e.generate(prompts, params)]
-                    dt = time.perf_counter() - t0
                     run = {"dtype": dtype_name, "repeat": rep, "mode": mode, "arm": arm,
-                           "tokens_per_s": sum(map(len, toks)) / dt,
-                           "outputs_md5": hashlib.md5(str(toks).encode()).hexdigest()}
-                    if arm != "plain":
-                        st = e.stats
-                        run["accept_length"] = (1 + st["num_accepted_tokens"]
-                                                / max(st["num_drafts"], 1))
+                           **timed_generate(e, prompts, params)}
                     out["runs"].append(run)
                     print(json.dumps(run), flush=True)
                     del e, d
