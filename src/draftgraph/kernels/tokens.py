@@ -357,19 +357,26 @@ def stage_catch_up(tokens: torch.Tensor, accept_lens: torch.Tensor,
                            out)
 
 
-def draft_take_ref(logits: torch.Tensor, vocab: torch.Tensor | None, i: int,
-                   seq_lens: torch.Tensor, reserved_slots: torch.Tensor, out: ChainSteps,
-                   stage: bool) -> torch.Tensor:
-    bs = logits.shape[0]
-    tok = row_argmax(logits)  # (on CUDA the argmax kernels: the A arm is what it was)
-    if vocab is not None:
-        tok = vocab[tok]
+def record_take(tok: torch.Tensor, i: int, seq_lens: torch.Tensor,
+                reserved_slots: torch.Tensor, out: ChainSteps, stage: bool) -> torch.Tensor:
+    """Drafts tok [bs] (target ids) as drafts[:, i] and the next step's token; with `stage`
+    the next step's KV length and slot (torch ops: `draft_take`'s twin, and a sampled take's
+    whole record). Returns the drafts' column."""
+    bs = tok.shape[0]
     out.drafts[:bs, i].copy_(tok)
     out.ids[:bs].copy_(tok)
     if stage:
         torch.add(seq_lens, i + 1, out=out.seq_lens[:bs])
         out.loc[:bs].copy_(reserved_slots[:, i + 1])
     return out.drafts[:bs, i]
+
+
+def draft_take_ref(logits: torch.Tensor, vocab: torch.Tensor | None, i: int,
+                   seq_lens: torch.Tensor, reserved_slots: torch.Tensor, out: ChainSteps,
+                   stage: bool) -> torch.Tensor:
+    tok = row_argmax(logits)  # (on CUDA the argmax kernels: the A arm is what it was)
+    return record_take(vocab[tok] if vocab is not None else tok, i, seq_lens, reserved_slots,
+                       out, stage)
 
 
 @triton.jit(do_not_specialize=["col"])

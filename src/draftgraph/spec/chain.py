@@ -28,7 +28,7 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.kernels.argmax import row_argmax
 from draftgraph.kernels.sampling import draft_sample
-from draftgraph.kernels.tokens import ChainSteps, draft_take
+from draftgraph.kernels.tokens import ChainSteps, draft_take, record_take
 from draftgraph.runtime.sampling import STREAM_DRAFT
 from draftgraph.spec.drafter import DraftContext, Drafter, Proposal
 
@@ -192,15 +192,9 @@ class ChainDrafter(StagedDrafter):
         if ctx.greedy:
             return draft_take(logits, self.vocab, i, ctx.seq_lens, ctx.reserved_slots,
                               self.steps, stage)
-        bs = logits.shape[0]
-        tok, q = self.sample_drafts(logits, ctx, self.step_seq_lens[:bs])
+        tok, q = self.sample_drafts(logits, ctx, self.step_seq_lens[: logits.shape[0]])
         self._probs.append(q)
-        self.drafts[:bs, i].copy_(tok)
-        self.step_ids[:bs].copy_(tok)
-        if stage:
-            torch.add(ctx.seq_lens, i + 1, out=self.step_seq_lens[:bs])
-            self.step_loc[:bs].copy_(ctx.reserved_slots[:, i + 1])
-        return tok
+        return record_take(tok, i, ctx.seq_lens, ctx.reserved_slots, self.steps, stage)
 
     def finish(self, ctx: DraftContext) -> Proposal:
         bs = ctx.seq_lens.shape[0]
