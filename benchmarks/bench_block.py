@@ -9,6 +9,9 @@ run over one target: the plain decode step, then per arm the speculative round (
                               verified nodes)
     <method>|<head>|batchplan the in-graph arm (k = 4) with verify attention planned by the
                               requests, not the rows (the A arm of that plan)
+    <arm>/dot                 the arm with the target's multi-row products (verify rows) on
+                              the tensor-core matmul with programmatic dependent launch
+                              instead of cuBLAS (`gemv.mark_dot_rows`: the A/B of that path)
     <arm>/twins               the arm with a step's packing, acceptance and catch-up staging as
                               the torch ops they were before their kernels (`glue_twins`: the A
                               arm of kernels/tree.py's pack / accept, kernels/tokens.py's
@@ -40,6 +43,7 @@ from bench_chain import run
 from draftgraph.attention.triton_backend import TritonBackend
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
+from draftgraph.kernels import gemv
 from draftgraph.models.loader import load_model
 from draftgraph.spec import make_drafter
 from draftgraph.spec.block import BlockHeadDrafter
@@ -125,6 +129,8 @@ def main() -> int:
             BlockHeadDrafter.in_graph = property(lambda self: False)
         # batchplan: verify attention planned by the requests, as before rows planned it
         TritonBackend.verify_plan_by_rows = mode != "batchplan"
+        if variant == "dot":
+            gemv.mark_dot_rows(target.model)
         try:
             with glue(variant):
                 e = engine(d)
@@ -132,6 +138,7 @@ def main() -> int:
                 r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)
         finally:
             TritonBackend.verify_plan_by_rows = True
+            gemv.mark_dot_rows(target.model, 0)
             if patched:
                 BlockHeadDrafter.in_graph = saved
         r.update(method=method, head=head, mode=mode, variant=variant or "kernels",

@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from draftgraph.kernels import argmax as A  # noqa: E402
 from draftgraph.kernels import elementwise as E  # noqa: E402
+from draftgraph.kernels import matmul as MM  # noqa: E402
 from draftgraph.kernels import metadata as M  # noqa: E402
 from draftgraph.kernels import tokens as K  # noqa: E402
 from draftgraph.kernels import tree as T  # noqa: E402
@@ -112,6 +113,19 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {n: "i32" for n in ("r2t_stride", "capacity", "window", "path_stride")},
                   {"SLOTS": slots, "LISTS": lists, "SLIDING": sliding, "PATHS": paths,
                    "NEW": new, "SCAN_BLOCK": M.SCAN_BLOCK, "BLOCK": M.COPY_BLOCK}))
+    bf16 = "*bf16"
+    for split in (1, 4):  # SmolLM2's qkv and down configs (DOT_TUNED), with PDL
+        c.append((f"tensor-core rows split={split}", MM._dot_kernel,
+                  {"x": bf16, "w": bf16, "y": bf16, "part": f32, "bias": bf16, "res": bf16,
+                   **{n: "i32" for n in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
+                                         "stride_ym", "stride_rm")}},
+                  {"HAS_BIAS": False, "HAS_RES": False, "SPLIT": split, "EVEN_K": True,
+                   "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64,
+                   "PDL": True}))
+    c.append(("tensor-core rows combine", MM._combine_kernel,
+              {"part": f32, "y": bf16, "bias": bf16, "res": bf16,
+               **{n: "i32" for n in ("M", "N", "stride_ym", "stride_rm")}},
+              {"HAS_BIAS": False, "HAS_RES": False, "SPLIT": 4, "BLOCK": 1024, "PDL": True}))
     return c
 
 

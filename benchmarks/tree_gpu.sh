@@ -15,6 +15,11 @@
 #           BATCHES, 512 tokens of context) with the shipped chain head: chain k = 4 against
 #           trees, each also with the step's glue as the torch ops it was (`/twins`: the A
 #           arm), the plain decode step in the same run (`bench_block.py`); TEMP=0.7: sampled.
+#   dot:    the rounds of `rounds` (no twins) against the same arms with the target's
+#           multi-row products on the tensor-core matmul with PDL (`/dot`, gemv.mark_dot_rows),
+#           then the kernel tests of that matmul's PDL chain and the deterministic GPU tests.
+#   kernels: GPU time per kernel name over graph-replayed rounds (`bench_block.py --kernels`),
+#           chain k = 4 and the trees TREES, plain decode in the same run.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
 #           calls 1-7 `bash benchmarks/tree_gpu.sh stage N` with carry [".modeliN"], then
 #           `bash benchmarks/tree_gpu.sh real` with carry [".modeli8", ".whl_gguf"]): greedy
@@ -52,6 +57,24 @@ case "${1:-}" in
         --out "$OUT/tree_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
         | grep -v -i warn | cut -c1-400
     done ;;
+  dot)
+    arms="chain|$H|4;chain|$H|4/dot"
+    for t in $TREES; do arms="$arms;chain|$H|$t;chain|$H|$t/dot"; done
+    for bs in ${BATCHES:-1 4}; do
+      timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m \
+        --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
+        --out "$OUT/dot_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
+        | grep -v -i warn | cut -c1-400
+    done
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py -k pdl \
+      tests/test_gpu_deterministic.py 2>&1 | tail -5 | tee "$OUT/dot_tests.log" ;;
+  kernels)
+    arms="chain|$H|4"
+    for t in $TREES; do arms="$arms;chain|$H|$t"; done
+    timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m --kernels \
+      --batch-size ${BS:-1} --steps 100 --arms "$arms" \
+      --out "$OUT/tree_kernel_times_smollm2_bs${BS:-1}.json" 2>&1 | grep -E "arm|rror" \
+      | grep -v -i warn | cut -c1-400 ;;
   stage|real)
     . benchmarks/gguf_parts.sh
     gguf_stage_or_join "$@"
@@ -64,5 +87,5 @@ case "${1:-}" in
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}.json" 2>&1 | grep -v Warning | tail -12
     ;;
-  *) echo "usage: $0 tests | tests2 | sites | rounds | stage N | real"; exit 2 ;;
+  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | kernels | stage N | real"; exit 2 ;;
 esac

@@ -174,6 +174,21 @@ def test_fused_kernels_take_single_rows_on_cuda_and_more_for_exact_weights():
     assert G.pays(G.EXACT_ROWS_MAX_M, marked) and not G.pays(G.EXACT_ROWS_MAX_M + 1, marked)
 
 
+def test_tensor_core_rows_take_marked_weights_from_two_rows_to_their_bound():
+    from types import SimpleNamespace
+
+    lin = torch.nn.Linear(4, 3, bias=False)
+    cuda_x, cpu_x = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    assert not any(G._dot(cuda_x, lin.weight, m) for m in (1, 2, 64))  # unmarked: cuBLAS
+    G.mark_dot_rows(lin, 8)
+    assert [G._dot(cuda_x, lin.weight, m) for m in (1, 2, 8, 9)] == [False, True, True, False]
+    assert not G._dot(cpu_x, lin.weight, 2)  # CUDA only
+    G.mark_dot_rows(lin, 0)
+    assert not G._dot(cuda_x, lin.weight, 2)
+    invariant = SimpleNamespace(**{G.INVARIANT_ATTR: True})  # --deterministic: every M
+    assert G._dot(cuda_x, invariant, 1) and G._dot(cuda_x, invariant, 500)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dispatch")
 def test_cpu_dispatch_runs_the_unfused_chain_equal_to_the_twins():
     x, w, norm_w = randn(2, K), weight(), randn(K, seed=4)
@@ -333,7 +348,7 @@ def test_exact_rows_setting_is_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs an sm_90+ GPU")
-@pytest.mark.parametrize("path", ["decode", "verify"])
+@pytest.mark.parametrize("path", ["decode", "verify", "verify_dot"])
 def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, path):
     """A layer's chain of dependent kernels, 8 layers deep, then the LM head and argmax,
     captured with programmatic dependent launch and replayed on fresh inputs, is bitwise the
@@ -341,8 +356,10 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, path):
     before its wait would see the previous replay's values). decode: one row through the
     fused kernels (norm + qkv + RoPE + KV store, decode attention, o + residual, norm +
     gate_up, SwiGLU + down + residual); verify: 4 rows through norm, cuBLAS, RoPE + KV store,
-    extend attention and SwiGLU kernels between the cuBLAS projections."""
+    extend attention and SwiGLU kernels between the cuBLAS projections; verify_dot: the same
+    with the tensor-core matmul (kernels/matmul.py, split-K's combine among them) for cuBLAS."""
     from draftgraph.kernels import _triton
+    from draftgraph.kernels import matmul as MM
     from draftgraph.kernels.argmax import argmax_lse_triton
     from draftgraph.kernels.attention import decode_attention, extend_attention
     from draftgraph.kernels.elementwise import (
@@ -384,17 +401,19 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, path):
         gu, res = G.rmsnorm_gemv_triton(res, L["n2"], 1e-5, L["gu"])
         return G.silu_mul_gemv_triton(gu, L["down"], residual=res)
 
+    lin = MM.dot_linear if path == "verify_dot" else F.linear
+
     def verify_layer(x, res, L, kc, vc):
         h, res = rms_norm_triton(x, L["n1"], 1e-5, res)
-        q, k, v = F.linear(h, L["qkv"]).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        q, k, v = lin(h, L["qkv"]).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
         q = rope_and_store_kv(q.reshape(rows, hq, hd), k.reshape(rows, hkv, hd),
                               v.reshape(rows, hkv, hd), pos, cos_sin, kc, vc, pos)
         attn = torch.empty(rows, hq, hd, dtype=dt, device=dev)
         extend_attention(q, kc, vc, qo_indptr, indptr, indices, start, pos, None, hd ** -0.5,
                          attn, 1)
-        h, res = rms_norm_triton(F.linear(attn.view(rows, -1), L["o"]), L["n2"], 1e-5,
+        h, res = rms_norm_triton(lin(attn.view(rows, -1), L["o"]), L["n2"], 1e-5,
                                  res if res is not None else x)
-        return F.linear(silu_and_mul_triton(F.linear(h, L["gu"])), L["down"]) + res
+        return lin(silu_and_mul_triton(lin(h, L["gu"])), L["down"]) + res
 
     layer = decode_layer if path == "decode" else verify_layer
 
@@ -403,7 +422,7 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch, path):
         for L, (kc, vc) in zip(layers, caches, strict=True):
             x = layer(x, res, L, kc, vc)
         h, _ = G.rmsnorm_gemv_triton(x, nf, 1e-5, lm) if path == "decode" else \
-            (F.linear(rms_norm_triton(x, nf, 1e-5)[0], lm), None)
+            (lin(rms_norm_triton(x, nf, 1e-5)[0], lm), None)
         return argmax_lse_triton(h)
 
     inputs = [rnd(rows, hidden, scale=1.0) for _ in range(4)]

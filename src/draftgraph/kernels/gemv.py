@@ -211,6 +211,29 @@ def mark_invariant(module: torch.nn.Module, on: bool = True) -> None:
         setattr(p, INVARIANT_ATTR, on)
 
 
+# Tensor-core rows (an A/B arm of `benchmarks/bench_block.py`, off in the engine): on CUDA a
+# product of 2 .. the weight's bound rows (verify rows, a tree's beam rows, small decode
+# batches) runs the batch-invariant matmul (kernels/matmul.py: one tuned config per shape, 64-
+# row tiles, programmatic dependent launch) instead of cuBLAS, which cannot overlap its launch
+# with the kernel before it. Single rows keep the fused kernels.
+DOT_ROWS_ATTR = "_draftgraph_dot_rows"
+DOT_ROWS_MAX_M = 64
+
+
+def mark_dot_rows(module: torch.nn.Module, max_m: int = DOT_ROWS_MAX_M) -> None:
+    """Products of 2 .. max_m rows with the module's weights take the tensor-core matmul on
+    CUDA (0: cuBLAS again)."""
+    for p in module.parameters():
+        setattr(p, DOT_ROWS_ATTR, max_m)
+
+
+def _dot(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
+    """Whether `m` rows times `weight` take the batch-invariant matmul (CUDA only): every M
+    under `--deterministic`, 2 .. the weight's bound with tensor-core rows."""
+    return x.is_cuda and (getattr(weight, INVARIANT_ATTR, False)
+                          or 1 < m <= getattr(weight, DOT_ROWS_ATTR, 0))
+
+
 def wants_exact_rows(module: torch.nn.Module) -> bool:
     """"auto": exact rows for a model whose weights are at most EXACT_ROWS_MAX_BYTES."""
     return sum(p.numel() * p.element_size() for p in module.parameters()) <= EXACT_ROWS_MAX_BYTES
@@ -692,10 +715,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     read per row, hence opt-in; unless this machine's product of M rows was measured to be
     its lone rows' (`mark_rows_invariant`, probed without a bias, so a biased product keeps
     the rows apart): then the rows go together."""
-    if x.is_cuda and getattr(weight, INVARIANT_ATTR, False):
+    m = x.numel() // max(x.shape[-1], 1)
+    if _dot(x, weight, m):
         return matmul.dot_linear(x, weight, bias)
     mm = getattr(weight, PACKED_ATTR, None) or F.linear
-    m = x.numel() // max(x.shape[-1], 1)
     if (x.is_cuda or not 1 < m <= getattr(weight, EXACT_ROWS_ATTR, 0)
             or (bias is None and m <= getattr(weight, ROWS_INVARIANT_ATTR, 0))):
         return mm(x, weight, bias)
@@ -711,7 +734,7 @@ def _linear(x, weight, bias, out_dtype) -> torch.Tensor:
     if not x.is_cuda:
         return F.linear(x.to(out_dtype), weight.to(out_dtype),
                         bias.to(out_dtype) if bias is not None else None)
-    if getattr(weight, INVARIANT_ATTR, False):
+    if _dot(x, weight, x.numel() // max(x.shape[-1], 1)):
         return matmul.dot_linear(x, weight, bias, out_dtype=out_dtype)
     y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)
     y = y.view(*x.shape[:-1], weight.shape[0])

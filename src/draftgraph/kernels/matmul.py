@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from draftgraph.kernels._triton import cdiv, tl, triton
+from draftgraph.kernels._triton import cdiv, pdl_kwargs, pdl_wait, tl, triton
 
 
 class DotConfig(NamedTuple):
@@ -93,8 +93,9 @@ def _dot_kernel(
     stride_xm, stride_wn, stride_ym, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # every program, before its first load
     # Row blocks are the fastest grid axis: the programs that share a weight tile run
     # together, and all but the first read it from L2.
     pid_m = tl.program_id(0)
@@ -136,8 +137,10 @@ def _dot_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _combine_kernel(part, y, bias, res, M, N, stride_ym, stride_rm, HAS_BIAS: tl.constexpr,
-                    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     # y = part[0] + part[1] + ... + part[SPLIT - 1] (+ bias) (+ residual), in that order
+    pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     size = M.to(tl.int64) * N
     mask = offs < size
@@ -186,7 +189,7 @@ def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         x2.stride(0), weight.stride(0), y.stride(0), res.stride(0) if res is not None else 0,
         HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split,
         EVEN_K=k_split * split == k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **pdl_kwargs(x2),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
@@ -195,7 +198,7 @@ def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             part, y, bias if bias is not None else dummy, res if res is not None else dummy,
             m, n, y.stride(0), res.stride(0) if res is not None else 0,
             HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split, BLOCK=block,
-            num_warps=4,
+            **pdl_kwargs(x2), num_warps=4,
         )
     return y.view(*x.shape[:-1], n)
 
