@@ -9,9 +9,10 @@ run over one target: the plain decode step, then per arm the speculative round (
                               verified nodes)
     <method>|<head>|batchplan the in-graph arm (k = 4) with verify attention planned by the
                               requests, not the rows (the A arm of that plan)
-    <arm>/dot                 the arm with the target's multi-row products (verify rows) on
-                              the tensor-core matmul with programmatic dependent launch
-                              instead of cuBLAS (`gemv.mark_dot_rows`: the A/B of that path)
+    <arm>/dot                 the arm with the target's and the head's multi-row products
+                              (verify rows, a tree's beam rows) on the tensor-core matmul
+                              with programmatic dependent launch instead of cuBLAS
+                              (`gemv.mark_dot_rows`: the A/B of that path)
     <arm>/twins               the arm with a step's packing, acceptance and catch-up staging as
                               the torch ops they were before their kernels (`glue_twins`: the A
                               arm of kernels/tree.py's pack / accept, kernels/tokens.py's
@@ -131,6 +132,7 @@ def main() -> int:
         TritonBackend.verify_plan_by_rows = mode != "batchplan"
         if variant == "dot":
             gemv.mark_dot_rows(target.model)
+            gemv.mark_dot_rows(d.head)
         try:
             with glue(variant):
                 e = engine(d)

@@ -126,7 +126,8 @@ class HeadFirstLayer(nn.Module):
         ln, hn = self.input_layernorm, self.hidden_norm
         ops.rms_norm(embeds, ln.weight, ln.eps, out=x[..., :h])
         ops.rms_norm(feat, hn.weight, hn.eps, out=x[..., h:])
-        return self.self_attn.qkv_proj(x)
+        qkv = self.self_attn.qkv_proj
+        return gemv.linear(x, qkv.weight, qkv.bias)
 
     def forward(self, embeds, feat, fb, backend, cos_sin_cache):
         attn = self.self_attn
@@ -184,7 +185,7 @@ class ChainHead(nn.Module):
 
     def features(self, streams: torch.Tensor) -> torch.Tensor:
         """The target's concatenated streams [T, n * hidden] -> features [T, hidden]."""
-        return self.fc(streams)
+        return gemv.linear(streams, self.fc.weight)
 
     def forward(self, embeds: torch.Tensor, feat: torch.Tensor, fb: ForwardBatch,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +208,8 @@ class ChainHead(nn.Module):
             x, residual = layer(x, residual, fb, backend, cache)
         last = self.layers[-1]
         h, _ = last.input_layernorm(x, residual)
-        store_kv_only(last.self_attn, last.self_attn.qkv_proj(h), fb, backend, cache)
+        qkv = last.self_attn.qkv_proj
+        store_kv_only(last.self_attn, gemv.linear(h, qkv.weight, qkv.bias), fb, backend, cache)
 
     @property
     def reduced_vocab(self) -> bool:
