@@ -94,10 +94,16 @@ def main() -> int:
                     help="add GPU time per kernel name over 10 rounds (torch.profiler)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: sampled rounds (seed 0 per request; plain decode sampled too)")
+    ap.add_argument("--dot-rows", default=None,
+                    help="MIN:MAX: in the whole run (plain decode too) products of MIN .. MAX "
+                         "rows on the tensor-core matmul (gemv.mark_dot_rows); '/dot' arms "
+                         "take 2:64")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     target = load_model(a.target, device="cuda", dtype=dtype)
+    dot_rows = tuple(int(v) for v in a.dot_rows.split(":")) if a.dot_rows else None
+    gemv.mark_dot_rows(target.model, dot_rows)
 
     def engine(d=None):  # d None: plain decoding
         spec = SpecConfig(method="ngram", num_draft_tokens=d.k, adaptive=False) \
@@ -111,7 +117,7 @@ def main() -> int:
 
     out = {"benchmark": "block_round", **run_header(), "target": a.target,
            "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
-           "temperature": a.temperature,
+           "temperature": a.temperature, "dot_rows": dot_rows,
            "target_shape": model_shape(target.config), "arms": {}}
     e = engine()
     out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels,
@@ -130,9 +136,9 @@ def main() -> int:
             BlockHeadDrafter.in_graph = property(lambda self: False)
         # batchplan: verify attention planned by the requests, as before rows planned it
         TritonBackend.verify_plan_by_rows = mode != "batchplan"
-        if variant == "dot":
-            gemv.mark_dot_rows(target.model)
-            gemv.mark_dot_rows(d.head)
+        rows = gemv.DOT_ROWS if variant == "dot" else dot_rows
+        gemv.mark_dot_rows(target.model, rows)
+        gemv.mark_dot_rows(d.head, rows)
         try:
             with glue(variant):
                 e = engine(d)
@@ -140,7 +146,7 @@ def main() -> int:
                 r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)
         finally:
             TritonBackend.verify_plan_by_rows = True
-            gemv.mark_dot_rows(target.model, 0)
+            gemv.mark_dot_rows(target.model, dot_rows)
             if patched:
                 BlockHeadDrafter.in_graph = saved
         r.update(method=method, head=head, mode=mode, variant=variant or "kernels",

@@ -18,6 +18,9 @@
 #   dot:    the rounds of `rounds` (no twins) against the same arms with the target's
 #           multi-row products on the tensor-core matmul with PDL (`/dot`, gemv.mark_dot_rows),
 #           then the kernel tests of that matmul's PDL chain and the deterministic GPU tests.
+#   dotab:  the same arms with and without `--dot-rows ${ROWS:-9:128}` (every product of
+#           that many rows on the tensor-core matmul, plain decode included), alternating, at
+#           batch sizes BATCHES (1 4 32; trees where they are drafted, at up to 4 requests).
 #   kernels: GPU time per kernel name over graph-replayed rounds (`bench_block.py --kernels`),
 #           chain k = 4 and the trees TREES, plain decode in the same run.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
@@ -68,6 +71,19 @@ case "${1:-}" in
     done
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py -k pdl \
       tests/test_gpu_deterministic.py 2>&1 | tail -5 | tee "$OUT/dot_tests.log" ;;
+  dotab)
+    for bs in ${BATCHES:-1 4 32}; do
+      arms="chain|$H|4"
+      [ "$bs" -le 4 ] && for t in $TREES; do arms="$arms;chain|$H|$t"; done
+      for rows in none ${ROWS:-9:128}; do
+        flag=""; [ "$rows" != none ] && flag="--dot-rows $rows"
+        timeout 200 python3 benchmarks/bench_block.py --target random:smollm2-135m $flag \
+          --batch-size "$bs" --steps 100 --arms "$arms" \
+          --out "$OUT/dotab_smollm2_bs${bs}_${rows/:/_}.json" 2>&1 | grep -E "arm|rror" \
+          | grep -v -i warn | cut -c1-160
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode', d['plain_decode']['ms_per_round'], {k: round(v['ms_per_round'], 4) for k, v in d['arms'].items()})" "$OUT/dotab_smollm2_bs${bs}_${rows/:/_}.json"
+      done
+    done ;;
   kernels)
     arms="chain|$H|4"
     for t in $TREES; do arms="$arms;chain|$H|$t"; done
@@ -81,11 +97,12 @@ case "${1:-}" in
     export PYTHONPATH=/tmp/site:$PYTHONPATH
     arms="plain,chain@$H"
     for t in $TREES; do arms="$arms,chain+$t@$H"; done
+    arms=${ARMS:-$arms}  # e.g. with "dot:" arms (bench_accept.py)
     timeout ${LIMIT:-520} python3 benchmarks/bench_accept.py --model "$M" --device cuda \
       --dtype bfloat16 --sets benchmarks/data/accept_sets_smollm2_ids.json \
       --only mtbench,humaneval --num-prompts ${N:-20} --batch ${BS:-1} \
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}.json" 2>&1 | grep -v Warning | tail -12
     ;;
-  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | kernels | stage N | real"; exit 2 ;;
+  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | dotab | kernels | stage N | real"; exit 2 ;;
 esac

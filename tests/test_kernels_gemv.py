@@ -174,17 +174,19 @@ def test_fused_kernels_take_single_rows_on_cuda_and_more_for_exact_weights():
     assert G.pays(G.EXACT_ROWS_MAX_M, marked) and not G.pays(G.EXACT_ROWS_MAX_M + 1, marked)
 
 
-def test_tensor_core_rows_take_marked_weights_from_two_rows_to_their_bound():
+def test_tensor_core_rows_take_marked_weights_within_their_row_range():
     from types import SimpleNamespace
 
     lin = torch.nn.Linear(4, 3, bias=False)
     cuda_x, cpu_x = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
     assert not any(G._dot(cuda_x, lin.weight, m) for m in (1, 2, 64))  # unmarked: cuBLAS
-    G.mark_dot_rows(lin, 8)
+    G.mark_dot_rows(lin, (2, 8))
     assert [G._dot(cuda_x, lin.weight, m) for m in (1, 2, 8, 9)] == [False, True, True, False]
-    assert not G._dot(cpu_x, lin.weight, 2)  # CUDA only
-    G.mark_dot_rows(lin, 0)
-    assert not G._dot(cuda_x, lin.weight, 2)
+    G.mark_dot_rows(lin, (1, 16))  # a lone row keeps the fused kernels whatever the range
+    assert [G._dot(cuda_x, lin.weight, m) for m in (1, 8, 9, 17)] == [False, True, True, False]
+    assert not G._dot(cpu_x, lin.weight, 9)  # CUDA only
+    G.mark_dot_rows(lin, None)
+    assert not G._dot(cuda_x, lin.weight, 9)
     invariant = SimpleNamespace(**{G.INVARIANT_ATTR: True})  # --deterministic: every M
     assert G._dot(cuda_x, invariant, 1) and G._dot(cuda_x, invariant, 500)
 

@@ -211,27 +211,30 @@ def mark_invariant(module: torch.nn.Module, on: bool = True) -> None:
         setattr(p, INVARIANT_ATTR, on)
 
 
-# Tensor-core rows (an A/B arm of `benchmarks/bench_block.py`, off in the engine): on CUDA a
-# product of 2 .. the weight's bound rows (verify rows, a tree's beam rows, small decode
-# batches) runs the batch-invariant matmul (kernels/matmul.py: one tuned config per shape, 64-
-# row tiles, programmatic dependent launch) instead of cuBLAS, which cannot overlap its launch
-# with the kernel before it. Single rows keep the fused kernels.
+# Tensor-core rows (A/B arms of `benchmarks/bench_block.py` and `bench_accept.py`, off in the
+# engine): on CUDA a product of min_m .. max_m rows (a tree's verify rows, say) runs the
+# batch-invariant matmul (kernels/matmul.py: one tuned config per shape, 64-row tiles,
+# programmatic dependent launch) instead of cuBLAS, which cannot overlap its launch with the
+# kernel before it. Single rows keep the fused kernels.
 DOT_ROWS_ATTR = "_draftgraph_dot_rows"
-DOT_ROWS_MAX_M = 64
+DOT_ROWS = (2, 64)
 
 
-def mark_dot_rows(module: torch.nn.Module, max_m: int = DOT_ROWS_MAX_M) -> None:
-    """Products of 2 .. max_m rows with the module's weights take the tensor-core matmul on
-    CUDA (0: cuBLAS again)."""
+def mark_dot_rows(module: torch.nn.Module, rows: tuple[int, int] | None = DOT_ROWS) -> None:
+    """Products of rows[0] .. rows[1] rows with the module's weights take the tensor-core
+    matmul on CUDA (None: cuBLAS again)."""
     for p in module.parameters():
-        setattr(p, DOT_ROWS_ATTR, max_m)
+        setattr(p, DOT_ROWS_ATTR, rows)
 
 
 def _dot(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
     """Whether `m` rows times `weight` take the batch-invariant matmul (CUDA only): every M
-    under `--deterministic`, 2 .. the weight's bound with tensor-core rows."""
-    return x.is_cuda and (getattr(weight, INVARIANT_ATTR, False)
-                          or 1 < m <= getattr(weight, DOT_ROWS_ATTR, 0))
+    under `--deterministic`, the weight's tensor-core rows."""
+    if not x.is_cuda:
+        return False
+    rows = getattr(weight, DOT_ROWS_ATTR, None)
+    return getattr(weight, INVARIANT_ATTR, False) or (rows is not None
+                                                      and max(2, rows[0]) <= m <= rows[1])
 
 
 def wants_exact_rows(module: torch.nn.Module) -> bool:
