@@ -15,7 +15,9 @@ An arm `chain@DIR` (or `block@DIR`) drafts with the head directory DIR instead o
 (--block-head), so several heads run in one process on the same prompts; drafters run k drafts
 every step, `chain+adaptive` (`ngram+adaptive`, ...) with the engine's default adaptive draft
 length instead, `chain+4x5:16` with draft trees (width 4, depth 5, 16 verified nodes:
-`--speculative-tree`):
+`--speculative-tree`); a prefix `dot:` or `cublas:` runs the arm with `--tensor-core-rows`
+on or off (GPU: products of 9 .. 64 rows on the tensor-core matmul or on cuBLAS; else the
+engine's default, "auto"):
 
     python benchmarks/bench_accept.py --arms plain,chain@runs/a/head,chain@runs/b/head ...
 
@@ -37,9 +39,7 @@ from _meta import model_shape, run_header
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
-from draftgraph.kernels import gemv
 from draftgraph.models.loader import load_model
-from draftgraph.spec import make_drafter
 
 
 def pick(prompts: list, n: int, how: str) -> list:
@@ -98,9 +98,10 @@ def main() -> int:
             # an arm named twice (plain before and after, say) is kept twice: arm, arm#2, ...
             seen = sum(k.split("#")[0] == arm for k in res)
             arm_key = arm if seen == 0 else f"{arm}#{seen + 1}"
-            # "dot:<arm>": multi-row products on the tensor-core matmul (gemv.mark_dot_rows)
-            dot = arm.startswith("dot:")
-            kind, _, head = arm.removeprefix("dot:").partition("@")
+            # "dot:<arm>" / "cublas:<arm>": --tensor-core-rows on / off (else the default)
+            rows, _, bare = arm.partition(":") if arm.split(":")[0] in ("dot", "cublas") \
+                else ("", "", arm)
+            kind, _, head = bare.partition("@")
             kind, _, mode = kind.partition("+")  # "+adaptive": the engine's default policy
             adaptive = mode == "adaptive"
             tree = TreeShape.parse(mode) if ":" in mode else None  # "+WxD:N": draft trees
@@ -111,18 +112,13 @@ def main() -> int:
                                         block_size=a.block_size, adaptive=adaptive),
                     "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,
                                         adaptive=adaptive)}[kind]
-            drafter = None
-            gemv.mark_dot_rows(loaded.model, gemv.DOT_ROWS if dot else None)
-            if dot and kind != "plain":  # its head's products too, before graphs are captured
-                drafter = make_drafter(spec, a.device, loaded.model.lm_head_weight.dtype,
-                                       loaded.config)
-                gemv.mark_dot_rows(drafter.head)
             engine = LLMEngine(EngineConfig(
                 model=a.model, device=a.device, dtype=a.dtype, quantization=a.quantization,
                 cache=CacheConfig(kv_cache_tokens=a.batch * (max(map(len, prompts))
                                                              + a.max_tokens + 64)),
                 scheduler=SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=4096),
-                spec=spec), loaded=loaded, drafter=drafter)
+                tensor_core_rows={"dot": "on", "cublas": "off"}.get(rows, "auto"),
+                spec=spec), loaded=loaded)
             # warm up (first-call kernel compiles, cuBLAS picks) outside the timed run
             engine.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=a.temperature,
                                                         seed=1))

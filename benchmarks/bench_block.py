@@ -9,10 +9,10 @@ run over one target: the plain decode step, then per arm the speculative round (
                               verified nodes)
     <method>|<head>|batchplan the in-graph arm (k = 4) with verify attention planned by the
                               requests, not the rows (the A arm of that plan)
-    <arm>/dot                 the arm with the target's and the head's multi-row products
-                              (verify rows, a tree's beam rows) on the tensor-core matmul
-                              with programmatic dependent launch instead of cuBLAS
-                              (`gemv.mark_dot_rows`: the A/B of that path)
+    <arm>/dot, <arm>/cublas   the arm with `--tensor-core-rows` on / off: the target's and the
+                              head's products of 9 .. 64 rows (a tree's verify rows, batched
+                              decode) on the tensor-core matmul with programmatic dependent
+                              launch, or on cuBLAS (the A/B of that path)
     <arm>/twins               the arm with a step's packing, acceptance and catch-up staging as
                               the torch ops they were before their kernels (`glue_twins`: the A
                               arm of kernels/tree.py's pack / accept, kernels/tokens.py's
@@ -44,7 +44,6 @@ from bench_chain import run
 from draftgraph.attention.triton_backend import TritonBackend
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
-from draftgraph.kernels import gemv
 from draftgraph.models.loader import load_model
 from draftgraph.spec import make_drafter
 from draftgraph.spec.block import BlockHeadDrafter
@@ -94,18 +93,15 @@ def main() -> int:
                     help="add GPU time per kernel name over 10 rounds (torch.profiler)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: sampled rounds (seed 0 per request; plain decode sampled too)")
-    ap.add_argument("--dot-rows", default=None,
-                    help="MIN:MAX: in the whole run (plain decode too) products of MIN .. MAX "
-                         "rows on the tensor-core matmul (gemv.mark_dot_rows); '/dot' arms "
-                         "take 2:64")
+    ap.add_argument("--tensor-core-rows", default="auto", choices=["auto", "on", "off"],
+                    help="the whole run's setting (plain decode too); '/dot' and '/cublas' "
+                         "arms set on / off")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     target = load_model(a.target, device="cuda", dtype=dtype)
-    dot_rows = tuple(int(v) for v in a.dot_rows.split(":")) if a.dot_rows else None
-    gemv.mark_dot_rows(target.model, dot_rows)
 
-    def engine(d=None):  # d None: plain decoding
+    def engine(d=None, tensor_core_rows=a.tensor_core_rows):  # d None: plain decoding
         spec = SpecConfig(method="ngram", num_draft_tokens=d.k, adaptive=False) \
             if d is not None else SpecConfig()
         return LLMEngine(EngineConfig(
@@ -113,11 +109,11 @@ def main() -> int:
             cache=CacheConfig(kv_cache_tokens=a.batch_size * (a.context + 20 * a.steps + 512)),
             scheduler=SchedulerConfig(max_num_seqs=a.batch_size, max_num_batched_tokens=4096,
                                       max_model_len=a.context + 20 * a.steps + 256),
-            spec=spec), loaded=target, drafter=d)
+            tensor_core_rows=tensor_core_rows, spec=spec), loaded=target, drafter=d)
 
     out = {"benchmark": "block_round", **run_header(), "target": a.target,
            "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
-           "temperature": a.temperature, "dot_rows": dot_rows,
+           "temperature": a.temperature, "tensor_core_rows": a.tensor_core_rows,
            "target_shape": model_shape(target.config), "arms": {}}
     e = engine()
     out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels,
@@ -136,17 +132,13 @@ def main() -> int:
             BlockHeadDrafter.in_graph = property(lambda self: False)
         # batchplan: verify attention planned by the requests, as before rows planned it
         TritonBackend.verify_plan_by_rows = mode != "batchplan"
-        rows = gemv.DOT_ROWS if variant == "dot" else dot_rows
-        gemv.mark_dot_rows(target.model, rows)
-        gemv.mark_dot_rows(d.head, rows)
         try:
             with glue(variant):
-                e = engine(d)
+                e = engine(d, {"dot": "on", "cublas": "off"}.get(variant, a.tensor_core_rows))
                 assert e.spec_graphs.body.fused_draft == (not patched)
                 r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)
         finally:
             TritonBackend.verify_plan_by_rows = True
-            gemv.mark_dot_rows(target.model, dot_rows)
             if patched:
                 BlockHeadDrafter.in_graph = saved
         r.update(method=method, head=head, mode=mode, variant=variant or "kernels",

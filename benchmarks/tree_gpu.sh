@@ -15,12 +15,11 @@
 #           BATCHES, 512 tokens of context) with the shipped chain head: chain k = 4 against
 #           trees, each also with the step's glue as the torch ops it was (`/twins`: the A
 #           arm), the plain decode step in the same run (`bench_block.py`); TEMP=0.7: sampled.
-#   dot:    the rounds of `rounds` (no twins) against the same arms with the target's
-#           multi-row products on the tensor-core matmul with PDL (`/dot`, gemv.mark_dot_rows),
+#   dot:    the rounds of `rounds` with `--tensor-core-rows` off (`/cublas`) and on (`/dot`),
 #           then the kernel tests of that matmul's PDL chain and the deterministic GPU tests.
-#   dotab:  the same arms with and without `--dot-rows ${ROWS:-9:128}` (every product of
-#           that many rows on the tensor-core matmul, plain decode included), alternating, at
-#           batch sizes BATCHES (1 4 32; trees where they are drafted, at up to 4 requests).
+#   dotab:  the same arms in runs with `--tensor-core-rows off` and `on` (plain decode too),
+#           alternating, at batch sizes BATCHES (1 4 32; trees where they are drafted, at up
+#           to 4 requests).
 #   kernels: GPU time per kernel name over graph-replayed rounds (`bench_block.py --kernels`),
 #           chain k = 4 and the trees TREES, plain decode in the same run.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
@@ -51,37 +50,31 @@ case "${1:-}" in
         --out "$OUT/round_sites_${m/:/_}_bs${BS:-1}_t${TEMP:-0}_${GLUE:-default}.json" 2>&1 \
         | grep -v -i warn | head -45
     done ;;
-  rounds)
-    arms="chain|$H|4;chain|$H|4/twins"
-    for t in $TREES; do arms="$arms;chain|$H|$t;chain|$H|$t/twins"; done
+  rounds|dot)
+    # rounds: each arm against its glue twins; dot: cuBLAS rows (`/cublas`) against tensor-core
+    # rows (`/dot`), then the tests of that path
+    a=""; b="/twins"; p=tree; [ "$1" = dot ] && { a="/cublas"; b="/dot"; p=dot; }
+    arms="chain|$H|4$a;chain|$H|4$b"
+    for t in $TREES; do arms="$arms;chain|$H|$t$a;chain|$H|$t$b"; done
     for bs in ${BATCHES:-1 4}; do
       timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m \
         --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
-        --out "$OUT/tree_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
-        | grep -v -i warn | cut -c1-400
-    done ;;
-  dot)
-    arms="chain|$H|4;chain|$H|4/dot"
-    for t in $TREES; do arms="$arms;chain|$H|$t;chain|$H|$t/dot"; done
-    for bs in ${BATCHES:-1 4}; do
-      timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m \
-        --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
-        --out "$OUT/dot_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
+        --out "$OUT/${p}_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
         | grep -v -i warn | cut -c1-400
     done
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py -k pdl \
-      tests/test_gpu_deterministic.py 2>&1 | tail -5 | tee "$OUT/dot_tests.log" ;;
+    [ "$1" = dot ] && timeout 200 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_kernels_gemv.py tests/test_gpu_deterministic.py \
+      tests/test_gpu_tensor_core_rows.py 2>&1 | tail -5 | tee "$OUT/dot_tests.log" ;;
   dotab)
     for bs in ${BATCHES:-1 4 32}; do
       arms="chain|$H|4"
       [ "$bs" -le 4 ] && for t in $TREES; do arms="$arms;chain|$H|$t"; done
-      for rows in none ${ROWS:-9:128}; do
-        flag=""; [ "$rows" != none ] && flag="--dot-rows $rows"
-        timeout 200 python3 benchmarks/bench_block.py --target random:smollm2-135m $flag \
-          --batch-size "$bs" --steps 100 --arms "$arms" \
-          --out "$OUT/dotab_smollm2_bs${bs}_${rows/:/_}.json" 2>&1 | grep -E "arm|rror" \
+      for rows in off on; do
+        timeout 200 python3 benchmarks/bench_block.py --target random:smollm2-135m \
+          --tensor-core-rows $rows --batch-size "$bs" --steps 100 --arms "$arms" \
+          --out "$OUT/dotab_smollm2_bs${bs}_${rows}.json" 2>&1 | grep -E "arm|rror" \
           | grep -v -i warn | cut -c1-160
-        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode', d['plain_decode']['ms_per_round'], {k: round(v['ms_per_round'], 4) for k, v in d['arms'].items()})" "$OUT/dotab_smollm2_bs${bs}_${rows/:/_}.json"
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode', d['plain_decode']['ms_per_round'], {k: round(v['ms_per_round'], 4) for k, v in d['arms'].items()})" "$OUT/dotab_smollm2_bs${bs}_${rows}.json"
       done
     done ;;
   kernels)

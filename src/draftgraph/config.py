@@ -189,6 +189,11 @@ class EngineConfig:
     # weights; None: on with quantization "int4" (its verify rows drift from decode rows
     # otherwise: speculation would not equal int4 plain decoding), else off
     exact_rows: str | None = None
+    # GPU: products of 9 .. 64 rows (a tree's verify rows, batched decode) on the Triton
+    # tensor-core matmul, which overlaps its launch with the kernel before it, instead of
+    # cuBLAS (kernels/gemv.py: DOT_ROWS); "auto": on for models of at most 1 GiB of
+    # weights, where it was measured to win
+    tensor_core_rows: str = "auto"
     # batch invariance: a request's tokens do not depend on its batch-mates, the batch size
     # or the step's shape (GPU: every projection through the batch-invariant matmul, decode
     # attention in fixed-length splits, decode rows never in a prefill step's forward;
@@ -225,6 +230,8 @@ class EngineConfig:
             self.exact_rows = "on" if self.quantization == "int4" else "off"
         _need(self.exact_rows in ("auto", "on", "off"),
               f"--exact-rows must be auto, on or off, got {self.exact_rows!r}")
+        _need(self.tensor_core_rows in ("auto", "on", "off"),
+              f"--tensor-core-rows must be auto, on or off, got {self.tensor_core_rows!r}")
         _need(self.row_pack in ("auto", "on", "off"),
               f"--row-pack must be auto, on or off, got {self.row_pack!r}")
         _need(self.row_pack != "on" or (self.device.startswith("cpu")

@@ -127,6 +127,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "bf16 speculation equals plain decoding at batch 1; costs time per "
                         "step (auto: on for models of at most 1 GiB of weights; default: on "
                         "with --quantization int4, else off)")
+    e.add_argument("--tensor-core-rows", choices=["auto", "on", "off"], default="auto",
+                   help="GPU: projections of 9 to 64 rows (a draft tree's verify rows, "
+                        "batched decode) on draftgraph's tensor-core matmul instead of cuBLAS "
+                        "(its launch overlaps the kernel before it; auto: on for models of at "
+                        "most 1 GiB of weights)")
     e.add_argument("--deterministic", action="store_true",
                    help="batch invariance on a GPU: a request's tokens do not depend on "
                         "what it is batched with (batch-invariant matmul and decode "
@@ -264,6 +269,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_graph_tokens=args.prefill_graph_tokens,
         attention_backend=args.attention_backend,
         exact_rows=args.exact_rows,
+        tensor_core_rows=args.tensor_core_rows,
         deterministic=args.deterministic,
         quantization=args.quantization,
         row_pack=args.row_pack,

@@ -104,7 +104,8 @@ class LLMEngine:
             backend=backend, extra_tokens_per_req=k,
             extra_kv_bytes_per_token=(self.drafter.kv_bytes_per_token(config.torch_dtype)
                                       if self.drafter is not None else 0),
-            exact_rows=config.exact_rows, deterministic=config.deterministic)
+            exact_rows=config.exact_rows, tensor_core_rows=config.tensor_core_rows,
+            deterministic=config.deterministic)
         self.spec_k = k
         self.scheduler = Scheduler(sched_cfg, self.slots.allocator, self.slots.req_pool)
         self.requests: dict[str, Request] = {}

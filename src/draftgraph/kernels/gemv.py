@@ -211,13 +211,20 @@ def mark_invariant(module: torch.nn.Module, on: bool = True) -> None:
         setattr(p, INVARIANT_ATTR, on)
 
 
-# Tensor-core rows (A/B arms of `benchmarks/bench_block.py` and `bench_accept.py`, off in the
-# engine): on CUDA a product of min_m .. max_m rows (a tree's verify rows, say) runs the
-# batch-invariant matmul (kernels/matmul.py: one tuned config per shape, 64-row tiles,
-# programmatic dependent launch) instead of cuBLAS, which cannot overlap its launch with the
-# kernel before it. Single rows keep the fused kernels.
+# Tensor-core rows (`--tensor-core-rows`; the executor marks its model): on CUDA a product of
+# min .. max rows (a tree's verify rows, a batched decode step) runs the batch-invariant matmul
+# (kernels/matmul.py: one tuned config per shape, 64-row tiles, programmatic dependent launch)
+# instead of cuBLAS, which cannot overlap its launch with the kernel before it. Single rows
+# keep the fused kernels. Measured on an H100 with SmolLM2-135M (benchmarks/NOTES.md,
+# `results/dot/`): rows 9 .. 128 cut the 4x5:16 tree round at batch 1 by 12 % (1.409 -> 1.239
+# ms), the chain's at batch 4 (20 rows) by 6 %, decode at batch 16 / 32 / 64 by 6 / 7 / 3 %;
+# at 5 rows (the chain's verify at batch 1) it lost 4 %, at 80 (the chain's at batch 16) 3 %.
+# The engine's range is DOT_ROWS: from 9 rows to the matmul's 64-row tile. "auto" takes it
+# for models of at most DOT_ROWS_MAX_BYTES of weights (launch-bound; larger models were not
+# measured).
 DOT_ROWS_ATTR = "_draftgraph_dot_rows"
-DOT_ROWS = (2, 64)
+DOT_ROWS = (9, 64)
+DOT_ROWS_MAX_BYTES = 1 << 30
 
 
 def mark_dot_rows(module: torch.nn.Module, rows: tuple[int, int] | None = DOT_ROWS) -> None:
@@ -225,6 +232,11 @@ def mark_dot_rows(module: torch.nn.Module, rows: tuple[int, int] | None = DOT_RO
     matmul on CUDA (None: cuBLAS again)."""
     for p in module.parameters():
         setattr(p, DOT_ROWS_ATTR, rows)
+
+
+def wants_dot_rows(module: torch.nn.Module) -> bool:
+    """"auto": tensor-core rows for a model whose weights are at most DOT_ROWS_MAX_BYTES."""
+    return sum(p.numel() * p.element_size() for p in module.parameters()) <= DOT_ROWS_MAX_BYTES
 
 
 def _dot(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:

@@ -59,14 +59,18 @@ class ModelExecutor:
     def __init__(self, model: LlamaForCausalLM, slots: SlotSpace, max_bs: int,
                  max_num_tokens: int, device: torch.device, dtype: torch.dtype,
                  backend: str, exact_rows: str | None = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, tensor_core_rows: str | None = None) -> None:
         """exact_rows: whether multi-row steps (verify rows, small batches) compute every row
         exactly as a decode row (kernels/gemv.py): "on", "off", "auto" (on for models of at
         most gemv.EXACT_ROWS_MAX_BYTES of weights), or None: leave the model's weights as they
         are marked (a drafter's executor, whose model may share the target's weights: a draft
         model `self`, the target's LM head). deterministic: batch invariance, every row's
         result independent of its batch-mates and of M (GPU: the batch-invariant matmul and
-        decode plan; CPU: exact rows, which it implies)."""
+        decode plan; CPU: exact rows, which it implies). tensor_core_rows: products of
+        gemv.DOT_ROWS rows on the tensor-core matmul (CUDA): "on", "off", "auto" (on for
+        models of at most gemv.DOT_ROWS_MAX_BYTES of weights), or None: leave the weights as
+        marked; `self.tensor_core_rows` is what was resolved ("on" / "off"), for a drafter's
+        executor to take."""
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -93,6 +97,15 @@ class ModelExecutor:
                 logger.info("exact rows on the CPU: products of up to N rows measured bitwise "
                             "their lone rows' here go batched, the rest one row at a time "
                             "(N by weight: %s)", bounds)
+        if tensor_core_rows not in (None, "auto", "on", "off"):
+            raise ValueError("--tensor-core-rows must be auto, on or off, got "
+                             f"{tensor_core_rows!r}")
+        self.tensor_core_rows = tensor_core_rows
+        if tensor_core_rows is not None:
+            on = tensor_core_rows == "on" or (tensor_core_rows == "auto"
+                                              and gemv.wants_dot_rows(model))
+            self.tensor_core_rows = "on" if on else "off"
+            gemv.mark_dot_rows(model, gemv.DOT_ROWS if on else None)
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads,
                                     max_num_tokens=max_num_tokens, invariant=deterministic)
@@ -247,7 +260,8 @@ def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
                  sched_cfg: SchedulerConfig, max_model_len: int, device: torch.device,
                  dtype: torch.dtype, backend: str, extra_tokens_per_req: int = 0,
                  extra_kv_bytes_per_token: int = 0, exact_rows: str = "off",
-                 deterministic: bool = False) -> tuple[SlotSpace, ModelExecutor]:
+                 deterministic: bool = False,
+                 tensor_core_rows: str = "off") -> tuple[SlotSpace, ModelExecutor]:
     """The engine's slot space and the target's executor.
 
     extra_tokens_per_req: draft tokens a step may feed per request (a verify step feeds
@@ -255,7 +269,7 @@ def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
     kwargs = dict(cache_cfg=cache_cfg, sched_cfg=sched_cfg, max_model_len=max_model_len,
                   dtype=dtype, backend=backend, extra_tokens_per_req=extra_tokens_per_req,
                   extra_kv_bytes_per_token=extra_kv_bytes_per_token, exact_rows=exact_rows,
-                  deterministic=deterministic)
+                  deterministic=deterministic, tensor_core_rows=tensor_core_rows)
     driver = tp_driver(model.tp, kwargs)  # TP rank 0: ranks > 0 call this with the same
     max_num_tokens = max(sched_cfg.max_num_batched_tokens,
                          sched_cfg.max_num_seqs * (1 + extra_tokens_per_req))
@@ -266,7 +280,7 @@ def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
     slots = SlotSpace(num_slots, cache_cfg.page_size, sched_cfg.max_num_seqs,
                       max_model_len + cache_cfg.page_size + extra_tokens_per_req, device)
     target = ModelExecutor(model, slots, sched_cfg.max_num_seqs, max_num_tokens, device, dtype,
-                           backend, exact_rows, deterministic)
+                           backend, exact_rows, deterministic, tensor_core_rows)
     target.tp_driver = driver
     logger.info("KV cache: %d slots (%.1f MiB), page size %d, backend %s",
                 slots.allocator.usable_slots, target.kv_pool.bytes() / 2**20,

@@ -84,7 +84,8 @@ class BlockHeadDrafter(StagedDrafter):
         self.target_model = target.model
         self.target_meta = target.meta
         self.executor = ModelExecutor(head, target.slots, target.max_bs, target.max_num_tokens,
-                                      target.device, target.dtype, target.backend.name)
+                                      target.device, target.dtype, target.backend.name,
+                                      tensor_core_rows=target.tensor_core_rows)
         self.executor.meta.add_block_lists(hc.window, self.block_size)
         self.capture = target.capture_hidden(tuple(hc.hidden_layer_ids))
         self.bind_vocab(head, target)

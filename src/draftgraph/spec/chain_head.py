@@ -62,7 +62,8 @@ class ChainHeadDrafter(ChainDrafter):
         head.head_config.validate_for(target.config)
         self.target_model = target.model
         self.executor = ModelExecutor(head, target.slots, target.max_bs, target.max_num_tokens,
-                                      target.device, target.dtype, target.backend.name)
+                                      target.device, target.dtype, target.backend.name,
+                                      tensor_core_rows=target.tensor_core_rows)
         self.capture = target.capture_hidden(tuple(head.head_config.hidden_layer_ids))
         self.bind_vocab(head, target)
         m, dev, dt = target.max_bs, target.device, target.dtype
