@@ -1,10 +1,13 @@
-"""The header every benchmark JSON starts with: date, command, device, versions."""
+"""The header every benchmark JSON starts with: date, command, device, versions; and helpers
+the benchmarks share."""
 
 from __future__ import annotations
 
+import cProfile
 import datetime
 import os
 import platform
+import pstats
 import sys
 
 import torch
@@ -54,3 +57,21 @@ def timed_generate(engine, prompts: list, params) -> dict:
     if st.get("num_drafts"):
         out["accept_length"] = 1 + st["num_accepted_tokens"] / st["num_drafts"]
     return out
+
+
+def profile_per_step(fn, steps: int, top: int) -> list[dict]:
+    """`fn()` (which runs `steps` steps) under cProfile: each function's calls, own and
+    cumulative us per step, the most own time first; the `top` printed."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    rows = [{"function": f"{file.split('/src/')[-1]}:{line} {name}",
+             "calls_per_step": calls / steps, "own_us_per_step": own / steps * 1e6,
+             "cum_us_per_step": cum / steps * 1e6}
+            for (file, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items()]
+    rows.sort(key=lambda r: -r["own_us_per_step"])
+    for r in rows[:top]:
+        print(f"  {r['own_us_per_step']:8.1f} us  x{r['calls_per_step']:6.1f}  "
+              f"{r['function'][:100]}", flush=True)
+    return rows

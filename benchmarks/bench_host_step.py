@@ -18,15 +18,13 @@ Writes JSON with the device, date, command, us per step (median of `--repeats` r
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import statistics
 import sys
 import time
 
 import torch
-from _meta import model_shape, run_header
+from _meta import model_shape, profile_per_step, run_header
 
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
@@ -103,22 +101,9 @@ def main() -> int:
     fill(engine, args.batch, args.prompt_len, max_tokens, vocab, args.stop)
     stub_steps(engine, text_ids)
     us = [time_steps(engine, args.steps) for _ in range(args.repeats)]
-    prof = cProfile.Profile()
-    prof.enable()
-    time_steps(engine, args.steps)
-    prof.disable()
-    rows = []
-    for (file, line, fn), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
-        rows.append({"function": f"{file.split('/src/')[-1]}:{line} {fn}",
-                     "calls_per_step": calls / args.steps,
-                     "own_us_per_step": own / args.steps * 1e6,
-                     "cum_us_per_step": cum / args.steps * 1e6})
-    rows.sort(key=lambda r: -r["own_us_per_step"])
     print(f"{statistics.median(us):.1f} us/step at batch {args.batch} "
           f"({', '.join(f'{x:.0f}' for x in us)})", flush=True)
-    for r in rows[:args.top]:
-        print(f"  {r['own_us_per_step']:8.1f} us  x{r['calls_per_step']:6.1f}  "
-              f"{r['function'][:100]}", flush=True)
+    rows = profile_per_step(lambda: time_steps(engine, args.steps), args.steps, args.top)
     out = {"benchmark": "host_step", **run_header(), "model": args.model,
            "model_shape": model_shape(engine.model_config), "batch": args.batch,
            "detokenizer": tok is not None, "stop": args.stop, "steps": args.steps,

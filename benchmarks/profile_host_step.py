@@ -12,14 +12,12 @@ Python part; the ranking is what it is for).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import sys
 import time
 
 import torch
-from _meta import model_shape, run_header
+from _meta import model_shape, profile_per_step, run_header
 
 from draftgraph.config import EngineConfig
 from draftgraph.engine.engine import LLMEngine
@@ -61,26 +59,16 @@ def main() -> int:
     end.record()
     torch.cuda.synchronize()
     gpu_ms = start.elapsed_time(end) / args.steps
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.steps):
-        engine.step()
-    torch.cuda.synchronize()
-    prof.disable()
-    stats = pstats.Stats(prof)
-    rows = []
-    for (file, line, fn), (_, calls, own, cum, _) in stats.stats.items():
-        rows.append({"function": f"{file.split('/src/')[-1]}:{line} {fn}",
-                     "calls_per_step": calls / args.steps,
-                     "own_us_per_step": own / args.steps * 1e6,
-                     "cum_us_per_step": cum / args.steps * 1e6})
-    rows.sort(key=lambda r: -r["own_us_per_step"])
-    total_us = sum(r["own_us_per_step"] for r in rows)
+    def steps():
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+
     print(f"{args.model} batch {args.batch}: {wall_ms:.3f} ms/step wall, graph GPU "
-          f"{gpu_ms:.3f} ms; profiled own time {total_us / 1e3:.3f} ms/step", flush=True)
-    for r in rows[:args.top]:
-        print(f"  {r['own_us_per_step']:8.1f} us  x{r['calls_per_step']:6.1f}  "
-              f"{r['function'][:100]}", flush=True)
+          f"{gpu_ms:.3f} ms", flush=True)
+    rows = profile_per_step(steps, args.steps, args.top)
+    total_us = sum(r["own_us_per_step"] for r in rows)
+    print(f"profiled own time {total_us / 1e3:.3f} ms/step", flush=True)
     out = {"benchmark": "host_step_profile", **run_header(), "model": args.model,
            "model_shape": model_shape(engine.model_config), "batch": args.batch,
            "context": args.context, "wall_ms_per_step": wall_ms, "graph_gpu_ms": gpu_ms,

@@ -234,9 +234,13 @@ def mark_dot_rows(module: torch.nn.Module, rows: tuple[int, int] | None = DOT_RO
         setattr(p, DOT_ROWS_ATTR, rows)
 
 
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def wants_dot_rows(module: torch.nn.Module) -> bool:
     """"auto": tensor-core rows for a model whose weights are at most DOT_ROWS_MAX_BYTES."""
-    return sum(p.numel() * p.element_size() for p in module.parameters()) <= DOT_ROWS_MAX_BYTES
+    return weight_bytes(module) <= DOT_ROWS_MAX_BYTES
 
 
 def _dot(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
@@ -251,7 +255,7 @@ def _dot(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
 
 def wants_exact_rows(module: torch.nn.Module) -> bool:
     """"auto": exact rows for a model whose weights are at most EXACT_ROWS_MAX_BYTES."""
-    return sum(p.numel() * p.element_size() for p in module.parameters()) <= EXACT_ROWS_MAX_BYTES
+    return weight_bytes(module) <= EXACT_ROWS_MAX_BYTES
 
 
 # ---- kernel ------------------------------------------------------------------------------
