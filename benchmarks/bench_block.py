@@ -13,6 +13,9 @@ run over one target: the plain decode step, then per arm the speculative round (
                               head's products of 9 .. 64 rows (a tree's verify rows, batched
                               decode) on the tensor-core matmul with programmatic dependent
                               launch, or on cuBLAS (the A/B of that path)
+    <arm>/fma                 the arm with the target's o and (SwiGLU +) down projections of 2 ..
+                              8 rows on the fused single-row kernels (programmatic dependent
+                              launch, SwiGLU folded into down) instead of cuBLAS: `fma_rows`
     <arm>/twins               the arm with a step's packing, acceptance and catch-up staging as
                               the torch ops they were before their kernels (`glue_twins`: the A
                               arm of kernels/tree.py's pack / accept, kernels/tokens.py's
@@ -81,6 +84,27 @@ def glue(variant: str):
             setattr(mod, name, fn)
 
 
+@contextlib.contextmanager
+def fma_rows(model, on: bool, max_m: int = 8):
+    """With `on`: the model's o and down projections of 2 .. max_m rows take the fused
+    single-row kernels (kernels/gemv.py `pays`, patched for the graphs captured inside; the
+    fused kernels measured 0.9x cuBLAS's time for those shapes at 5 rows, and launch with
+    PDL), the other projections stay on cuBLAS."""
+    from draftgraph.kernels import gemv
+
+    if not on:
+        yield
+        return
+    picked = {id(w) for layer in model.layers
+              for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)}
+    pays = gemv.pays
+    gemv.pays = lambda m, w: pays(m, w) or (id(w) in picked and 1 < m <= max_m)
+    try:
+        yield
+    finally:
+        gemv.pays = pays
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
@@ -133,7 +157,7 @@ def main() -> int:
         # batchplan: verify attention planned by the requests, as before rows planned it
         TritonBackend.verify_plan_by_rows = mode != "batchplan"
         try:
-            with glue(variant):
+            with glue(variant), fma_rows(target.model, variant == "fma"):
                 e = engine(d, {"dot": "on", "cublas": "off"}.get(variant, a.tensor_core_rows))
                 assert e.spec_graphs.body.fused_draft == (not patched)
                 r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)

@@ -17,6 +17,8 @@
 #           arm), the plain decode step in the same run (`bench_block.py`); TEMP=0.7: sampled.
 #   dot:    the rounds of `rounds` with `--tensor-core-rows` off (`/cublas`) and on (`/dot`),
 #           then the kernel tests of that matmul's PDL chain and the deterministic GPU tests.
+#   fma:    the rounds of `rounds` against `/fma` arms (o and SwiGLU + down of 2 .. 8 rows on
+#           the fused single-row kernels: the chain's verify of 5 rows).
 #   dotab:  the same arms in runs with `--tensor-core-rows off` and `on` (plain decode too),
 #           alternating, at batch sizes BATCHES (1 4 32; trees where they are drafted, at up
 #           to 4 requests).
@@ -50,10 +52,11 @@ case "${1:-}" in
         --out "$OUT/round_sites_${m/:/_}_bs${BS:-1}_t${TEMP:-0}_${GLUE:-default}.json" 2>&1 \
         | grep -v -i warn | head -45
     done ;;
-  rounds|dot)
+  rounds|dot|fma)
     # rounds: each arm against its glue twins; dot: cuBLAS rows (`/cublas`) against tensor-core
-    # rows (`/dot`), then the tests of that path
+    # rows (`/dot`), then the tests of that path; fma: against o and down on the fused kernels
     a=""; b="/twins"; p=tree; [ "$1" = dot ] && { a="/cublas"; b="/dot"; p=dot; }
+    [ "$1" = fma ] && { a=""; b="/fma"; p=fma; }
     arms="chain|$H|4$a;chain|$H|4$b"
     for t in $TREES; do arms="$arms;chain|$H|$t$a;chain|$H|$t$b"; done
     for bs in ${BATCHES:-1 4}; do
@@ -97,5 +100,5 @@ case "${1:-}" in
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}.json" 2>&1 | grep -v Warning | tail -12
     ;;
-  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | dotab | kernels | stage N | real"; exit 2 ;;
+  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | dotab | kernels | stage N | real"; exit 2 ;;
 esac
