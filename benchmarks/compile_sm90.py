@@ -64,17 +64,29 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {"W": 4, "R": 1 if first else 4, "D": 5, "C_P": 4 if first else 16,
                    "W_P": 4, "D_P": 8, "BLOCK_H": 256, "FIRST": first, "STAGE": stage,
                    "HAS_VOCAB": True, "PDL": True}))
-    c.append(("tree pick", T._tree_pick_kernel, {"node_score": f32, "total": "i32"},
-              {"N": 16, "T_P": 128, "PDL": True}))
-    c.append(("tree pack 4x5:16", T._tree_pack_kernel,
-              {"live": "*i8", "stride_res0": "i32", "stride_res1": "i32", "stride_rows": "i32"},
-              {"K": 16, "D": 5, "T_P": 32, "D_P": 8, "PDL": True}))
-    c.append(("tree accept 4x5:16", T._tree_accept_kernel,
-              {"logits": f32, "lse": f32, "live": "*i8", "out_logprobs": f32,
-               **{n: "i32" for n in ("stride_logits", "stride_res0", "stride_res1",
-                                     "stride_r2t", "stride_table", "stride_tok", "stride_lp",
-                                     "stride_copy")}},
-              {"T": 17, "D": 5, "T_P": 32, "D_P": 8, "PDL": True}))
+    # the default tree 4x5:16 (68 nodes grown) and the largest, 8x5:32 (264)
+    for name, k, grown in (("4x5:16", 16, 68), ("8x5:32", 32, 264)):
+        t_p = 1 << k.bit_length()  # next_pow2(k + 1)
+        c.append((f"tree pick {name}", T._tree_pick_kernel,
+                  {"node_score": f32, "total": "i32"},
+                  {"N": k, "T_P": 1 << (grown - 1).bit_length(), "PDL": True}))
+        c.append((f"tree pack {name}", T._tree_pack_kernel,
+                  {"live": "*i8", "stride_res0": "i32", "stride_res1": "i32",
+                   "stride_rows": "i32"},
+                  {"K": k, "D": 5, "T_P": t_p, "D_P": 8, "PDL": True}))
+        c.append((f"tree accept {name}", T._tree_accept_kernel,
+                  {"logits": f32, "lse": f32, "live": "*i8", "out_logprobs": f32,
+                   **{n: "i32" for n in ("stride_logits", "stride_res0", "stride_res1",
+                                         "stride_r2t", "stride_table", "stride_tok",
+                                         "stride_lp", "stride_copy")}},
+                  {"T": k + 1, "D": 5, "T_P": t_p, "D_P": 8, "PDL": True}))
+    c.append(("tree grow 8x5:32", T._tree_grow_kernel,
+              {"top_lp": f32, "stream": "*bf16", "node_score": f32, "t_feat": "*bf16",
+               **{n: "i32" for n in ("step", "lo", "total", "hidden", "stride_stream",
+                                     "stride_feat", "stride_rows", "stride_res0",
+                                     "stride_res1")}},
+              {"W": 8, "R": 8, "D": 5, "C_P": 64, "W_P": 8, "D_P": 8, "BLOCK_H": 256,
+               "FIRST": False, "STAGE": True, "HAS_VOCAB": True, "PDL": True}))
     for k, block in ((4, 256), (16, 256), (4, 2)):
         c.append((f"chain pack k={k} bs<={block}", K._pack_chain_kernel,
                   {"bs": "i32", "stride_drafts": "i32", "stride_slots": "i32",

@@ -13,7 +13,7 @@ from test_gpu_chain_head import _drafts_and_outputs, _prompts, assert_arms_agree
 from test_gpu_chain_head import _engine as chain_engine
 
 from draftgraph.attention.triton_backend import TritonBackend
-from draftgraph.config import TreeShape
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.models.heads import random_head
 from draftgraph.models.loader import load_model
@@ -33,8 +33,16 @@ def loaded():
     return load_model("random:smollm2-135m", device="cuda", dtype=torch.float32)
 
 
-def _engine(loaded, drafter=None, use_graphs: bool = True) -> LLMEngine:
-    return chain_engine(loaded, drafter, use_graphs, k=TREE.nodes)
+def _engine(loaded, drafter=None, use_graphs: bool = True, tree: TreeShape = TREE) -> LLMEngine:
+    if tree.nodes <= 16:
+        return chain_engine(loaded, drafter, use_graphs, k=tree.nodes)
+    return LLMEngine(EngineConfig(  # more drafts than --num-draft-tokens allows
+        model="random:smollm2-135m", device="cuda", dtype="float32", use_graphs=use_graphs,
+        cache=CacheConfig(kv_cache_tokens=16384),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
+                                  max_model_len=1024),
+        spec=SpecConfig(method="chain", tree=tree, adaptive=False)), loaded=loaded,
+        drafter=drafter)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -61,7 +69,8 @@ def test_an_oracle_tree_is_accepted_to_full_depth_and_lossless(loaded, monkeypat
     assert s["num_accepted_tokens"] >= 0.9 * TREE.depth * s["num_drafts"]
 
 
-def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatch):
+@pytest.mark.parametrize("tree", [TREE, TreeShape(8, 5, 32)])  # the default, the largest
+def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatch, tree):
     """Requests join one a step and finish at different lengths: the fused graphs, the
     per-step fallback (each beam step's tree-row metadata rebuilt eagerly between replays)
     and the eager body draft the same trees replay after replay and give the same tokens."""
@@ -71,8 +80,8 @@ def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatc
     for arm in ARMS:
         if arm == "fallback":
             monkeypatch.setattr(TritonBackend, "draft_step_update", False)
-        drafter = TreeHeadDrafter(head, TREE)
-        engine = _engine(loaded, drafter, use_graphs=arm != "eager")
+        drafter = TreeHeadDrafter(head, tree)
+        engine = _engine(loaded, drafter, use_graphs=arm != "eager", tree=tree)
         ptrs = [t.data_ptr() for t in (drafter.node_tok, drafter.tree_meta.positions,
                                         engine.spec_graphs.body.tv.path)]
         runs[arm] = _drafts_and_outputs(engine, prompts)

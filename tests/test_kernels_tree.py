@@ -159,9 +159,10 @@ def _path_oracle(bufs: T.TreeVerify, bs: int, t: int, gen: torch.Generator) -> t
     return nxt
 
 
-@pytest.mark.parametrize("w,d,bs,vocab", [(4, 5, 3, True), (2, 4, 5, False), (1, 3, 2, True),
-                                          (3, 2, 4, False)])
-def test_the_verify_pack_and_accept_equal_their_twins(w, d, bs, vocab):
+@pytest.mark.parametrize("w,d,bs,vocab,k", [(4, 5, 3, True, None), (2, 4, 5, False, None),
+                                            (1, 3, 2, True, None), (3, 2, 4, False, None),
+                                            (8, 5, 2, True, 32)])  # the largest tree
+def test_the_verify_pack_and_accept_equal_their_twins(w, d, bs, vocab, k):
     """A grown tree's pick packed as the verify's rows, then accepted against the target's
     tokens (one path planted per request, and wholly random ones), by the kernels and the
     twins: every buffer and output, the KV copy list and the writes into the position and
@@ -169,7 +170,7 @@ def test_the_verify_pack_and_accept_equal_their_twins(w, d, bs, vocab):
     a, _, ctx = _grow_both(w, d, bs, vocab, seed=w * 10 + d)
     gen = torch.Generator().manual_seed(w + d + bs)
     total = w + (d - 1) * w * w
-    k = min(total, 3 * w + 1)
+    k = k or min(total, 3 * w + 1)
     t = 1 + k
     drafts, parents, depths, live = T.tree_pick_ref(
         a.node_score[:bs], a.node_tok[:bs], a.node_parent[:bs], _depths(w, d), ctx.max_draft, k)

@@ -36,7 +36,8 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3] * 5, list(range(40, 70))]
 def test_tree_shapes_are_checked_and_named_by_the_flag():
     assert TreeShape.parse("4x5:16") == TreeShape(4, 5, 16)
     assert TreeShape(4, 5, 16).total == 4 + 4 * 16
-    for bad in ("4x5", "4x5:17", "2x2:7", "1x6:5", "8x6:16", "4x4:8"):
+    assert TreeShape.parse("8x5:32").total == 8 + 4 * 64
+    for bad in ("4x5", "4x5:33", "2x2:7", "1x6:5", "8x6:16", "4x4:8", "8x6:32", "17x1:17"):
         with pytest.raises(ValueError, match="--speculative-tree"):
             TreeShape.parse(bad)
     with pytest.raises(ValueError, match="--speculative-tree is for --speculative chain"):
@@ -121,8 +122,10 @@ def plain(hf):
 
 def _tree_engine(hf, tree: TreeShape = TREE, max_num_seqs: int = 8):
     drafter = TreeHeadDrafter(random_head(tiny_loaded(hf).config, "", seed=3), tree)
-    spec = SpecConfig(method="ngram", num_draft_tokens=tree.nodes, adaptive=False)
-    return tiny_engine(hf, max_num_seqs, spec=spec, drafter=drafter), drafter
+    spec = SpecConfig(method="chain", tree=tree, adaptive=False)
+    # a step's token budget fits three requests' 1 + nodes rows
+    return tiny_engine(hf, max_num_seqs, budget=max(64, 3 * (1 + tree.nodes)), kv_tokens=4096,
+                       spec=spec, drafter=drafter), drafter
 
 
 def _count_tree_steps(engine) -> list:
@@ -155,7 +158,8 @@ def test_a_steps_rows_follow_its_context_not_the_last_proposal(hf):
     assert drafter.step_fb(chain, 1).paths is None
 
 
-@pytest.mark.parametrize("tree", [TREE, TreeShape(1, 3, 3), TreeShape(2, 3, 6)])
+@pytest.mark.parametrize("tree", [TREE, TreeShape(1, 3, 3), TreeShape(2, 3, 6),
+                                  TreeShape(8, 5, 32)])  # the largest: 33 verify rows
 def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
     engine, drafter = _tree_engine(hf, tree)
     seen = _count_tree_steps(engine)

@@ -83,6 +83,9 @@ SPEC_METHODS = ("ngram", "chain", "draft", "block")
 # the largest batch that drafts trees (their 1 + nodes rows a request are decode rows with
 # lists of their own: buffers sized for it); larger batches draft chains
 TREE_MAX_BS = 8
+# verified nodes a tree may have (32: 33 verify rows a request, within the GPU's tensor-core
+# rows tile; 1 + 2 x 32 reserved KV slots a request)
+TREE_MAX_NODES = 32
 
 
 @dataclass(frozen=True)
@@ -104,9 +107,9 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         w, d, n = self.width, self.depth, self.nodes
-        if w < 1 or d < 1 or not d <= n <= 16:
-            raise ValueError(f"--speculative-tree {w}x{d}:{n}: need width >= 1, depth >= 1 "
-                             f"and depth <= nodes <= 16")
+        if not 1 <= w <= 16 or d < 1 or not d <= n <= TREE_MAX_NODES:
+            raise ValueError(f"--speculative-tree {w}x{d}:{n}: need 1 <= width <= 16, "
+                             f"depth >= 1 and depth <= nodes <= {TREE_MAX_NODES}")
         if n > self.total:
             raise ValueError(f"--speculative-tree {w}x{d}:{n}: a tree of width {w} and depth "
                              f"{d} has {self.total} nodes, fewer than {n}")
