@@ -59,6 +59,30 @@ def timed_generate(engine, prompts: list, params) -> dict:
     return out
 
 
+def ab_prompts(every_code: int, every_chat: int) -> list[list[int]]:
+    """Spread prompts of the default model's accept sets for the CPU A/B scripts: HumanEval's
+    (160) every `every_code`-th, then MT-Bench's (80) every `every_chat`-th."""
+    import json
+    from pathlib import Path
+
+    sets = json.loads((Path(__file__).parent / "data" / "accept_sets_smollm2_ids.json")
+                      .read_text())
+    return sets["humaneval"][:160:every_code] + sets["mtbench"][:80:every_chat]
+
+
+def ab_arm(arm: str, loaded, dtype, model: str):
+    """(SpecConfig, drafter) of a CPU A/B arm: "plain"; "chain", the shipped head's chain of
+    4; "tree", its 4x5:16 trees."""
+    from draftgraph.config import SpecConfig, TreeShape
+    from draftgraph.spec import make_drafter
+
+    if arm == "plain":
+        return SpecConfig(), None
+    spec = SpecConfig(method="chain", num_draft_tokens=4, adaptive=False,
+                      tree=TreeShape(4, 5, 16) if arm == "tree" else None)
+    return spec, make_drafter(spec, "cpu", dtype, loaded.config, model)
+
+
 def profile_per_step(fn, steps: int, top: int) -> list[dict]:
     """`fn()` (which runs `steps` steps) under cProfile: each function's calls, own and
     cumulative us per step, the most own time first; the `top` printed."""

@@ -21,17 +21,14 @@ import time
 from pathlib import Path
 
 import torch
-from _meta import model_shape, run_header, timed_generate
+from _meta import ab_arm, ab_prompts, model_shape, run_header, timed_generate
 
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.kernels.gemv import PACKED_ATTR
 from draftgraph.models import row_pack
 from draftgraph.models.loader import load_model
-from draftgraph.spec import make_drafter
-
-SETS = Path(__file__).parent / "data" / "accept_sets_smollm2_ids.json"
 
 
 def products(model_name: str) -> dict:
@@ -82,9 +79,7 @@ def main() -> int:
     if a.products:
         Path(a.out).write_text(json.dumps(products(a.model), indent=1))
         return 0
-    sets = json.loads(SETS.read_text())
-    prompts = [sets["humaneval"][i] for i in range(0, 160, 20)]  # 8 code prompts
-    prompts += [sets["mtbench"][i] for i in range(0, 80, 10)]  # 8 chat prompts
+    prompts = ab_prompts(20, 10)  # 8 code prompts, 8 chat prompts
     loaded = load_model(a.model, device="cpu", dtype=torch.float32)
     model = loaded.model
     t0 = time.perf_counter()
@@ -110,11 +105,7 @@ def main() -> int:
             mode(on)
             for arm, bs in (("plain", 1), ("chain", 1), ("tree", 1), ("plain", 8),
                             ("chain", 8)):
-                spec, d = SpecConfig(), None
-                if arm != "plain":
-                    spec = SpecConfig(method="chain", num_draft_tokens=4, adaptive=False,
-                                      tree=TreeShape(4, 5, 16) if arm == "tree" else None)
-                    d = make_drafter(spec, "cpu", torch.float32, loaded.config, a.model)
+                spec, d = ab_arm(arm, loaded, torch.float32, a.model)
                 e = LLMEngine(EngineConfig(
                     model=a.model, device="cpu", dtype="float32", row_pack="off",
                     cache=CacheConfig(kv_cache_tokens=16384),

@@ -18,16 +18,13 @@ import time
 from pathlib import Path
 
 import torch
-from _meta import model_shape, run_header, timed_generate
+from _meta import ab_arm, ab_prompts, model_shape, run_header, timed_generate
 
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.kernels import gemv
 from draftgraph.models.loader import load_model
-from draftgraph.spec import make_drafter
-
-SETS = Path(__file__).parent / "data" / "accept_sets_smollm2_ids.json"
 
 
 def main() -> int:
@@ -38,9 +35,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    sets = json.loads(SETS.read_text())
-    prompts = [sets["humaneval"][i] for i in range(0, 160, 40)]  # 4 code prompts
-    prompts += [sets["mtbench"][i] for i in range(0, 80, 20)]  # 4 chat prompts
+    prompts = ab_prompts(40, 20)  # 4 code prompts, 4 chat prompts
     dtype = getattr(torch, a.dtype)
     loaded = load_model(a.model, device="cpu", dtype=dtype)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
@@ -53,11 +48,7 @@ def main() -> int:
     for rep in range(a.repeats):
         for label, exact, probed in modes:
             for arm, bs in arms:
-                spec, d = SpecConfig(), None
-                if arm != "plain":
-                    spec = SpecConfig(method="chain", num_draft_tokens=4, adaptive=False,
-                                      tree=TreeShape(4, 5, 16) if arm == "tree" else None)
-                    d = make_drafter(spec, "cpu", dtype, loaded.config, a.model)
+                spec, d = ab_arm(arm, loaded, dtype, a.model)
                 t0 = time.perf_counter()
                 e = LLMEngine(EngineConfig(
                     model=a.model, device="cpu", dtype=a.dtype, exact_rows=exact,

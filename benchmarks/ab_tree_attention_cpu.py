@@ -15,16 +15,13 @@ import sys
 from pathlib import Path
 
 import torch
-from _meta import model_shape, run_header, timed_generate
+from _meta import ab_arm, ab_prompts, model_shape, run_header, timed_generate
 
 from draftgraph.attention.backend import TorchBackend
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.loader import load_model
-from draftgraph.spec import make_drafter
-
-SETS = Path(__file__).parent / "data" / "accept_sets_smollm2_ids.json"
 
 
 def main() -> int:
@@ -35,9 +32,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    sets = json.loads(SETS.read_text())
-    prompts = [sets["humaneval"][i] for i in range(0, 160, 55)]  # 3 code prompts
-    prompts += [sets["mtbench"][i] for i in range(0, 80, 27)]  # 3 chat prompts
+    prompts = ab_prompts(55, 27)  # 3 code prompts, 3 chat prompts
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     grouped = TorchBackend._tree_groups
     out = {"benchmark": "tree_attention_ab", **run_header("cpu"), "model": a.model,
@@ -50,12 +45,7 @@ def main() -> int:
                 TorchBackend._tree_groups = (grouped if mode == "one call a request"
                                              else lambda *args: {})
                 for arm in ("plain", "chain", "tree"):
-                    spec, d = SpecConfig(), None
-                    if arm != "plain":
-                        spec = SpecConfig(method="chain", num_draft_tokens=4, adaptive=False,
-                                          tree=TreeShape(4, 5, 16) if arm == "tree" else None)
-                        d = make_drafter(spec, "cpu", getattr(torch, dtype_name),
-                                         loaded.config, a.model)
+                    spec, d = ab_arm(arm, loaded, getattr(torch, dtype_name), a.model)
                     e = LLMEngine(EngineConfig(
                         model=a.model, device="cpu", dtype=dtype_name,
                         cache=CacheConfig(kv_cache_tokens=8192),
