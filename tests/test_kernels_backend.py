@@ -132,3 +132,25 @@ def test_verify_rows_take_their_row_count_plan_unless_exact(exact, monkeypatch):
             assert set(planned) == {2}
     # (the rows' plan is taken only where the batch's splits rows, as here)
     assert plan(2, 4, 2, 16, 4)[0] > 1
+
+
+@pytest.mark.parametrize("max_bs", [1, 4, 8])
+def test_scratch_holds_the_largest_tree_at_every_request(max_bs):
+    """A verify step of `max_bs` requests each bringing the largest tree (1 + TREE_MAX_NODES
+    rows) fits the split-KV scratch under either plan (by requests, or by rows); the scratch
+    once held 17 rows a request, and a GPU tree test of 8 requests x 33 rows failed on it."""
+    from draftgraph.config import TREE_MAX_NODES
+    from draftgraph.kernels import attention as attn
+
+    cfg, _ = tiny_model(None)
+    pool = KVPool(cfg.num_hidden_layers, NUM_SLOTS, cfg.num_key_value_heads, cfg.head_dim,
+                  torch.float32, DEVICE)
+    table = ReqToTokenPool(max_bs, 32, DEVICE).req_to_token
+    hq, hkv, splits = 4, cfg.num_key_value_heads, 4
+    backend = TritonBackend(pool, table, None, cfg.head_dim**-0.5, max_bs=max_bs,
+                            num_q_heads=hq, max_kv_splits=splits)
+    rows = max_bs * (1 + TREE_MAX_NODES)
+    slots = max(attn.decode_plan(n, hq, hkv, cfg.head_dim, splits)[0] for n in (max_bs, rows))
+    assert rows * slots * hq <= backend.mid_lse.numel()
+    assert rows * slots * hq * cfg.head_dim <= backend.mid_o.numel()
+    assert rows * hkv <= backend.kv_counters.numel()

@@ -28,6 +28,7 @@ import torch
 
 from draftgraph.attention.backend import AttentionBackend, ForwardBatch, Phase
 from draftgraph.attention.kv_pool import KVPool
+from draftgraph.config import TREE_MAX_NODES
 from draftgraph.kernels import attention as attn_kernels
 from draftgraph.kernels import metadata as meta_kernels
 from draftgraph.kernels.kv_store import store_kv
@@ -40,8 +41,9 @@ class TritonBackend(AttentionBackend):
     fused_kv_store = True
     kernels = {Phase.DECODE: "decode", Phase.DRAFT_CHAIN: "decode", Phase.EXTEND: "extend",
                Phase.VERIFY: "decode", Phase.DRAFT_BLOCK: "extend"}
-    # query rows a verify request brings at most (the last token and up to 16 drafts)
-    MAX_VERIFY_ROWS = 17
+    # query rows a verify request brings at most (the last token and a tree's nodes; a chain
+    # brings up to 16 drafts)
+    MAX_VERIFY_ROWS = 1 + TREE_MAX_NODES
     # verify attention planned by its row count when rows need not be exact (False: by its
     # requests, as exact rows do; the A arm of benchmarks/bench_block.py's `batchplan` mode)
     verify_plan_by_rows = True
