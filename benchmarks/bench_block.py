@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 
@@ -120,14 +121,16 @@ def main() -> int:
     ap.add_argument("--tensor-core-rows", default="auto", choices=["auto", "on", "off"],
                     help="the whole run's setting (plain decode too); '/dot' and '/cublas' "
                          "arms set on / off")
+    ap.add_argument("--free-engines", action="store_true",
+                    help="free each arm's engine (gc, empty_cache) before the next is built")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     target = load_model(a.target, device="cuda", dtype=dtype)
 
     def engine(d=None, tensor_core_rows=a.tensor_core_rows):  # d None: plain decoding
-        spec = SpecConfig(method="ngram", num_draft_tokens=d.k, adaptive=False) \
-            if d is not None else SpecConfig()
+        # the drafter is passed in; the config only keeps its draft length fixed
+        spec = SpecConfig(method="ngram", adaptive=False) if d is not None else SpecConfig()
         return LLMEngine(EngineConfig(
             model=a.target, device="cuda", dtype=a.dtype,
             cache=CacheConfig(kv_cache_tokens=a.batch_size * (a.context + 20 * a.steps + 512)),
@@ -161,6 +164,10 @@ def main() -> int:
                 e = engine(d, {"dot": "on", "cublas": "off"}.get(variant, a.tensor_core_rows))
                 assert e.spec_graphs.body.fused_draft == (not patched)
                 r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)
+                if a.free_engines:
+                    e = None
+                    gc.collect()
+                    torch.cuda.empty_cache()
         finally:
             TritonBackend.verify_plan_by_rows = True
             if patched:

@@ -38,8 +38,11 @@ def profile_step(engine: LLMEngine, steps: int) -> dict:
             engine.step()
         torch.cuda.synchronize()
     counts = {"kernel_launches": 0, "graph_launches": 0, "memcpy": 0}
+    api_us = {}  # host time inside each CUDA API call, per step: launches against waits
     for e in prof.key_averages():
         name = e.key
+        if name.startswith("cu"):
+            api_us[name] = round(e.cpu_time_total / steps, 1)
         if name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                     "cudaLaunchKernelExC"):
             counts["kernel_launches"] += e.count
@@ -47,7 +50,7 @@ def profile_step(engine: LLMEngine, steps: int) -> dict:
             counts["graph_launches"] += e.count
         elif name.startswith("cudaMemcpy"):
             counts["memcpy"] += e.count
-    return {k: v / steps for k, v in counts.items()}
+    return {**{k: v / steps for k, v in counts.items()}, "cuda_api_us_per_step": api_us}
 
 
 def kernel_table(engine: LLMEngine, graph, steps: int) -> tuple[str, list[dict]]:
