@@ -195,7 +195,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-tree", default="auto", metavar="WxD:N|auto|off",
                    help="--speculative chain: in steps of up to 8 requests (greedy or "
                    "sampled), draft a tree (width W: beam and children per node, depth D, "
-                   "N <= 32 verified nodes, e.g. 4x5:16) and accept its deepest path the "
+                   "N <= 32 verified nodes, e.g. 8x5:32) and accept its deepest path the "
                    "target agrees with. auto (default): on one GPU, "
                    f"{AUTO_TREE.width}x{AUTO_TREE.depth}:{AUTO_TREE.nodes} trees in steps "
                    f"of up to {AUTO_TREE_MAX_BS} requests unless --num-draft-tokens is given "
@@ -217,11 +217,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 # --speculative-tree auto: the shape and batch cap a chain head drafts with on one GPU. On an
-# H100 at batch 1 the real default model ran 1.40x / 1.42x plain decoding (MT-Bench /
-# HumanEval) with 4x5:16 trees against the chain's 1.14x / 1.15x; at batch 4 (random weights)
-# a tree round cost 1.28x the chain's, about its accept-length gain; larger batches unmeasured
-# (benchmarks/NOTES.md, stop 41).
-AUTO_TREE = TreeShape(4, 5, 16)
+# H100 (bf16, the real default model, 20 prompts a set, 256 tokens) 8x5:32 trees ran 1.68x /
+# 1.86x plain decoding at batch 1 (MT-Bench / HumanEval) against 4x5:16's 1.67x / 1.71x and
+# the chain's 1.22x / 1.28x, and 1.89x / 1.82x at batch 4 against 1.85x / 1.72x; sampled (T =
+# 0.7, batch 1) the two shapes tie (1.25x / 1.45x). Its round costs 1.04x a 4x5:16 one (1.281
+# against 1.232 ms, random weights, batch 1); larger batches unmeasured (benchmarks/NOTES.md,
+# stop 45).
+AUTO_TREE = TreeShape(8, 5, 32)
 AUTO_TREE_MAX_BS = 4
 
 
