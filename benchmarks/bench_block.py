@@ -121,16 +121,10 @@ def main() -> int:
     ap.add_argument("--tensor-core-rows", default="auto", choices=["auto", "on", "off"],
                     help="the whole run's setting (plain decode too); '/dot' and '/cublas' "
                          "arms set on / off")
-    ap.add_argument("--dot-fuse", default="on", choices=["on", "off"],
-                    help="the whole run's tensor-core rows with the norm and SwiGLU inside "
-                         "the matmul (on, gemv.DOT_FUSE) or as their own kernels (off)")
     ap.add_argument("--free-engines", action="store_true",
                     help="free each arm's engine (gc, empty_cache) before the next is built")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    from draftgraph.kernels import gemv
-
-    gemv.DOT_FUSE = a.dot_fuse == "on"
     dtype = getattr(torch, a.dtype)
     target = load_model(a.target, device="cuda", dtype=dtype)
 
@@ -147,7 +141,6 @@ def main() -> int:
     out = {"benchmark": "block_round", **run_header(), "target": a.target,
            "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
            "temperature": a.temperature, "tensor_core_rows": a.tensor_core_rows,
-           "dot_fuse": a.dot_fuse,
            "target_shape": model_shape(target.config), "arms": {}}
     e = engine()
     out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels,

@@ -126,20 +126,14 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {"SLOTS": slots, "LISTS": lists, "SLIDING": sliding, "PATHS": paths,
                    "NEW": new, "SCAN_BLOCK": M.SCAN_BLOCK, "BLOCK": M.COPY_BLOCK}))
     bf16 = "*bf16"
-    # SmolLM2's qkv and down configs (DOT_TUNED), with PDL: plain, the norm fused in (with
-    # and without the residual add), SwiGLU formed in the loads (split K, as down runs)
-    for mode, split, res_in in ((0, 1, False), (0, 4, False), (1, 1, True), (1, 1, False),
-                                (2, 4, False)):
-        c.append((f"tensor-core rows mode={mode} split={split} res_in={res_in}",
-                  MM._dot_kernel,
-                  {**{n: bf16 for n in ("x", "w", "y", "bias", "res", "res_in", "res_out",
-                                        "norm_w")}, "part": f32, "eps": "fp32",
+    for split in (1, 4):  # SmolLM2's qkv and down configs (DOT_TUNED), with PDL
+        c.append((f"tensor-core rows split={split}", MM._dot_kernel,
+                  {"x": bf16, "w": bf16, "y": bf16, "part": f32, "bias": bf16, "res": bf16,
                    **{n: "i32" for n in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
-                                         "stride_ym", "stride_rm", "stride_rim",
-                                         "stride_rom")}},
-                  {"MODE": mode, "HAS_RES_IN": res_in, "HAS_BIAS": False, "HAS_RES": False,
-                   "SPLIT": split, "EVEN_K": True, "PRECISION": "tf32", "BLOCK_M": 64,
-                   "BLOCK_N": 32, "BLOCK_K": 64, "PDL": True}))
+                                         "stride_ym", "stride_rm")}},
+                  {"HAS_BIAS": False, "HAS_RES": False, "SPLIT": split, "EVEN_K": True,
+                   "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64,
+                   "PDL": True}))
     c.append(("tensor-core rows combine", MM._combine_kernel,
               {"part": f32, "y": bf16, "bias": bf16, "res": bf16,
                **{n: "i32" for n in ("M", "N", "stride_ym", "stride_rm")}},

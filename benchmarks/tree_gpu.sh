@@ -22,11 +22,6 @@
 #   dotab:  the same arms in runs with `--tensor-core-rows off` and `on` (plain decode too),
 #           alternating, at batch sizes BATCHES (1 4 32; trees where they are drafted, at up
 #           to 4 requests).
-#   fuse:   the norm and SwiGLU inside the tensor-core matmul (`--dot-fuse on`) against their
-#           own kernels (`off`): one process per arm and setting (the first speculative
-#           engine of a process is the one to time: later ones ran a chain round 0.14 ms
-#           slower, NOTES stop 45), alternating, twice; plain decode in each; batch sizes
-#           BATCHES (1 4 16 64; trees TREES where drafted, else the chain k = 4).
 #   kernels: GPU time per kernel name over graph-replayed rounds (`bench_block.py --kernels`),
 #           chain k = 4 and the trees TREES, plain decode in the same run.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
@@ -85,22 +80,6 @@ case "${1:-}" in
         python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode', d['plain_decode']['ms_per_round'], {k: round(v['ms_per_round'], 4) for k, v in d['arms'].items()})" "$OUT/dotab_smollm2_bs${bs}_${rows}.json"
       done
     done ;;
-  fuse)
-    for bs in ${BATCHES:-1 4 16 64}; do
-      arms="chain|$H|4"; [ "$bs" -le 4 ] && arms="$TREES"
-      for arm in $arms; do
-        [ "$arm" = "chain|$H|4" ] || arm="chain|$H|$arm"
-        for rep in 1 2; do
-          for f in on off; do
-            o="$OUT/fuse_smollm2_bs${bs}_${arm##*|}_${f}_${rep}.json"; o=${o/:/_}
-            timeout 100 python3 benchmarks/bench_block.py --target random:smollm2-135m \
-              --dot-fuse $f --batch-size "$bs" --steps 200 --arms "$arm" --out "$o" 2>&1 \
-              | grep -E "rror" | head -3
-            python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], d['plain_decode']['ms_per_round'], [round(v['ms_per_round'], 4) for v in d['arms'].values()])" "$o" "bs$bs ${arm##*|} $f"
-          done
-        done
-      done
-    done ;;
   kernels)
     arms="chain|$H|4"
     for t in $TREES; do arms="$arms;chain|$H|$t"; done
@@ -121,5 +100,5 @@ case "${1:-}" in
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}.json" 2>&1 | grep -v Warning | tail -12
     ;;
-  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | dotab | fuse | kernels | stage N | real"; exit 2 ;;
+  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | dotab | kernels | stage N | real"; exit 2 ;;
 esac

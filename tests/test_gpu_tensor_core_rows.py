@@ -54,34 +54,3 @@ def test_tree_speculation_on_tensor_core_rows_equals_plain_decoding():
     tree = _greedy(SpecConfig(method="chain", draft_head="random", tree=TreeShape(4, 5, 16)),
                    prompts)
     assert tree == plain
-
-
-@pytest.mark.parametrize("m", [9, 17, 33, 64])
-def test_norm_and_swiglu_inside_the_matmul_compiled(m):
-    """The fused forms of the tensor-core rows, compiled, bf16, SmolLM2's shapes (qkv and
-    gate_up with the norm, down with SwiGLU and split K): their twins', the unfused chain's
-    within bf16 rounding, each row as alone."""
-    from draftgraph.kernels.ops import rms_norm_ref, silu_and_mul
-
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    bf = torch.bfloat16
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(bf)
-
-    x, res, g = rnd(m, 576, scale=3.0), rnd(m, 576), rnd(576).abs() + 0.5
-    for n in (960, 3072):
-        w = rnd(n, 576, scale=576 ** -0.5)
-        y, h = MM.dot_rmsnorm_linear(x, g, 1e-5, w, None, res)
-        ref, ref_h = MM.dot_rmsnorm_linear_ref(x, g, 1e-5, w, None, res)
-        assert torch.equal(h, ref_h)
-        torch.testing.assert_close(y.float(), ref.float(), atol=3e-2, rtol=3e-2)
-        normed, _ = rms_norm_ref(x, g, 1e-5, res)
-        torch.testing.assert_close(y.float(), F.linear(normed, w).float(), atol=6e-2, rtol=6e-2)
-        assert torch.equal(MM.dot_rmsnorm_linear(x[m - 1 :], g, 1e-5, w, None,
-                                                 res[m - 1 :])[0][0], y[m - 1])
-    gate_up, w = rnd(m, 2 * 1536, scale=2.0), rnd(576, 1536, scale=1536 ** -0.5)
-    y = MM.dot_silu_mul_linear(gate_up, w)
-    torch.testing.assert_close(y.float(), MM.dot_linear(silu_and_mul(gate_up), w).float(),
-                               atol=3e-2, rtol=3e-2)
-    assert torch.equal(MM.dot_silu_mul_linear(gate_up[:1], w)[0], y[0])

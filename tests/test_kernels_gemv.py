@@ -191,25 +191,6 @@ def test_tensor_core_rows_take_marked_weights_within_their_row_range():
     assert G._dot(cuda_x, invariant, 1) and G._dot(cuda_x, invariant, 500)
 
 
-def test_tensor_core_rows_fuse_norm_and_swiglu_only_on_their_rows(monkeypatch):
-    """The fused forms (norm / SwiGLU inside the matmul) go with the tensor-core rows: marked
-    weights, CUDA, within the range; not on the batch-invariant path; DOT_FUSE off: none."""
-    from types import SimpleNamespace
-
-    lin = torch.nn.Linear(4, 3, bias=False)
-    cuda_x, cpu_x = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
-    assert not G._dot_fuses(cuda_x, lin.weight, 9)
-    G.mark_dot_rows(lin)
-    assert [G._dot_fuses(cuda_x, lin.weight, m) for m in (1, 8, 9, 64, 65)] == \
-        [False, False, True, True, False]
-    assert not G._dot_fuses(cpu_x, lin.weight, 9)
-    monkeypatch.setattr(G, "DOT_FUSE", False)
-    assert not G._dot_fuses(cuda_x, lin.weight, 9)
-    monkeypatch.setattr(G, "DOT_FUSE", True)
-    setattr(lin.weight, G.INVARIANT_ATTR, True)
-    assert not G._dot_fuses(cuda_x, lin.weight, 9)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dispatch")
 def test_cpu_dispatch_runs_the_unfused_chain_equal_to_the_twins():
     x, w, norm_w = randn(2, K), weight(), randn(K, seed=4)

@@ -253,21 +253,6 @@ def _dot(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
                                                       and max(2, rows[0]) <= m <= rows[1])
 
 
-# The norm before a projection and SwiGLU before the down projection run inside the
-# tensor-core matmul on its rows (matmul.dot_rmsnorm_linear / dot_silu_mul_linear): a
-# multi-row layer then launches 7 kernels, not 10. False: the unfused chain (the A arm of
-# benchmarks/bench_block.py's `/nofuse`). Not under `--deterministic` (unmeasured there).
-DOT_FUSE = True
-
-
-def _dot_fuses(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
-    """Whether `m` rows times `weight` take the tensor-core matmul with the norm or SwiGLU
-    before it fused in: the weight's tensor-core rows (not the batch-invariant path)."""
-    rows = getattr(weight, DOT_ROWS_ATTR, None) if x.is_cuda and DOT_FUSE else None
-    return (rows is not None and max(2, rows[0]) <= m <= rows[1]
-            and not getattr(weight, INVARIANT_ATTR, False))
-
-
 def wants_exact_rows(module: torch.nn.Module) -> bool:
     """"auto": exact rows for a model whose weights are at most EXACT_ROWS_MAX_BYTES."""
     return weight_bytes(module) <= EXACT_ROWS_MAX_BYTES
@@ -796,8 +781,6 @@ def rmsnorm_gemv(x, norm_weight, eps, weight, bias=None,
     (+ bias). new_residual is h (x itself when residual is None)."""
     if _fused(x, weight, weight.shape[1]):
         return rmsnorm_gemv_triton(x, norm_weight, eps, weight, bias, residual)
-    if _dot_fuses(x, weight, x.numel() // max(x.shape[-1], 1)):
-        return matmul.dot_rmsnorm_linear(x, norm_weight, eps, weight, bias, residual)
     from draftgraph.kernels import ops
 
     normed, new_residual = ops.rms_norm(x, norm_weight, eps, residual)
@@ -810,8 +793,6 @@ def silu_mul_gemv(gate_up, weight, residual=None, *, out_dtype=None) -> torch.Te
     if _fused(gate_up, weight, 2 * weight.shape[1]):
         return silu_mul_gemv_triton(gate_up, weight, residual,
                                     out=_out(gate_up, weight.shape[0], out_dtype))
-    if _dot_fuses(gate_up, weight, gate_up.numel() // max(gate_up.shape[-1], 1)):
-        return matmul.dot_silu_mul_linear(gate_up, weight, residual, out_dtype=out_dtype)
     from draftgraph.kernels import ops
 
     return gemv(ops.silu_and_mul(gate_up), weight, residual=residual, out_dtype=out_dtype)

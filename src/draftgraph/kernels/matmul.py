@@ -3,12 +3,6 @@ row's result depends only on that row and the weight: not on M, not on where the
 the batch, not on its batch-mates.
 
     dot_linear(x, W, bias, residual, out_dtype)     x [M, K], W [N, K] -> y [M, N]
-    dot_rmsnorm_linear(x, g, eps, W, bias, residual) the RMS norm before it in the same launch
-    dot_silu_mul_linear(gate_up, W, residual)        SwiGLU's activation formed in the loads
-
-The fused forms are the tensor-core rows' (`gemv.DOT_ROWS`: a tree's verify rows, batched
-decode): a multi-row layer then launches as the single-row one does, norm and SwiGLU inside
-the projections (gemv.py's `rmsnorm_gemv` / `silu_mul_gemv` on this kernel).
 
 How: ONE config per weight shape (N, K), never chosen by M (`dot_config`). A program owns a
 [BLOCK_M, BLOCK_N] tile of the output and walks K with tensor cores (tl.dot accumulating into
@@ -95,16 +89,12 @@ def _k_split(k: int, cfg: DotConfig) -> int:
 
 @triton.jit(do_not_specialize=["M"])  # M varies step to step: one compiled kernel for all
 def _dot_kernel(
-    x, w, y, part, bias, res, res_in, res_out, norm_w, M, N, K, K_SPLIT, eps,
-    stride_xm, stride_wn, stride_ym, stride_rm, stride_rim, stride_rom,
-    MODE: tl.constexpr, HAS_RES_IN: tl.constexpr,
+    x, w, y, part, bias, res, M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_ym, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    # MODE 0: a = x. MODE 1 (SPLIT 1): h = x (+ res_in), written to res_out by the programs of
-    # column block 0; a = h * norm_w, and the row's 1 / rms(h), summed over the same K walk,
-    # scales the accumulator after it. MODE 2: x = [gate | up] of width 2K, a = silu(gate) * up.
     pdl_wait(PDL)  # every program, before its first load
     # Row blocks are the fastest grid axis: the programs that share a weight tile run
     # together, and all but the first read it from L2.
@@ -121,42 +111,17 @@ def _dot_kernel(
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    writes_res = mask_m & ((tl.zeros([BLOCK_M], dtype=tl.int32) + pid_n) == 0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        mask_k = rk < k_hi
-        if MODE == 0:
-            if EVEN_K:
-                a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None], other=0.0)
-            else:
-                a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                            other=0.0)
-        else:
-            mask_x = mask_m[:, None] & mask_k[None, :]
-            h = tl.load(x_rows + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
-            if MODE == 1:
-                if HAS_RES_IN:
-                    r = tl.load(res_in + rm.to(tl.int64)[:, None] * stride_rim + rk[None, :],
-                                mask=mask_x, other=0.0).to(tl.float32)
-                    h = (h + r).to(res_out.dtype.element_ty)  # rounded like x + residual
-                    tl.store(res_out + rm.to(tl.int64)[:, None] * stride_rom + rk[None, :], h,
-                             mask=writes_res[:, None] & mask_k[None, :])
-                    h = h.to(tl.float32)
-                sumsq += tl.sum(h * h, axis=1)
-                g = tl.load(norm_w + rk, mask=mask_k, other=0.0).to(tl.float32)
-                a = (h * g[None, :]).to(w.dtype.element_ty)
-            else:
-                u = tl.load(x_rows + K + rk[None, :], mask=mask_x, other=0.0).to(tl.float32)
-                a = (h / (1.0 + tl.exp(-h)) * u).to(w.dtype.element_ty)
         if EVEN_K:
+            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None], other=0.0)
             b = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
         else:
+            mask_k = rk < k_hi
+            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             b = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-    if MODE == 1:
-        acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))[:, None]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT == 1:
         if HAS_BIAS:
@@ -196,99 +161,46 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x2: torch.Tensor, weight: torch.Tensor, mode: int, *, bias=None, res_add=None,
-            res_in=None, norm_w=None, eps: float = 0.0, out_dtype=None,
-            config: DotConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One product of rows x2 [M, K or 2K (mode 2)] and weight [N, K] in `_dot_kernel`'s
-    mode; returns (y [M, N], the new residual [M, K] of mode 1 with res_in, else None)."""
-    n, k = weight.shape
-    if x2.dtype != weight.dtype:
-        raise ValueError(f"dot_linear: activations are {x2.dtype} but the weight is "
-                         f"{weight.dtype}; cast one so both match (the model dtype)")
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
-    m = x2.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
-    res_out = (torch.empty(m, k, dtype=x2.dtype, device=x2.device)
-               if mode == 1 and res_in is not None else None)
-    if m == 0:
-        return y, res_out
-    cfg = config or dot_config(n, k)
-    if mode == 1:  # the norm needs the whole row in one program
-        cfg = cfg._replace(split_k=1)
-    k_split = _k_split(k, cfg)
-    split = cdiv(k, k_split)  # chunks that hold keys (a tiny K may need fewer than split_k)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
-    dummy = y
-    _dot_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)](
-        x2, weight, y, part, bias if bias is not None else dummy,
-        res_add if res_add is not None else dummy, res_in if res_in is not None else dummy,
-        res_out if res_out is not None else dummy, norm_w if norm_w is not None else dummy,
-        m, n, k, k_split, eps,
-        x2.stride(0), weight.stride(0), y.stride(0),
-        res_add.stride(0) if res_add is not None else 0,
-        res_in.stride(0) if res_in is not None else 0,
-        res_out.stride(0) if res_out is not None else 0,
-        MODE=mode, HAS_RES_IN=res_in is not None,
-        HAS_BIAS=bias is not None, HAS_RES=res_add is not None, SPLIT=split,
-        EVEN_K=k_split * split == k, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **pdl_kwargs(x2),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if split > 1:
-        block = 1024
-        _combine_kernel[(cdiv(m * n, block),)](
-            part, y, bias if bias is not None else dummy,
-            res_add if res_add is not None else dummy,
-            m, n, y.stride(0), res_add.stride(0) if res_add is not None else 0,
-            HAS_BIAS=bias is not None, HAS_RES=res_add is not None, SPLIT=split, BLOCK=block,
-            **pdl_kwargs(x2), num_warps=4,
-        )
-    return y, res_out
-
-
 def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
                config: DotConfig | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N]), summed in
     fp32 and rounded once to out_dtype (default x.dtype); each row as it would be alone."""
     n, k = weight.shape
-    res = _rows(residual, n) if residual is not None else None
-    y, _ = _launch(_rows(x, k), weight, 0, bias=bias, res_add=res, out_dtype=out_dtype,
-                   config=config)
-    return y.view(*x.shape[:-1], n)
-
-
-def dot_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       residual: torch.Tensor | None = None, *,
-                       config: DotConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [..., N], new residual [..., K]): h = x (+ residual), y = rmsnorm(h) * norm_weight @
-    W^T (+ bias) in one launch, the norm in the matmul (kernels/gemv.py `rmsnorm_gemv`'s
-    semantics). The row's 1 / rms scales the fp32 sum of (h * norm_weight) rounded to the
-    model dtype times W, instead of rounding h / rms * norm_weight before the product: equal
-    in exact arithmetic, not bitwise the unfused chain's in bf16. Each row as it would be
-    alone. The new residual is h (x itself without a residual)."""
-    n, k = weight.shape
+    if x.dtype != weight.dtype:
+        raise ValueError(f"dot_linear: activations are {x.dtype} but the weight is "
+                         f"{weight.dtype}; cast one so both match (the model dtype)")
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
     x2 = _rows(x, k)
-    res = _rows(residual, k) if residual is not None else None
-    y, h = _launch(x2, weight, 1, bias=bias, res_in=res, norm_w=norm_weight, eps=eps,
-                   config=config)
-    return y.view(*x.shape[:-1], n), (h.view(x.shape) if h is not None else x)
-
-
-def dot_silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                        residual: torch.Tensor | None = None, *,
-                        out_dtype: torch.dtype | None = None,
-                        config: DotConfig | None = None) -> torch.Tensor:
-    """y [..., N] = (silu(gate) * up) @ W^T (+ residual) with gate_up [..., 2I], W [N, I]: the
-    activation formed tile by tile in the matmul (bitwise `silu_and_mul`'s), one launch (two
-    with split K). Each row as it would be alone."""
-    n, k = weight.shape
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return y.view(*x.shape[:-1], n)
     res = _rows(residual, n) if residual is not None else None
-    y, _ = _launch(_rows(gate_up, 2 * k), weight, 2, res_add=res, out_dtype=out_dtype,
-                   config=config)
-    return y.view(*gate_up.shape[:-1], n)
+    cfg = config or dot_config(n, k)
+    k_split = _k_split(k, cfg)
+    split = cdiv(k, k_split)  # chunks that hold keys (a tiny K may need fewer than split_k)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    dummy = y
+    _dot_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)](
+        x2, weight, y, part, bias if bias is not None else dummy,
+        res if res is not None else dummy, m, n, k, k_split,
+        x2.stride(0), weight.stride(0), y.stride(0), res.stride(0) if res is not None else 0,
+        HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split,
+        EVEN_K=k_split * split == k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **pdl_kwargs(x2),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _combine_kernel[(cdiv(m * n, block),)](
+            part, y, bias if bias is not None else dummy, res if res is not None else dummy,
+            m, n, y.stride(0), res.stride(0) if res is not None else 0,
+            HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split, BLOCK=block,
+            **pdl_kwargs(x2), num_warps=4,
+        )
+    return y.view(*x.shape[:-1], n)
 
 
 def dot_linear_ref(x, weight, bias=None, residual=None, *, out_dtype=None) -> torch.Tensor:
@@ -297,23 +209,3 @@ def dot_linear_ref(x, weight, bias=None, residual=None, *, out_dtype=None) -> to
     if residual is not None:
         y = y + residual.float()
     return y.to(out_dtype or x.dtype)
-
-
-def dot_rmsnorm_linear_ref(x, norm_weight, eps, weight, bias=None,
-                           residual=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The twin of `dot_rmsnorm_linear`: its arithmetic in torch (fp32 sums)."""
-    h = x + residual if residual is not None else x  # rounded like the kernel's h
-    hf = h.float()
-    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    a = (hf * norm_weight.float()).to(x.dtype)
-    y = F.linear(a.float(), weight.float()) * rstd
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype), h
-
-
-def dot_silu_mul_linear_ref(gate_up, weight, residual=None, *, out_dtype=None) -> torch.Tensor:
-    """The twin of `dot_silu_mul_linear`."""
-    g, u = gate_up.float().chunk(2, dim=-1)
-    a = (g / (1.0 + torch.exp(-g)) * u).to(gate_up.dtype)
-    return dot_linear_ref(a, weight, residual=residual, out_dtype=out_dtype)

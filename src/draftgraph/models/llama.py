@@ -175,18 +175,25 @@ class LlamaDecoderLayer(nn.Module):
             q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
             o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
         else:
-            # the norm inside the projection where a kernel takes it (the fused GEMV, the
-            # tensor-core rows' matmul), else rms_norm then the product
-            qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
-                                              attn.qkv_proj.bias, residual)
+            if fuse:
+                qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
+                                                  attn.qkv_proj.bias, residual)
+            else:
+                h, residual = ln(x, residual)
+                if residual is None:
+                    residual = x
+                qkv = gemv.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
             o = attn.attend(qkv, fb, backend, cos_sin_cache)
         h = attn.o_proj(o)
-        post = self.post_attention_layernorm
-        if mlp.split_pays(h):
-            h, residual = post(h, residual)
-            return mlp.down_proj(mlp.split_activation(h)), residual
-        gate_up, residual = gemv.rmsnorm_gemv(h, post.weight, post.eps, mlp.gate_up_proj.weight,
-                                              None, residual)
+        if fuse:
+            gate_up, residual = gemv.rmsnorm_gemv(h, self.post_attention_layernorm.weight,
+                                                  self.post_attention_layernorm.eps,
+                                                  mlp.gate_up_proj.weight, None, residual)
+        else:
+            h, residual = self.post_attention_layernorm(h, residual)
+            if mlp.split_pays(h):
+                return mlp.down_proj(mlp.split_activation(h)), residual
+            gate_up = gemv.linear(h, mlp.gate_up_proj.weight)
         return mlp.down_proj(gate_up, silu_mul=True), residual
 
 
