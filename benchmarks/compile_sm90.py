@@ -51,10 +51,16 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
               {"part_max": f32, "part_idx": "*i32", "part_sum": f32, "lse": f32,
                "top_logprob": f32, "vocab": "i32", "num_chunks": "i32"},
               {"HAS_TOP_LP": True, "BLOCK_C": 64, "PDL": True}))
-    c.append(("top-W combine", T._top_combine_kernel,
-              {"part_val": f32, "part_idx": "*i32", "part_max": f32, "part_sum": f32,
-               "top_lp": f32, "vocab": "i32", "num_chunks": "i32"},
-              {"W": 4, "BLOCK_C": 16, "BLOCK_CW": 64, "PDL": True}))
+    for w in (4, 12):  # 4x5:16's beam and 12x5:63's (16 chunks of the head's 16k tokens)
+        c.append((f"top-W combine W={w}", T._top_combine_kernel,
+                  {"part_val": f32, "part_idx": "*i32", "part_max": f32, "part_sum": f32,
+                   "top_lp": f32, "vocab": "i32", "num_chunks": "i32"},
+                  {"W": w, "BLOCK_C": 16, "BLOCK_CW": 1 << (16 * w - 1).bit_length(),
+                   "PDL": True}))
+    c.append(("top-W chunk W=12 *bf16", T._top_chunk_kernel,
+              {"logits": "*bf16", "part_val": f32, "part_idx": "*i32", "part_max": f32,
+               "part_sum": f32, "vocab": "i32", "stride_row": "i32", "num_chunks": "i32"},
+              {"W": 12, "CHUNK": 1024, "PDL": True}))
     for first, stage in ((True, True), (False, True), (False, False)):
         c.append((f"tree grow first={first} stage={stage}", T._tree_grow_kernel,
                   {"top_lp": f32, "stream": "*bf16", "node_score": f32, "t_feat": "*bf16",
@@ -64,8 +70,8 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {"W": 4, "R": 1 if first else 4, "D": 5, "C_P": 4 if first else 16,
                    "W_P": 4, "D_P": 8, "BLOCK_H": 256, "FIRST": first, "STAGE": stage,
                    "HAS_VOCAB": True, "PDL": True}))
-    # the default tree 4x5:16 (68 nodes grown) and the largest, 8x5:32 (264)
-    for name, k, grown in (("4x5:16", 16, 68), ("8x5:32", 32, 264)):
+    # trees 4x5:16 (68 nodes grown), the default 8x5:32 (264) and the largest, 12x5:63 (588)
+    for name, k, grown in (("4x5:16", 16, 68), ("8x5:32", 32, 264), ("12x5:63", 63, 588)):
         t_p = 1 << k.bit_length()  # next_pow2(k + 1)
         c.append((f"tree pick {name}", T._tree_pick_kernel,
                   {"node_score": f32, "total": "i32"},
@@ -80,13 +86,14 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                                          "stride_r2t", "stride_table", "stride_tok",
                                          "stride_lp", "stride_copy")}},
                   {"T": k + 1, "D": 5, "T_P": t_p, "D_P": 8, "PDL": True}))
-    c.append(("tree grow 8x5:32", T._tree_grow_kernel,
-              {"top_lp": f32, "stream": "*bf16", "node_score": f32, "t_feat": "*bf16",
-               **{n: "i32" for n in ("step", "lo", "total", "hidden", "stride_stream",
-                                     "stride_feat", "stride_rows", "stride_res0",
-                                     "stride_res1")}},
-              {"W": 8, "R": 8, "D": 5, "C_P": 64, "W_P": 8, "D_P": 8, "BLOCK_H": 256,
-               "FIRST": False, "STAGE": True, "HAS_VOCAB": True, "PDL": True}))
+    for w, c_p, w_p in ((8, 64, 8), (12, 256, 16)):  # 8x5:32's and 12x5:63's beam steps
+        c.append((f"tree grow {w}x5", T._tree_grow_kernel,
+                  {"top_lp": f32, "stream": "*bf16", "node_score": f32, "t_feat": "*bf16",
+                   **{n: "i32" for n in ("step", "lo", "total", "hidden", "stride_stream",
+                                         "stride_feat", "stride_rows", "stride_res0",
+                                         "stride_res1")}},
+                  {"W": w, "R": w, "D": 5, "C_P": c_p, "W_P": w_p, "D_P": 8, "BLOCK_H": 256,
+                   "FIRST": False, "STAGE": True, "HAS_VOCAB": True, "PDL": True}))
     for k, block in ((4, 256), (16, 256), (4, 2)):
         c.append((f"chain pack k={k} bs<={block}", K._pack_chain_kernel,
                   {"bs": "i32", "stride_drafts": "i32", "stride_slots": "i32",

@@ -74,7 +74,8 @@ def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int, nan: bool = Fals
 
 @pytest.mark.parametrize("w,d,bs,vocab,nan", [(4, 5, 3, True, False), (2, 4, 5, False, False),
                                               (1, 3, 2, True, False), (3, 2, 4, False, False),
-                                              (4, 3, 3, True, True)])
+                                              (4, 3, 3, True, True),
+                                              (12, 5, 2, True, False)])  # the widest at 63
 def test_a_grown_tree_equals_the_twins_buffer_for_buffer(w, d, bs, vocab, nan):
     a, _, ctx = _grow_both(w, d, bs, vocab, seed=w * 10 + d, nan=nan)
     total = w + (d - 1) * w * w
@@ -161,7 +162,8 @@ def _path_oracle(bufs: T.TreeVerify, bs: int, t: int, gen: torch.Generator) -> t
 
 @pytest.mark.parametrize("w,d,bs,vocab,k", [(4, 5, 3, True, None), (2, 4, 5, False, None),
                                             (1, 3, 2, True, None), (3, 2, 4, False, None),
-                                            (8, 5, 2, True, 32)])  # the largest tree
+                                            (8, 5, 2, True, 32),
+                                            (12, 5, 2, True, 63)])  # the largest tree
 def test_the_verify_pack_and_accept_equal_their_twins(w, d, bs, vocab, k):
     """A grown tree's pick packed as the verify's rows, then accepted against the target's
     tokens (one path planted per request, and wholly random ones), by the kernels and the

@@ -37,7 +37,9 @@ def test_tree_shapes_are_checked_and_named_by_the_flag():
     assert TreeShape.parse("4x5:16") == TreeShape(4, 5, 16)
     assert TreeShape(4, 5, 16).total == 4 + 4 * 16
     assert TreeShape.parse("8x5:32").total == 8 + 4 * 64
-    for bad in ("4x5", "4x5:33", "2x2:7", "1x6:5", "8x6:16", "4x4:8", "8x6:32", "17x1:17"):
+    assert TreeShape.parse("12x5:63").total == 12 + 4 * 144  # the most verified nodes
+    for bad in ("4x5", "4x5:64", "2x2:7", "1x6:5", "8x6:16", "4x4:8", "8x6:32", "17x1:17",
+                "16x5:63"):
         with pytest.raises(ValueError, match="--speculative-tree"):
             TreeShape.parse(bad)
     with pytest.raises(ValueError, match="--speculative-tree is for --speculative chain"):
@@ -159,7 +161,8 @@ def test_a_steps_rows_follow_its_context_not_the_last_proposal(hf):
 
 
 @pytest.mark.parametrize("tree", [TREE, TreeShape(1, 3, 3), TreeShape(2, 3, 6),
-                                  TreeShape(8, 5, 32)])  # the largest: 33 verify rows
+                                  TreeShape(8, 5, 32),
+                                  TreeShape(12, 5, 63)])  # the largest: 64 verify rows
 def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
     engine, drafter = _tree_engine(hf, tree)
     seen = _count_tree_steps(engine)

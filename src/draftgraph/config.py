@@ -83,9 +83,9 @@ SPEC_METHODS = ("ngram", "chain", "draft", "block")
 # the largest batch that drafts trees (their 1 + nodes rows a request are decode rows with
 # lists of their own: buffers sized for it); larger batches draft chains
 TREE_MAX_BS = 8
-# verified nodes a tree may have (32: 33 verify rows a request, within the GPU's tensor-core
-# rows tile; 1 + 2 x 32 reserved KV slots a request)
-TREE_MAX_NODES = 32
+# verified nodes a tree may have (63: 64 verify rows a request, the GPU's tensor-core rows
+# tile at batch 1; 1 + 2 x 63 reserved KV slots a request)
+TREE_MAX_NODES = 63
 
 
 @dataclass(frozen=True)

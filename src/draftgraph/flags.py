@@ -195,7 +195,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-tree", default="auto", metavar="WxD:N|auto|off",
                    help="--speculative chain: in steps of up to 8 requests (greedy or "
                    "sampled), draft a tree (width W: beam and children per node, depth D, "
-                   "N <= 32 verified nodes, e.g. 8x5:32) and accept its deepest path the "
+                   "N <= 63 verified nodes, e.g. 8x5:32) and accept its deepest path the "
                    "target agrees with. auto (default): on one GPU, "
                    f"{AUTO_TREE.width}x{AUTO_TREE.depth}:{AUTO_TREE.nodes} trees in steps "
                    f"of up to {AUTO_TREE_MAX_BS} requests unless --num-draft-tokens is given "

@@ -22,8 +22,8 @@ Twins: `top_logprobs_ref`, `tree_grow_ref`, `tree_pick_ref`, `tree_pack_ref`,
 and a 64 us torch.topk, the pick ~30, the pack ~60 with `ancestors`, the acceptance ~50). The
 public functions dispatch: the Triton kernels on CUDA, the twins elsewhere; tests call the
 `*_triton` launchers (the interpreter on CPU). One program per request (the pick, the grow) or
-per row and chunk (the top-W): W <= 16 beam rows, at most W + (D - 1) W^2 <= 16 + 32 x 16 =
-528 nodes (the TreeShape bounds: (D - 1) W <= N <= 32), everything in registers.
+per row and chunk (the top-W): W <= 16 beam rows, at most W + (D - 1) W^2 <= 16 + 63 x 16 =
+1024 nodes (the TreeShape bounds: (D - 1) W <= N <= 63), everything in registers.
 
 Choosing (both): the best by score, ties to the lower node index, exactly torch.sort(stable,
 descending)'s order, a NaN score ranked last (as -inf: every pick a distinct node, so the
