@@ -63,3 +63,20 @@ def test_the_cli_flag_reaches_the_engine_config():
     cfg = engine_config_from_args(parse_args(["generate", "random:tiny", "hi",
                                               "--tensor-core-rows", "off"]))
     assert cfg.tensor_core_rows == "off"
+
+
+def test_the_attention_scratch_is_sized_by_the_engines_own_rows_per_request(hf):
+    """The target's backend holds 1 + k rows a request (a verify's), not the largest tree's,
+    and a drafter's executor takes the target's bound (its beams and catch-up fit in it)."""
+    from draftgraph.attention.triton_backend import TritonBackend
+
+    loaded = tiny_loaded(hf)
+    drafter = ChainHeadDrafter(random_head(loaded.config), k=2)
+    engine = LLMEngine(EngineConfig(
+        model="tiny", device="cpu", attention_backend="triton",
+        cache=CacheConfig(kv_cache_tokens=1024),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+        spec=SpecConfig(method="chain", num_draft_tokens=2)), loaded=loaded, drafter=drafter)
+    assert engine.target.backend.rows_per_request == 3
+    assert drafter.executor.backend.rows_per_request == 3
+    assert TritonBackend.MAX_VERIFY_ROWS > 3  # the default without an engine: the largest tree

@@ -42,7 +42,7 @@ class TritonBackend(AttentionBackend):
     kernels = {Phase.DECODE: "decode", Phase.DRAFT_CHAIN: "decode", Phase.EXTEND: "extend",
                Phase.VERIFY: "decode", Phase.DRAFT_BLOCK: "extend"}
     # query rows a verify request brings at most (the last token and a tree's nodes; a chain
-    # brings up to 16 drafts)
+    # brings up to 16 drafts): the scratch's bound unless the engine gives its own
     MAX_VERIFY_ROWS = 1 + TREE_MAX_NODES
     # verify attention planned by its row count when rows need not be exact (False: by its
     # requests, as exact rows do; the A arm of benchmarks/bench_block.py's `batchplan` mode)
@@ -61,6 +61,7 @@ class TritonBackend(AttentionBackend):
         max_num_tokens: int | None = None,
         device: torch.device | str | None = None,
         invariant: bool = False,
+        rows_per_request: int | None = None,
     ) -> None:
         super().__init__(kv_pool, req_to_token, sliding_window, scale)
         k0 = kv_pool.k_buffers[0]
@@ -68,6 +69,9 @@ class TritonBackend(AttentionBackend):
         self.max_bs = max_bs
         self.max_kv_splits = max_kv_splits
         self.max_num_tokens = max_num_tokens
+        # query rows one request brings to a decode-kernel forward at most (1 + k: its
+        # verify rows); the split-KV scratch is sized by it
+        self.rows_per_request = rows_per_request or self.MAX_VERIFY_ROWS
         self.device = torch.device(device) if device is not None else k0.device
         self.num_q_heads = num_q_heads
         # batch-invariant decode plan (`--deterministic`): a fixed split length over the
@@ -84,7 +88,7 @@ class TritonBackend(AttentionBackend):
         # split-KV partials of decode attention (normalised acc and log2-sum-exp per split),
         # flat: each batch size views [bs, Hq, its splits, D] from the front
         self.num_q_heads = num_q_heads
-        rpr, cap = self.MAX_VERIFY_ROWS, self.max_num_tokens
+        rpr, cap = self.rows_per_request, self.max_num_tokens
         max_rows = min(self.max_bs * rpr, cap or self.max_bs * rpr)
         if self.invariant:
             rows = max_rows * attn_kernels.INVARIANT_MAX_SPLITS
@@ -162,9 +166,10 @@ class TritonBackend(AttentionBackend):
                     or rows * self.num_kv_heads > self.kv_counters.numel()):
                 raise ValueError(
                     f"decode batch of {rows} rows ({bs} requests) x {hq} query heads does not "
-                    f"fit the backend's scratch ({self.max_bs} requests x {self.num_q_heads}); "
-                    f"build TritonBackend with max_bs=, num_q_heads= and max_num_tokens= "
-                    f"large enough"
+                    f"fit the backend's scratch ({self.max_bs} requests of up to "
+                    f"{self.rows_per_request} rows x {self.num_q_heads}); build TritonBackend "
+                    f"with max_bs=, rows_per_request=, num_q_heads= and max_num_tokens= large "
+                    f"enough"
                 )
             n = rows * hq * slots
             token_rows = ((fb.meta.token_req, fb.meta.qo_indptr, bs)

@@ -31,10 +31,13 @@ SCORE_ROWS = 256  # prompt rows scored per LM-head pass (forward_scoring)
 
 def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_cfg,
                  max_bs: int, device: torch.device, num_q_heads: int | None = None,
-                 max_num_tokens: int | None = None, invariant: bool = False):
+                 max_num_tokens: int | None = None, invariant: bool = False,
+                 rows_per_request: int | None = None):
     """`num_q_heads`: the query heads this rank attends over (default: all of the model's);
     `max_num_tokens`: the most tokens of one forward (bounds the verify rows' scratch);
-    `invariant`: the batch-invariant decode plan (Triton; `--deterministic`)."""
+    `invariant`: the batch-invariant decode plan (Triton; `--deterministic`);
+    `rows_per_request`: the most query rows one request brings (1 + k; default: the largest
+    tree's)."""
     scale = model_cfg.head_dim ** -0.5
     if name == "torch":
         return TorchBackend(kv_pool, req_to_token, model_cfg.sliding_window, scale)
@@ -45,7 +48,7 @@ def make_backend(name: str, kv_pool: KVPool, req_to_token: torch.Tensor, model_c
                              max_bs=max_bs,
                              num_q_heads=num_q_heads or model_cfg.num_attention_heads,
                              max_num_tokens=max_num_tokens, device=device,
-                             invariant=invariant)
+                             invariant=invariant, rows_per_request=rows_per_request)
     raise ValueError(f"unknown attention backend {name!r} (torch, triton)")
 
 
@@ -59,7 +62,8 @@ class ModelExecutor:
     def __init__(self, model: LlamaForCausalLM, slots: SlotSpace, max_bs: int,
                  max_num_tokens: int, device: torch.device, dtype: torch.dtype,
                  backend: str, exact_rows: str | None = None,
-                 deterministic: bool = False, tensor_core_rows: str | None = None) -> None:
+                 deterministic: bool = False, tensor_core_rows: str | None = None,
+                 rows_per_request: int | None = None) -> None:
         """exact_rows: whether multi-row steps (verify rows, small batches) compute every row
         exactly as a decode row (kernels/gemv.py): "on", "off", "auto" (on for models of at
         most gemv.EXACT_ROWS_MAX_BYTES of weights), or None: leave the model's weights as they
@@ -70,7 +74,9 @@ class ModelExecutor:
         gemv.DOT_ROWS rows on the tensor-core matmul (CUDA): "on", "off", "auto" (on for
         models of at most gemv.DOT_ROWS_MAX_BYTES of weights), or None: leave the weights as
         marked; `self.tensor_core_rows` is what was resolved ("on" / "off"), for a drafter's
-        executor to take."""
+        executor to take. rows_per_request: the most rows one request brings to a forward
+        (1 + the drafter's k: a verify; None: the largest tree's); a drafter's executor takes
+        the target's."""
         cfg = model.config
         self.model = model
         self.config = cfg
@@ -79,6 +85,7 @@ class ModelExecutor:
         self.dtype = dtype
         self.max_bs = max_bs
         self.max_num_tokens = max_num_tokens
+        self.rows_per_request = rows_per_request
         self.kv_pool = KVPool(cfg.num_hidden_layers, slots.num_slots, model.num_local_kv_heads,
                               cfg.head_dim, dtype, device)
         kv_capacity = slots.num_slots + max_num_tokens * 2
@@ -108,7 +115,8 @@ class ModelExecutor:
             gemv.mark_dot_rows(model, gemv.DOT_ROWS if on else None)
         self.backend = make_backend(backend, self.kv_pool, slots.req_pool.req_to_token, cfg,
                                     max_bs, device, num_q_heads=model.num_local_heads,
-                                    max_num_tokens=max_num_tokens, invariant=deterministic)
+                                    max_num_tokens=max_num_tokens, invariant=deterministic,
+                                    rows_per_request=rows_per_request)
         self.backend.exact_rows = exact  # TorchBackend: verify attention row by row
         self.tp_driver = None  # rank 0 of a TP group: sends each step to ranks > 0
         self.capture: HiddenCapture | None = None  # hidden states a drafter reads
@@ -280,7 +288,8 @@ def build_target(model: LlamaForCausalLM, *, cache_cfg: CacheConfig,
     slots = SlotSpace(num_slots, cache_cfg.page_size, sched_cfg.max_num_seqs,
                       max_model_len + cache_cfg.page_size + extra_tokens_per_req, device)
     target = ModelExecutor(model, slots, sched_cfg.max_num_seqs, max_num_tokens, device, dtype,
-                           backend, exact_rows, deterministic, tensor_core_rows)
+                           backend, exact_rows, deterministic, tensor_core_rows,
+                           rows_per_request=1 + extra_tokens_per_req)
     target.tp_driver = driver
     logger.info("KV cache: %d slots (%.1f MiB), page size %d, backend %s",
                 slots.allocator.usable_slots, target.kv_pool.bytes() / 2**20,

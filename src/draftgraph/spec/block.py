@@ -85,7 +85,8 @@ class BlockHeadDrafter(StagedDrafter):
         self.target_meta = target.meta
         self.executor = ModelExecutor(head, target.slots, target.max_bs, target.max_num_tokens,
                                       target.device, target.dtype, target.backend.name,
-                                      tensor_core_rows=target.tensor_core_rows)
+                                      tensor_core_rows=target.tensor_core_rows,
+                                      rows_per_request=target.rows_per_request)
         self.executor.meta.add_block_lists(hc.window, self.block_size)
         self.capture = target.capture_hidden(tuple(hc.hidden_layer_ids))
         self.bind_vocab(head, target)

@@ -63,7 +63,8 @@ class ChainHeadDrafter(ChainDrafter):
         self.target_model = target.model
         self.executor = ModelExecutor(head, target.slots, target.max_bs, target.max_num_tokens,
                                       target.device, target.dtype, target.backend.name,
-                                      tensor_core_rows=target.tensor_core_rows)
+                                      tensor_core_rows=target.tensor_core_rows,
+                                      rows_per_request=target.rows_per_request)
         self.capture = target.capture_hidden(tuple(head.head_config.hidden_layer_ids))
         self.bind_vocab(head, target)
         m, dev, dt = target.max_bs, target.device, target.dtype

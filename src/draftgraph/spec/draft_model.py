@@ -49,7 +49,8 @@ class DraftModelDrafter(ChainDrafter):
         self.executor = ModelExecutor(self.model, target.slots, target.max_bs,
                                       target.max_num_tokens, target.device, target.dtype,
                                       target.backend.name,
-                                      tensor_core_rows=target.tensor_core_rows)
+                                      tensor_core_rows=target.tensor_core_rows,
+                                      rows_per_request=target.rows_per_request)
         self.alloc_steps(target.max_bs, target.device)
         logger.info("draft model: %d layers, KV pool %.1f MiB",
                     self.model.config.num_hidden_layers, self.executor.kv_pool.bytes() / 2**20)
