@@ -24,6 +24,7 @@ from _meta import run_header  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from draftgraph.config import TreeShape  # noqa: E402
 from draftgraph.kernels import argmax as A  # noqa: E402
 from draftgraph.kernels import elementwise as E  # noqa: E402
 from draftgraph.kernels import matmul as MM  # noqa: E402
@@ -70,30 +71,32 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {"W": 4, "R": 1 if first else 4, "D": 5, "C_P": 4 if first else 16,
                    "W_P": 4, "D_P": 8, "BLOCK_H": 256, "FIRST": first, "STAGE": stage,
                    "HAS_VOCAB": True, "PDL": True}))
-    # trees 4x5:16 (68 nodes grown), the default 8x5:32 (264) and the largest, 12x5:63 (588)
-    for name, k, grown in (("4x5:16", 16, 68), ("8x5:32", 32, 264), ("12x5:63", 63, 588)):
-        t_p = 1 << k.bit_length()  # next_pow2(k + 1)
+    p2 = triton.next_power_of_2
+    for name in ("4x5:16", "8x5:32", "12x5:63"):  # the old default, the default, the largest
+        shape = TreeShape.parse(name)
+        w, d, k = shape.width, shape.depth, shape.nodes
         c.append((f"tree pick {name}", T._tree_pick_kernel,
                   {"node_score": f32, "total": "i32"},
-                  {"N": k, "T_P": 1 << (grown - 1).bit_length(), "PDL": True}))
+                  {"N": k, "T_P": p2(shape.total), "PDL": True}))
         c.append((f"tree pack {name}", T._tree_pack_kernel,
                   {"live": "*i8", "stride_res0": "i32", "stride_res1": "i32",
                    "stride_rows": "i32"},
-                  {"K": k, "D": 5, "T_P": t_p, "D_P": 8, "PDL": True}))
+                  {"K": k, "D": d, "T_P": p2(k + 1), "D_P": p2(d), "PDL": True}))
         c.append((f"tree accept {name}", T._tree_accept_kernel,
                   {"logits": f32, "lse": f32, "live": "*i8", "out_logprobs": f32,
                    **{n: "i32" for n in ("stride_logits", "stride_res0", "stride_res1",
                                          "stride_r2t", "stride_table", "stride_tok",
                                          "stride_lp", "stride_copy")}},
-                  {"T": k + 1, "D": 5, "T_P": t_p, "D_P": 8, "PDL": True}))
-    for w, c_p, w_p in ((8, 64, 8), (12, 256, 16)):  # 8x5:32's and 12x5:63's beam steps
-        c.append((f"tree grow {w}x5", T._tree_grow_kernel,
-                  {"top_lp": f32, "stream": "*bf16", "node_score": f32, "t_feat": "*bf16",
-                   **{n: "i32" for n in ("step", "lo", "total", "hidden", "stride_stream",
-                                         "stride_feat", "stride_rows", "stride_res0",
-                                         "stride_res1")}},
-                  {"W": w, "R": w, "D": 5, "C_P": c_p, "W_P": w_p, "D_P": 8, "BLOCK_H": 256,
-                   "FIRST": False, "STAGE": True, "HAS_VOCAB": True, "PDL": True}))
+                  {"T": k + 1, "D": d, "T_P": p2(k + 1), "D_P": p2(d), "PDL": True}))
+        if w > 4:  # a beam step of this width (width 4's: above)
+            c.append((f"tree grow {name}", T._tree_grow_kernel,
+                      {"top_lp": f32, "stream": "*bf16", "node_score": f32, "t_feat": "*bf16",
+                       **{n: "i32" for n in ("step", "lo", "total", "hidden", "stride_stream",
+                                             "stride_feat", "stride_rows", "stride_res0",
+                                             "stride_res1")}},
+                      {"W": w, "R": w, "D": d, "C_P": p2(w * w), "W_P": p2(w), "D_P": p2(d),
+                       "BLOCK_H": 256, "FIRST": False, "STAGE": True, "HAS_VOCAB": True,
+                       "PDL": True}))
     for k, block in ((4, 256), (16, 256), (4, 2)):
         c.append((f"chain pack k={k} bs<={block}", K._pack_chain_kernel,
                   {"bs": "i32", "stride_drafts": "i32", "stride_slots": "i32",

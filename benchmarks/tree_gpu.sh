@@ -54,16 +54,20 @@ case "${1:-}" in
     done ;;
   rounds|dot|fma)
     # rounds: each arm against its glue twins; dot: cuBLAS rows (`/cublas`) against tensor-core
-    # rows (`/dot`), then the tests of that path; fma: against o and down on the fused kernels
+    # rows (`/dot`), then the tests of that path; fma: against o and down on the fused kernels.
+    # One process per arm: a process's later speculative engines ran the chain's round 0.14 ms
+    # slower than its first (NOTES, stop 45), so arms sharing a process are not comparable.
     a=""; b="/twins"; p=tree; [ "$1" = dot ] && { a="/cublas"; b="/dot"; p=dot; }
     [ "$1" = fma ] && { a=""; b="/fma"; p=fma; }
-    arms="chain|$H|4$a;chain|$H|4$b"
-    for t in $TREES; do arms="$arms;chain|$H|$t$a;chain|$H|$t$b"; done
     for bs in ${BATCHES:-1 4}; do
-      timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m \
-        --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
-        --out "$OUT/${p}_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
-        | grep -v -i warn | cut -c1-400
+      for m in 4 $TREES; do
+        for v in "$a" "$b"; do
+          o="$OUT/${p}_rounds_smollm2_bs${bs}_t${TEMP:-0}_${m/:/_}${v:+_${v#/}}.json"
+          timeout 120 python3 benchmarks/bench_block.py --target random:smollm2-135m \
+            --batch-size "$bs" --steps 200 --arms "chain|$H|$m$v" --temperature ${TEMP:-0} \
+            --out "$o" 2>&1 | grep -E "arm|rror" | grep -v -i warn | cut -c1-400
+        done
+      done
     done
     [ "$1" = dot ] && timeout 200 python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernels_gemv.py tests/test_gpu_deterministic.py \

@@ -218,7 +218,9 @@ def mark_invariant(module: torch.nn.Module, on: bool = True) -> None:
 # keep the fused kernels. Measured on an H100 with SmolLM2-135M (benchmarks/NOTES.md,
 # `results/dot/`): rows 9 .. 128 cut the 4x5:16 tree round at batch 1 by 12 % (1.409 -> 1.239
 # ms), the chain's at batch 4 (20 rows) by 6 %, decode at batch 16 / 32 / 64 by 6 / 7 / 3 %;
-# at 5 rows (the chain's verify at batch 1) it lost 4 %, at 80 (the chain's at batch 16) 3 %.
+# at 80 rows (the chain's at batch 16) it lost 3 %; at 5 (the chain's verify at batch 1) it
+# looked 4 % slower in an A/B of one process, which the engine-instance effect of stop 45
+# confounds.
 # The engine's range is DOT_ROWS: from 9 rows to the matmul's 64-row tile. "auto" takes it
 # for models of at most DOT_ROWS_MAX_BYTES of weights (launch-bound; larger models were not
 # measured).
