@@ -48,6 +48,7 @@ from bench_chain import run
 from draftgraph.attention.triton_backend import TritonBackend
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
+from draftgraph.kernels import gemv
 from draftgraph.models.loader import load_model
 from draftgraph.spec import make_drafter
 from draftgraph.spec.block import BlockHeadDrafter
@@ -91,7 +92,6 @@ def fma_rows(model, on: bool, max_m: int = 8):
     single-row kernels (kernels/gemv.py `pays`, patched for the graphs captured inside; the
     fused kernels measured 0.9x cuBLAS's time for those shapes at 5 rows, and launch with
     PDL), the other projections stay on cuBLAS."""
-    from draftgraph.kernels import gemv
 
     if not on:
         yield
@@ -121,11 +121,15 @@ def main() -> int:
     ap.add_argument("--tensor-core-rows", default="auto", choices=["auto", "on", "off"],
                     help="the whole run's setting (plain decode too); '/dot' and '/cublas' "
                          "arms set on / off")
+    ap.add_argument("--dot-epilogues", default="on", choices=["on", "off"],
+                    help="the whole run's: SwiGLU and the next layer's norm in the tensor-core "
+                         "matmul's epilogues (gemv.DOT_EPILOGUES), or the unfused chain")
     ap.add_argument("--free-engines", action="store_true",
                     help="free each arm's engine (gc, empty_cache) before the next is built")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
+    gemv.DOT_EPILOGUES = a.dot_epilogues == "on"
     target = load_model(a.target, device="cuda", dtype=dtype)
 
     def engine(d=None, tensor_core_rows=a.tensor_core_rows):  # d None: plain decoding
@@ -141,6 +145,7 @@ def main() -> int:
     out = {"benchmark": "block_round", **run_header(), "target": a.target,
            "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
            "temperature": a.temperature, "tensor_core_rows": a.tensor_core_rows,
+           "dot_epilogues": a.dot_epilogues,
            "target_shape": model_shape(target.config), "arms": {}}
     e = engine()
     out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels,

@@ -136,14 +136,20 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {"SLOTS": slots, "LISTS": lists, "SLIDING": sliding, "PATHS": paths,
                    "NEW": new, "SCAN_BLOCK": M.SCAN_BLOCK, "BLOCK": M.COPY_BLOCK}))
     bf16 = "*bf16"
-    for split in (1, 4):  # SmolLM2's qkv and down configs (DOT_TUNED), with PDL
-        c.append((f"tensor-core rows split={split}", MM._dot_kernel,
+    # SmolLM2's qkv and down configs (DOT_TUNED), with PDL; gate_up's with SwiGLU
+    for split, silu_mul in ((1, False), (4, False), (1, True)):
+        c.append((f"tensor-core rows split={split} silu_mul={silu_mul}", MM._dot_kernel,
                   {"x": bf16, "w": bf16, "y": bf16, "part": f32, "bias": bf16, "res": bf16,
                    **{n: "i32" for n in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
                                          "stride_ym", "stride_rm")}},
                   {"HAS_BIAS": False, "HAS_RES": False, "SPLIT": split, "EVEN_K": True,
-                   "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64,
-                   "PDL": True}))
+                   "SILU_MUL": silu_mul, "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 32,
+                   "BLOCK_K": 64, "PDL": True}))
+    c.append(("tensor-core rows combine + next norm", MM._combine_rmsnorm_kernel,
+              {"part": f32, "res": bf16, "res_out": bf16, "out": bf16, "norm_weight": bf16,
+               "eps": "fp32",
+               **{n: "i32" for n in ("M", "N", "stride_rm", "stride_rom", "stride_om")}},
+              {"SPLIT": 4, "BLOCK": 1024, "PDL": True}))
     c.append(("tensor-core rows combine", MM._combine_kernel,
               {"part": f32, "y": bf16, "bias": bf16, "res": bf16,
                **{n: "i32" for n in ("M", "N", "stride_ym", "stride_rm")}},

@@ -19,6 +19,10 @@
 #           then the kernel tests of that matmul's PDL chain and the deterministic GPU tests.
 #   fma:    the rounds of `rounds` against `/fma` arms (o and SwiGLU + down of 2 .. 8 rows on
 #           the fused single-row kernels: the chain's verify of 5 rows).
+#   epi:    the rounds of `rounds` (and plain decode: batches of 9+ rows take the matmul) with
+#           the tensor-core matmul's epilogues off and on (`--dot-epilogues`: SwiGLU in
+#           gate_up's, the next norm in down's combine), one process each, then the GPU tests
+#           of that matmul (the epilogues bitwise their unfused kernels) and of the trees.
 #   dotab:  the same arms in runs with `--tensor-core-rows off` and `on` (plain decode too),
 #           alternating, at batch sizes BATCHES (1 4 32; trees where they are drafted, at up
 #           to 4 requests).
@@ -72,6 +76,22 @@ case "${1:-}" in
     [ "$1" = dot ] && timeout 200 python3 -m pytest -q -p no:cacheprovider \
       tests/test_kernels_gemv.py tests/test_gpu_deterministic.py \
       tests/test_gpu_tensor_core_rows.py 2>&1 | tail -5 | tee "$OUT/dot_tests.log" ;;
+  epi)
+    for bs in ${BATCHES:-1 4}; do
+      for m in 4 $TREES; do
+        for e in off on; do
+          o="$OUT/epi_rounds_smollm2_bs${bs}_t${TEMP:-0}_${m/:/_}_${e}.json"
+          timeout 120 python3 benchmarks/bench_block.py --target random:smollm2-135m \
+            --batch-size "$bs" --steps 200 --arms "chain|$H|$m" --temperature ${TEMP:-0} \
+            --dot-epilogues $e --out "$o" 2>&1 | grep -E "arm|rror" | grep -v -i warn \
+            | cut -c1-300
+          python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode', d['plain_decode']['ms_per_round'])" "$o"
+        done
+      done
+    done
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_matmul.py \
+      tests/test_gpu_tensor_core_rows.py tests/test_gpu_tree.py 2>&1 | tail -5 \
+      | tee "$OUT/epi_tests.log" ;;
   dotab)
     for bs in ${BATCHES:-1 4 32}; do
       arms="chain|$H|4"
@@ -104,5 +124,5 @@ case "${1:-}" in
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}.json" 2>&1 | grep -v Warning | tail -12
     ;;
-  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | dotab | kernels | stage N | real"; exit 2 ;;
+  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | epi | dotab | kernels | stage N | real"; exit 2 ;;
 esac

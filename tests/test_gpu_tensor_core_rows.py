@@ -35,9 +35,9 @@ def test_rows_in_the_range_take_the_matmul_and_the_rest_cublas():
     assert torch.equal(gemv.linear(x[:17], w), F.linear(x[:17], w))
 
 
-def _greedy(spec: SpecConfig, prompts: list[list[int]]) -> list[list[int]]:
+def _greedy(spec: SpecConfig, prompts: list[list[int]], dtype: str = "float32") -> list[list[int]]:
     engine = LLMEngine(EngineConfig(
-        model="random:smollm2-135m", device="cuda", dtype="float32", seed=0,
+        model="random:smollm2-135m", device="cuda", dtype=dtype, seed=0,
         tensor_core_rows="on", cache=CacheConfig(kv_cache_tokens=8192),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024,
                                   max_model_len=1024), spec=spec))
@@ -54,3 +54,24 @@ def test_tree_speculation_on_tensor_core_rows_equals_plain_decoding():
     tree = _greedy(SpecConfig(method="chain", draft_head="random", tree=TreeShape(4, 5, 16)),
                    prompts)
     assert tree == plain
+
+
+def test_the_matmuls_epilogues_change_no_bit_of_the_output(monkeypatch):
+    """bf16 trees (17 verify rows a request, 51 a step) with SwiGLU
+    and the next norm in the matmul's epilogues give the tokens of the unfused chain: each
+    epilogue is bitwise the kernel it replaces (test_kernels_matmul.py), so every logit is."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (12, 40, 63)]
+    spec = SpecConfig(method="chain", draft_head="random", tree=TreeShape(4, 5, 16))
+    fused_norm, calls = gemv.linear_rmsnorm, []
+
+    def spy(*args):
+        out = fused_norm(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(gemv, "linear_rmsnorm", spy)
+    fused = _greedy(spec, prompts, "bfloat16")
+    assert any(calls)  # the norm ran in down's combine
+    monkeypatch.setattr(gemv, "DOT_EPILOGUES", False)
+    assert _greedy(spec, prompts, "bfloat16") == fused

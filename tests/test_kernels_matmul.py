@@ -10,6 +10,7 @@ if not torch.cuda.is_available():  # CPU: run the kernels in Triton's interprete
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton kernels need the triton package")
 
+from draftgraph.kernels import gemv as G  # noqa: E402
 from draftgraph.kernels import matmul as MM  # noqa: E402
 from draftgraph.kernels._triton import compiled_for_cpu_missing  # noqa: E402
 
@@ -96,3 +97,128 @@ def test_heuristic_config_ignores_m():
     assert MM.dot_config(4096, 14336).split_k > 1
     assert MM.dot_config(128256, 4096).split_k == 1
     assert MM._k_split(14336, MM.dot_config(4096, 14336)) % 64 == 0
+
+
+# ---- epilogues: SwiGLU in the product, the next norm in the K-chunk combine ---------------
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+def test_silu_mul_epilogue_is_bitwise_the_product_then_silu_and_mul(dtype):
+    from draftgraph.kernels.elementwise import silu_and_mul_triton
+
+    inter = 40  # [gate | up] of 2 x 40 rows: a column tail in each half
+    x = randn(20, K, dtype=dtype, seed=7)
+    w = randn(2 * inter, K, dtype=dtype, seed=8, scale=K ** -0.5)
+    cfg = CFGS["one_chunk"]
+    y = MM.dot_linear(x, w, silu_mul=True, config=cfg)
+    assert y.shape == (20, inter)
+    assert torch.equal(y, silu_and_mul_triton(MM.dot_linear(x, w, config=cfg)))
+    torch.testing.assert_close(y.float(), MM.dot_linear_ref(x, w, silu_mul=True).float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    # the up half is read: a changed up row changes its column
+    w2 = w.clone()
+    w2[inter + 3] += 1
+    assert not torch.equal(MM.dot_linear(x, w2, silu_mul=True, config=cfg)[:, 3], y[:, 3])
+    with pytest.raises(ValueError, match="one-chunk config"):
+        MM.dot_linear(x, w, silu_mul=True, config=CFGS["split_k"])
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+def test_norm_in_the_combine_is_bitwise_the_product_then_rms_norm(dtype):
+    from draftgraph.kernels.elementwise import rms_norm_triton
+
+    x = randn(20, K, dtype=dtype, seed=9)
+    w = randn(N, K, dtype=dtype, seed=10, scale=K ** -0.5)
+    res = randn(20, N, dtype=dtype, seed=11)
+    norm_w = randn(N, dtype=dtype, seed=12)
+    cfg = CFGS["split_k"]
+    normed, new_res = MM.dot_linear_rmsnorm(x, w, res, norm_w, 1e-5, config=cfg)
+    want_normed, want_res = rms_norm_triton(MM.dot_linear(x, w, config=cfg), norm_w, 1e-5, res)
+    assert torch.equal(new_res, want_res) and torch.equal(normed, want_normed)
+    ref_normed, ref_res = MM.dot_linear_rmsnorm_ref(x, w, res, norm_w, 1e-5)
+    torch.testing.assert_close(normed.float(), ref_normed.float(), atol=5 * TOL[dtype],
+                               rtol=5 * TOL[dtype])
+    torch.testing.assert_close(new_res.float(), ref_res.float(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="several chunks"):
+        MM.dot_linear_rmsnorm(x, w, res, norm_w, 1e-5, config=CFGS["one_chunk"])
+
+
+def _dot_anywhere(x, weight, m):
+    """gemv._dot without its CUDA check: CPU rows take the matmul (in the interpreter)."""
+    rows = getattr(weight, G.DOT_ROWS_ATTR, None)
+    return rows is not None and max(2, rows[0]) <= m <= rows[1]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU rows in the interpreter; on the GPU: "
+                    "test_gpu_tensor_core_rows.py")
+@pytest.mark.parametrize("with_head", [False, True])
+def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
+        monkeypatch, with_head):
+    """A tiny model's prefill rows on the tensor-core matmul (CPU rows routed to it): every
+    layer's SwiGLU runs in gate_up's epilogue and every layer but the last normalizes the next
+    one's input in down's combine; the generated tokens, and with a chain head the target's
+    captured streams (the residual itself after a fused norm, x + residual elsewhere) of the
+    prefill, equal the unfused chain's."""
+    from _tiny import tiny_hf_model, tiny_loaded
+
+    from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from draftgraph.engine.engine import LLMEngine
+    from draftgraph.engine.sampling import SamplingParams
+    from draftgraph.models.heads import random_head
+    from draftgraph.spec.chain_head import ChainHeadDrafter
+
+    monkeypatch.setattr(G, "_dot", _dot_anywhere)
+    hf = tiny_hf_model()
+    hidden, inter = hf.config.hidden_size, hf.config.intermediate_size
+    # the tiny down projection ([64, 96]) summed in 2 K chunks, as SmolLM2's is in 4
+    monkeypatch.setitem(MM.DOT_TUNED, (hidden, inter), MM.DotConfig(16, 32, 32, 2, 4, 1))
+    calls = {"silu_mul": 0, "norm": 0}
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            out = fn(*a, **kw)
+            calls[name] += out is not None
+            return out
+        return wrapped
+
+    monkeypatch.setattr(G, "linear_silu_mul", spy("silu_mul", G.linear_silu_mul))
+    monkeypatch.setattr(G, "linear_rmsnorm", spy("norm", G.linear_rmsnorm))
+
+    def run(epilogues: bool):
+        monkeypatch.setattr(G, "DOT_EPILOGUES", epilogues)
+        loaded = tiny_loaded(hf)
+        drafter = ChainHeadDrafter(random_head(loaded.config, seed=3), k=2) if with_head \
+            else None
+        engine = LLMEngine(EngineConfig(
+            model="tiny", device="cpu", tensor_core_rows="on",
+            cache=CacheConfig(kv_cache_tokens=1024),
+            scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+            spec=SpecConfig(method="chain", num_draft_tokens=2) if with_head else SpecConfig()),
+            loaded=loaded, drafter=drafter)
+        gen = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (7, 9)]
+        # with a head: one token, so the last target forward is the prefill (16 rows)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=1 if with_head else 8,
+                                                       temperature=0, ignore_eos=True))
+        streams = engine.target.capture.out[:16].clone() if with_head else None
+        return [o.token_ids for o in outs], streams
+
+    calls.update(silu_mul=0, norm=0)
+    unfused, unfused_streams = run(False)
+    assert calls == {"silu_mul": 0, "norm": 0}
+    fused, fused_streams = run(True)
+    layers = hf.config.num_hidden_layers
+    assert calls["norm"] >= layers - 1 and calls["norm"] % (layers - 1) == 0
+    assert calls["silu_mul"] >= layers
+    assert fused == unfused
+    if with_head:  # layers 0 (its norm fused into down) and 1 (the last: not fused)
+        assert engine_layer_ids(hf) == (0, 1)
+        assert fused_streams.abs().amin(0).gt(0).any()
+        torch.testing.assert_close(fused_streams, unfused_streams, atol=1e-5, rtol=1e-5)
+
+
+def engine_layer_ids(hf) -> tuple[int, ...]:
+    from draftgraph.models.chain_head import default_layer_ids
+
+    return tuple(default_layer_ids(hf.config.num_hidden_layers))

@@ -11,7 +11,7 @@ import torch
 from draftgraph.kernels._triton import cdiv, next_pow2, pdl_kwargs, pdl_wait, tl, triton
 
 
-def _warps(block: int) -> int:
+def row_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
@@ -65,7 +65,7 @@ def rms_norm_triton(
         _rms_norm_kernel[(rows,)](
             x2, weight, r2, out, residual_out, n_cols, eps,
             x2.stride(0), r2.stride(0), out.stride(0), residual_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=row_warps(block),
             **pdl_kwargs(x2),
         )
     new_residual = residual_out.view(shape) if residual is not None else None
@@ -151,7 +151,7 @@ def rope_triton(
             COPY_TAIL=(not inplace) and 2 * half < head_dim,
             BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(num_kv_heads),
             BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(head_dim),
-            num_warps=_warps(num_q_heads * head_dim), **pdl_kwargs(q),
+            num_warps=row_warps(num_q_heads * head_dim), **pdl_kwargs(q),
         )
     return q_out, k_out
 
@@ -213,7 +213,7 @@ def rope_and_store_kv(
             COPY_TAIL=2 * half < head_dim,
             BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(num_kv_heads),
             BLOCK_HALF=next_pow2(half), BLOCK_D=next_pow2(head_dim),
-            num_warps=_warps(num_q_heads * head_dim), **pdl_kwargs(q),
+            num_warps=row_warps(num_q_heads * head_dim), **pdl_kwargs(q),
         )
     return q_out
 
@@ -242,7 +242,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, next_pow2(n_cols))
         _silu_and_mul_kernel[(rows, cdiv(n_cols, block))](
-            x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=_warps(block),
+            x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=row_warps(block),
             **pdl_kwargs(x),
         )
     return out.view(*shape[:-1], n_cols)

@@ -255,6 +255,34 @@ def _dot(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
                                                       and max(2, rows[0]) <= m <= rows[1])
 
 
+# The tensor-core matmul's epilogues (kernels/matmul.py): SwiGLU in gate_up's, the next
+# layer's input norm in down's K-chunk combine; each bitwise the kernel it replaces, one launch
+# fewer a layer each. False: the unfused chain (benchmarks' A/B arms).
+DOT_EPILOGUES = True
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up [M, I] for rows x [M, K] and weight [gate | up] ([2I, K]), in the
+    tensor-core matmul's epilogue where these rows take it with a one-chunk config; None
+    elsewhere (the caller multiplies and leaves SwiGLU to the down projection)."""
+    m = x.numel() // max(x.shape[-1], 1)
+    if DOT_EPILOGUES and _dot(x, weight, m) and matmul.num_chunks(weight) == 1:
+        return matmul.dot_linear(x, weight, silu_mul=True)
+    return None
+
+
+def linear_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                   norm_weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rmsnorm(y + residual) * norm_weight, y + residual) for y = x @ weight^T, the norm in the
+    tensor-core matmul's K-chunk combine where these rows take it in several chunks; None
+    elsewhere (the caller projects and normalizes apart)."""
+    m = x.numel() // max(x.shape[-1], 1)
+    if DOT_EPILOGUES and _dot(x, weight, m) and matmul.num_chunks(weight) > 1:
+        return matmul.dot_linear_rmsnorm(x, weight, residual, norm_weight, eps)
+    return None
+
+
 def wants_exact_rows(module: torch.nn.Module) -> bool:
     """"auto": exact rows for a model whose weights are at most EXACT_ROWS_MAX_BYTES."""
     return weight_bytes(module) <= EXACT_ROWS_MAX_BYTES

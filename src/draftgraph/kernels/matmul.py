@@ -28,7 +28,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from draftgraph.kernels._triton import cdiv, pdl_kwargs, pdl_wait, tl, triton
+from draftgraph.kernels._triton import cdiv, next_pow2, pdl_kwargs, pdl_wait, tl, triton
+from draftgraph.kernels.elementwise import row_warps  # the norm kernel's: the same reduction
 
 
 class DotConfig(NamedTuple):
@@ -92,8 +93,8 @@ def _dot_kernel(
     x, w, y, part, bias, res, M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_ym, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # every program, before its first load
     # Row blocks are the fastest grid axis: the programs that share a weight tile run
@@ -111,18 +112,34 @@ def _dot_kernel(
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SILU_MUL:  # w is [gate | up] ([2N, K]): this program also walks the up rows N + rn
+        up_rows = w + (tl.minimum(rn, N - 1) + N).to(tl.int64)[:, None] * stride_wn
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None], other=0.0)
             b = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
+            if SILU_MUL:
+                bu = tl.load(up_rows + rk[None, :], eviction_policy="evict_first")
         else:
             mask_k = rk < k_hi
             a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             b = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")
+            if SILU_MUL:
+                bu = tl.load(up_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
+                             eviction_policy="evict_first")
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if SILU_MUL:
+            acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
+    if SILU_MUL:
+        # gate and up rounded to y's dtype first, then `_silu_and_mul_kernel`'s arithmetic:
+        # bitwise the product [M, 2N] followed by that kernel
+        g = acc.to(y.dtype.element_ty).to(tl.float32)
+        u = acc_up.to(y.dtype.element_ty).to(tl.float32)
+        acc = g / (1.0 + tl.exp(-g)) * u
     if SPLIT == 1:
         if HAS_BIAS:
             acc += tl.load(bias + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -156,46 +173,99 @@ def _combine_kernel(part, y, bias, res, M, N, stride_ym, stride_rm, HAS_BIAS: tl
     tl.store(y + row * stride_ym + col, acc.to(y.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _combine_rmsnorm_kernel(part, res, res_out, out, norm_weight, M, N, eps, stride_rm,
+                            stride_rom, stride_om, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
+    # one row a program: y = part[0] + ... + part[SPLIT - 1] rounded to out's dtype (as
+    # `_combine_kernel` rounds it), then `_rms_norm_kernel`'s arithmetic on (y, res): the new
+    # residual y + res and its norm
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    size = M.to(tl.int64) * N
+    acc = tl.load(part + row * N + cols, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part + s * size + row * N + cols, mask=mask, other=0.0)
+    xv = acc.to(out.dtype.element_ty).to(tl.float32)
+    rv = tl.load(res + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
+    summed = (xv + rv).to(res_out.dtype.element_ty)
+    tl.store(res_out + row * stride_rom + cols, summed, mask=mask)
+    xv = summed.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / N + eps)
+    w = tl.load(norm_weight + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_om + cols, (xv * rstd * w).to(out.dtype.element_ty), mask=mask)
+
+
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     t2 = t.reshape(-1, width)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
-               config: DotConfig | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N]), summed in
-    fp32 and rounded once to out_dtype (default x.dtype); each row as it would be alone."""
+def num_chunks(weight: torch.Tensor, config: DotConfig | None = None) -> int:
+    """K chunks a product with `weight` [N, K] is summed in (its shape's config): 1 means no
+    combine kernel (SwiGLU can go in the matmul's epilogue), more means a combine (the next
+    norm can go there)."""
     n, k = weight.shape
+    return cdiv(k, _k_split(k, config or dot_config(n, k)))
+
+
+def _dot(x2, weight, y, part, bias, res, n, cfg, silu_mul) -> None:
+    """Launch `_dot_kernel` for rows x2 [M, K]: into y, or with K chunks into part."""
+    m, k = x2.shape
+    k_split = _k_split(k, cfg)
+    split = cdiv(k, k_split)
+    _dot_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)](
+        x2, weight, y, part, bias if bias is not None else y, res if res is not None else y,
+        m, n, k, k_split, x2.stride(0), weight.stride(0), y.stride(0),
+        res.stride(0) if res is not None else 0,
+        HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split,
+        EVEN_K=k_split * split == k, SILU_MUL=silu_mul,
+        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **pdl_kwargs(x2),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dtype != weight.dtype:
         raise ValueError(f"dot_linear: activations are {x.dtype} but the weight is "
                          f"{weight.dtype}; cast one so both match (the model dtype)")
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
+    return weight if weight.stride(-1) == 1 else weight.contiguous()
+
+
+def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
+               config: DotConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N]), summed in
+    fp32 and rounded once to out_dtype (default x.dtype); each row as it would be alone.
+
+    silu_mul: weight is [gate | up] ([2I, K]) and y [..., I] = silu(gate) * up, each product
+    rounded to out_dtype first: bitwise the [..., 2I] product followed by `silu_and_mul`, in
+    the matmul's epilogue (one launch fewer). The config stays the [2I, K] weight's, which
+    must sum K in one chunk (`num_chunks`)."""
+    weight = _check(x, weight)
+    n, k = weight.shape
+    cfg = config or dot_config(n, k)
+    if silu_mul:
+        if num_chunks(weight, cfg) != 1 or bias is not None or residual is not None:
+            raise ValueError("dot_linear(silu_mul=True) needs a one-chunk config and no bias "
+                             "or residual")
+        n //= 2
     x2 = _rows(x, k)
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
     res = _rows(residual, n) if residual is not None else None
-    cfg = config or dot_config(n, k)
-    k_split = _k_split(k, cfg)
-    split = cdiv(k, k_split)  # chunks that hold keys (a tiny K may need fewer than split_k)
+    split = num_chunks(weight, cfg)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    dummy = y
-    _dot_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n), split)](
-        x2, weight, y, part, bias if bias is not None else dummy,
-        res if res is not None else dummy, m, n, k, k_split,
-        x2.stride(0), weight.stride(0), y.stride(0), res.stride(0) if res is not None else 0,
-        HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split,
-        EVEN_K=k_split * split == k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **pdl_kwargs(x2),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _dot(x2, weight, y, part, bias, res, n, cfg, silu_mul)
     if split > 1:
         block = 1024
         _combine_kernel[(cdiv(m * n, block),)](
-            part, y, bias if bias is not None else dummy, res if res is not None else dummy,
+            part, y, bias if bias is not None else y, res if res is not None else y,
             m, n, y.stride(0), res.stride(0) if res is not None else 0,
             HAS_BIAS=bias is not None, HAS_RES=res is not None, SPLIT=split, BLOCK=block,
             **pdl_kwargs(x2), num_warps=4,
@@ -203,9 +273,55 @@ def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y.view(*x.shape[:-1], n)
 
 
-def dot_linear_ref(x, weight, bias=None, residual=None, *, out_dtype=None) -> torch.Tensor:
-    """The twin: the same sum in fp32, rounded once."""
+def dot_linear_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                       norm_weight: torch.Tensor, eps: float, *,
+                       config: DotConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed [..., N], new_residual [..., N]) with y = `dot_linear(x, weight)`:
+    new_residual = y + residual and normed = rmsnorm(new_residual) * norm_weight, bitwise
+    `rms_norm(y, norm_weight, eps, residual)` (kernels/elementwise.py), done in the combine of
+    the K chunks (one launch fewer: the next layer's input norm in this layer's down
+    projection). The weight's config must sum K in several chunks (`num_chunks`)."""
+    weight = _check(x, weight)
+    n, k = weight.shape
+    cfg = config or dot_config(n, k)
+    split = num_chunks(weight, cfg)
+    if split == 1:
+        raise ValueError("dot_linear_rmsnorm needs a config that sums K in several chunks")
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    res = _rows(residual, n)
+    normed = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    new_residual = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    if m:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        _dot(x2, weight, normed, part, None, None, n, cfg, False)
+        block = next_pow2(n)
+        _combine_rmsnorm_kernel[(m,)](
+            part, res, new_residual, normed, norm_weight, m, n, eps, res.stride(0),
+            new_residual.stride(0), normed.stride(0), SPLIT=split, BLOCK=block,
+            **pdl_kwargs(x2), num_warps=row_warps(block),
+        )
+    shape = (*x.shape[:-1], n)
+    return normed.view(shape), new_residual.view(shape)
+
+
+def dot_linear_ref(x, weight, bias=None, residual=None, *, out_dtype=None,
+                   silu_mul=False) -> torch.Tensor:
+    """The twin: the same sum in fp32, rounded once (silu_mul: then silu(gate) * up in fp32,
+    rounded again)."""
     y = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
     if residual is not None:
         y = y + residual.float()
-    return y.to(out_dtype or x.dtype)
+    y = y.to(out_dtype or x.dtype)
+    if silu_mul:
+        gate, up = y.float().chunk(2, dim=-1)
+        y = (F.silu(gate) * up).to(y.dtype)
+    return y
+
+
+def dot_linear_rmsnorm_ref(x, weight, residual, norm_weight, eps):
+    """The twin: the product rounded to x's dtype, added to residual (rounded), normalized."""
+    h = (F.linear(x.float(), weight.float()).to(x.dtype).float() + residual.float()).to(x.dtype)
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return normed.to(x.dtype), h

@@ -43,7 +43,7 @@ from draftgraph.distributed.parallel import TPInfo
 from draftgraph.kernels import gemv
 from draftgraph.models.chain_head import HeadShape, store_kv_only
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.llama import LlamaDecoderLayer, RMSNorm, rope_cos_sin_cache
+from draftgraph.models.llama import LlamaDecoderLayer, RMSNorm, rope_cos_sin_cache, run_layers
 
 
 @dataclass
@@ -127,9 +127,7 @@ class BlockHead(nn.Module):
     def forward(self, embeds: torch.Tensor, fb: ForwardBatch,
                 backend: AttentionBackend) -> torch.Tensor:
         """The block's hidden states [T, hidden] after the final norm (fb: DRAFT_BLOCK)."""
-        x, residual = embeds, None
-        for layer in self.layers:
-            x, residual = layer(x, residual, fb, backend, self.cos_sin_cache)
+        x, residual = run_layers(self.layers, embeds, None, fb, backend, self.cos_sin_cache)
         return self.norm(x, residual)[0]
 
     @property

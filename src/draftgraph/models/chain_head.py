@@ -37,6 +37,7 @@ from draftgraph.models.llama import (
     LlamaMLP,
     RMSNorm,
     rope_cos_sin_cache,
+    run_layers,
 )
 
 
@@ -192,9 +193,7 @@ class ChainHead(nn.Module):
         """(x, residual) after the last layer, before `norm`: the next feature is x + residual
         (`logits` takes the pair)."""
         x, residual = self.layers[0](embeds, feat, fb, backend, self.cos_sin_cache)
-        for layer in self.layers[1:]:
-            x, residual = layer(x, residual, fb, backend, self.cos_sin_cache)
-        return x, residual
+        return run_layers(self.layers[1:], x, residual, fb, backend, self.cos_sin_cache)
 
     def write_kv(self, embeds: torch.Tensor, feat: torch.Tensor, fb: ForwardBatch,
                  backend: AttentionBackend) -> None:
@@ -203,9 +202,8 @@ class ChainHead(nn.Module):
         if len(self.layers) == 1:
             store_kv_only(first.self_attn, first.qkv(embeds, feat), fb, backend, cache)
             return
-        x, residual = first(embeds, feat, fb, backend, cache)
-        for layer in self.layers[1:-1]:
-            x, residual = layer(x, residual, fb, backend, cache)
+        x, residual = run_layers(self.layers[1:-1], *first(embeds, feat, fb, backend, cache), fb,
+                                 backend, cache)
         last = self.layers[-1]
         h, _ = last.input_layernorm(x, residual)
         qkv = last.self_attn.qkv_proj

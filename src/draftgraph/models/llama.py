@@ -131,6 +131,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, x):
+        act = gemv.linear_silu_mul(x, self.gate_up_proj.weight)  # SwiGLU in the matmul
+        if act is not None:
+            return self.down_proj(act)
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
     def split_pays(self, x: torch.Tensor) -> bool:
@@ -157,12 +160,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, x, residual, fb, backend, cos_sin_cache):
+    def forward(self, x, residual, fb, backend, cos_sin_cache, normed: bool = False,
+                next_norm: RMSNorm | None = None):
+        """(x, residual) -> (x, residual, normed): the layer's output and the stream before it.
+        normed: x is already input_layernorm(stream) and residual the stream (the layer before
+        normalized it in its down projection); the layer does the same with `next_norm` (the
+        next layer's input norm) where its down projection's K-chunk combine can, and says so
+        in the normed it returns."""
         attn, mlp = self.self_attn, self.mlp
         # single-row steps on a GPU fuse norm into the projections and SwiGLU into down where
         # it is measured to pay (kernels/gemv.py; the row-parallel o and down under TP too,
-        # distributed/layers.py); everything else runs the plain chain
-        fuse = gemv.pays(x.shape[0], attn.qkv_proj.weight)
+        # distributed/layers.py); multi-row steps on the tensor-core matmul fuse SwiGLU and the
+        # next norm into its epilogues; everything else runs the plain chain
+        fuse = not normed and gemv.pays(x.shape[0], attn.qkv_proj.weight)
         ln = self.input_layernorm
         if fuse and backend.fused_kv_store and cos_sin_cache.shape[-1] == attn.head_dim:
             # norm, qkv, RoPE and the KV store in one launch; then attention alone
@@ -179,9 +189,12 @@ class LlamaDecoderLayer(nn.Module):
                 qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
                                                   attn.qkv_proj.bias, residual)
             else:
-                h, residual = ln(x, residual)
-                if residual is None:
-                    residual = x
+                if normed:
+                    h = x
+                else:
+                    h, residual = ln(x, residual)
+                    if residual is None:
+                        residual = x
                 qkv = gemv.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
             o = attn.attend(qkv, fb, backend, cos_sin_cache)
         h = attn.o_proj(o)
@@ -189,12 +202,38 @@ class LlamaDecoderLayer(nn.Module):
             gate_up, residual = gemv.rmsnorm_gemv(h, self.post_attention_layernorm.weight,
                                                   self.post_attention_layernorm.eps,
                                                   mlp.gate_up_proj.weight, None, residual)
-        else:
-            h, residual = self.post_attention_layernorm(h, residual)
-            if mlp.split_pays(h):
-                return mlp.down_proj(mlp.split_activation(h)), residual
-            gate_up = gemv.linear(h, mlp.gate_up_proj.weight)
-        return mlp.down_proj(gate_up, silu_mul=True), residual
+            return mlp.down_proj(gate_up, silu_mul=True), residual, False
+        h, residual = self.post_attention_layernorm(h, residual)
+        if mlp.split_pays(h):
+            return mlp.down_proj(mlp.split_activation(h)), residual, False
+        act = gemv.linear_silu_mul(h, mlp.gate_up_proj.weight)  # [M, I], or None
+        silu_mul = act is None
+        if silu_mul:
+            act = gemv.linear(h, mlp.gate_up_proj.weight)  # [M, 2I]
+        down = mlp.down_proj
+        if next_norm is not None and down.tp.size == 1:
+            pair = gemv.linear_rmsnorm(ops.silu_and_mul(act) if silu_mul else act, down.weight,
+                                       residual, next_norm.weight, next_norm.eps)
+            if pair is not None:
+                return pair[0], pair[1], True
+        return down(act, silu_mul=silu_mul), residual, False
+
+
+def run_layers(layers, x, residual, fb, backend, cos_sin_cache,
+               capture: HiddenCapture | None = None):
+    """Decoder layers in order: (x, residual) after the last one, before any norm. Each layer
+    gets the next one's input norm, which its down projection applies where it can
+    (`LlamaDecoderLayer.forward`); `capture` keeps the streams of its layers."""
+    normed = False
+    for i, layer in enumerate(layers):
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+        x, residual, normed = layer(x, residual, fb, backend, cos_sin_cache, normed=normed,
+                                    next_norm=nxt)
+        if capture is not None and normed:  # the stream after layer i is the residual now
+            capture.write(i, residual, None)
+        elif capture is not None:
+            capture.write(i, x, residual)
+    return x, residual
 
 
 @dataclass
@@ -206,11 +245,16 @@ class HiddenCapture:
     layer_ids: tuple[int, ...]
     out: torch.Tensor  # [max_num_tokens, len(layer_ids) * hidden], persistent
 
-    def write(self, layer_id: int, x: torch.Tensor, residual: torch.Tensor) -> None:
+    def write(self, layer_id: int, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """The stream after layer `layer_id`: x + residual (x itself when residual is None)."""
         h = x.shape[-1]
         for i, lid in enumerate(self.layer_ids):
             if lid == layer_id:
-                torch.add(x, residual, out=self.out[: x.shape[0], i * h : (i + 1) * h])
+                out = self.out[: x.shape[0], i * h : (i + 1) * h]
+                if residual is None:
+                    out.copy_(x)
+                else:
+                    torch.add(x, residual, out=out)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -257,11 +301,7 @@ class LlamaForCausalLM(nn.Module):
         pair (x, residual) before it, for `compute_logits(x, residual)`. `capture` keeps the
         streams of its layers on the way."""
         x = self.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, fb, backend, self.cos_sin_cache)
-            if capture is not None:
-                capture.write(i, x, residual)
+        x, residual = run_layers(self.layers, x, None, fb, backend, self.cos_sin_cache, capture)
         if not final_norm:
             return x, residual
         x, _ = self.norm(x, residual)
