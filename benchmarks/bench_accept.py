@@ -16,7 +16,7 @@ An arm `chain@DIR` (or `block@DIR`) drafts with the head directory DIR instead o
 every step, `chain+adaptive` (`ngram+adaptive`, ...) with the engine's default adaptive draft
 length instead, `chain+4x5:16` with draft trees (width 4, depth 5, 16 verified nodes:
 `--speculative-tree`); a prefix `dot:` or `cublas:` runs the arm with `--tensor-core-rows`
-on or off (GPU: products of 9 .. 64 rows on the tensor-core matmul or on cuBLAS; else the
+on or off (GPU: products of 2 .. 128 rows on the tensor-core matmul or on cuBLAS; else the
 engine's default, "auto"):
 
     python benchmarks/bench_accept.py --arms plain,chain@runs/a/head,chain@runs/b/head ...

@@ -10,7 +10,7 @@ run over one target: the plain decode step, then per arm the speculative round (
     <method>|<head>|batchplan the in-graph arm (k = 4) with verify attention planned by the
                               requests, not the rows (the A arm of that plan)
     <arm>/dot, <arm>/cublas   the arm with `--tensor-core-rows` on / off: the target's and the
-                              head's products of 9 .. 64 rows (a tree's verify rows, batched
+                              head's products of 2 .. 128 rows (a tree's verify rows, batched
                               decode) on the tensor-core matmul with programmatic dependent
                               launch, or on cuBLAS (the A/B of that path)
     <arm>/fma                 the arm with the target's o and (SwiGLU +) down projections of 2 ..
@@ -24,7 +24,9 @@ run over one target: the plain decode step, then per arm the speculative round (
 
 with <head> a head directory or `random:...` (models/heads.py: random_head). Per arm: ms per
 round, tokens per round per request, host-launched kernels and graph launches per round
-(torch.profiler), ms of the draft alone, round / decode step.
+(torch.profiler), round / decode step, and with `--draft-alone` ms of the draft alone (timed
+after the arm's rounds: its side-stream graph slows every later round of the process, so
+arms after the first are not comparable with it on).
 
     python benchmarks/bench_block.py --target random:llama-3.1-8b --out r.json \
         --arms 'block|random:block_size=5|in_graph;block|random:block_size=5|eager'
@@ -124,12 +126,21 @@ def main() -> int:
     ap.add_argument("--dot-epilogues", default="on", choices=["on", "off"],
                     help="the whole run's: SwiGLU and the next layer's norm in the tensor-core "
                          "matmul's epilogues (gemv.DOT_EPILOGUES), or the unfused chain")
+    ap.add_argument("--dot-rows", default=None, metavar="LO,HI",
+                    help="products of LO .. HI rows on the tensor-core matmul (gemv.DOT_ROWS: "
+                         f"{gemv.DOT_ROWS[0]},{gemv.DOT_ROWS[1]})")
+    ap.add_argument("--draft-alone", action="store_true",
+                    help="also time each arm's draft alone (a graph of its propose on a side "
+                         "stream); after it every round of the process, other arms' too, ran "
+                         "0.15 ms slower (the chain's 1.09 -> 1.25 ms: probe_instance.py)")
     ap.add_argument("--free-engines", action="store_true",
                     help="free each arm's engine (gc, empty_cache) before the next is built")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     gemv.DOT_EPILOGUES = a.dot_epilogues == "on"
+    if a.dot_rows:
+        gemv.DOT_ROWS = tuple(map(int, a.dot_rows.split(",")))
     target = load_model(a.target, device="cuda", dtype=dtype)
 
     def engine(d=None, tensor_core_rows=a.tensor_core_rows):  # d None: plain decoding
@@ -145,7 +156,7 @@ def main() -> int:
     out = {"benchmark": "block_round", **run_header(), "target": a.target,
            "batch_size": a.batch_size, "context": a.context, "dtype": a.dtype,
            "temperature": a.temperature, "tensor_core_rows": a.tensor_core_rows,
-           "dot_epilogues": a.dot_epilogues,
+           "dot_epilogues": a.dot_epilogues, "dot_rows": list(gemv.DOT_ROWS),
            "target_shape": model_shape(target.config), "arms": {}}
     e = engine()
     out["plain_decode"] = run(e, a.context, a.steps, a.batch_size, False, a.kernels,
@@ -168,7 +179,8 @@ def main() -> int:
             with glue(variant), fma_rows(target.model, variant == "fma"):
                 e = engine(d, {"dot": "on", "cublas": "off"}.get(variant, a.tensor_core_rows))
                 assert e.spec_graphs.body.fused_draft == (not patched)
-                r = run(e, a.context, a.steps, a.batch_size, True, a.kernels, a.temperature)
+                r = run(e, a.context, a.steps, a.batch_size, a.draft_alone, a.kernels,
+                      a.temperature)
                 if a.free_engines:
                     e = None
                     gc.collect()

@@ -120,9 +120,9 @@ case "${1:-}" in
     arms=${ARMS:-$arms}  # e.g. with "dot:" arms (bench_accept.py)
     timeout ${LIMIT:-520} python3 benchmarks/bench_accept.py --model "$M" --device cuda \
       --dtype bfloat16 --sets benchmarks/data/accept_sets_smollm2_ids.json \
-      --only mtbench,humaneval --num-prompts ${N:-20} --batch ${BS:-1} \
+      --only ${SETS:-mtbench,humaneval} --num-prompts ${N:-20} --batch ${BS:-1} \
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
-      --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}.json" 2>&1 | grep -v Warning | tail -12
+      --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}${SETS:+_${SETS/,/_}}.json" 2>&1 | grep -v Warning | tail -12
     ;;
   *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | epi | dotab | kernels | stage N | real"; exit 2 ;;
 esac

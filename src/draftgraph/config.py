@@ -192,10 +192,10 @@ class EngineConfig:
     # weights; None: on with quantization "int4" (its verify rows drift from decode rows
     # otherwise: speculation would not equal int4 plain decoding), else off
     exact_rows: str | None = None
-    # GPU: products of 9 .. 64 rows (a tree's verify rows, batched decode) on the Triton
-    # tensor-core matmul, which overlaps its launch with the kernel before it, instead of
-    # cuBLAS (kernels/gemv.py: DOT_ROWS); "auto": on for models of at most 1 GiB of
-    # weights, where it was measured to win
+    # GPU: products of 2 .. 128 rows (verify rows, batched decode) on the Triton tensor-core
+    # matmul, which overlaps its launch with the kernel before it and carries SwiGLU and the
+    # next norm in its epilogues, instead of cuBLAS (kernels/gemv.py: DOT_ROWS); "auto": on
+    # for models of at most 1 GiB of weights, where it was measured to win
     tensor_core_rows: str = "auto"
     # batch invariance: a request's tokens do not depend on its batch-mates, the batch size
     # or the step's shape (GPU: every projection through the batch-invariant matmul, decode

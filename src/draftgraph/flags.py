@@ -128,10 +128,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "step (auto: on for models of at most 1 GiB of weights; default: on "
                         "with --quantization int4, else off)")
     e.add_argument("--tensor-core-rows", choices=["auto", "on", "off"], default="auto",
-                   help="GPU: projections of 9 to 64 rows (a draft tree's verify rows, "
-                        "batched decode) on draftgraph's tensor-core matmul instead of cuBLAS "
-                        "(its launch overlaps the kernel before it; auto: on for models of at "
-                        "most 1 GiB of weights)")
+                   help="GPU: projections of 2 to 128 rows (verify rows, batched decode) on "
+                        "draftgraph's tensor-core matmul instead of cuBLAS (its launch overlaps "
+                        "the kernel before it, SwiGLU and the next norm ride in its epilogues; "
+                        "auto: on for models of at most 1 GiB of weights)")
     e.add_argument("--deterministic", action="store_true",
                    help="batch invariance on a GPU: a request's tokens do not depend on "
                         "what it is batched with (batch-invariant matmul and decode "

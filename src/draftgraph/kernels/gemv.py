@@ -213,19 +213,19 @@ def mark_invariant(module: torch.nn.Module, on: bool = True) -> None:
 
 # Tensor-core rows (`--tensor-core-rows`; the executor marks its model): on CUDA a product of
 # min .. max rows (a tree's verify rows, a batched decode step) runs the batch-invariant matmul
-# (kernels/matmul.py: one tuned config per shape, 64-row tiles, programmatic dependent launch)
-# instead of cuBLAS, which cannot overlap its launch with the kernel before it. Single rows
-# keep the fused kernels. Measured on an H100 with SmolLM2-135M (benchmarks/NOTES.md,
-# `results/dot/`): rows 9 .. 128 cut the 4x5:16 tree round at batch 1 by 12 % (1.409 -> 1.239
-# ms), the chain's at batch 4 (20 rows) by 6 %, decode at batch 16 / 32 / 64 by 6 / 7 / 3 %;
-# at 80 rows (the chain's at batch 16) it lost 3 %; at 5 (the chain's verify at batch 1) it
-# looked 4 % slower in an A/B of one process, which the engine-instance effect of stop 45
-# confounds.
-# The engine's range is DOT_ROWS: from 9 rows to the matmul's 64-row tile. "auto" takes it
-# for models of at most DOT_ROWS_MAX_BYTES of weights (launch-bound; larger models were not
-# measured).
+# (kernels/matmul.py: one tuned config per shape, 64-row tiles, programmatic dependent launch,
+# SwiGLU and the next norm in its epilogues) instead of cuBLAS, which cannot overlap its launch
+# with the kernel before it. Single rows keep the fused kernels. Measured on an H100 with
+# SmolLM2-135M, one process an arm (benchmarks/NOTES.md, `results/dot/`,
+# `results/epilogues/`): rows 9 .. 64 cut the 4x5:16 tree round at batch 1 by 12 % (stop
+# 44); with the epilogues (stop 46) decode at batch 2 / 4 / 8 by 4 / 3 / 7 %, the chain's 5
+# verify rows at batch 1 by 2 %, 66 rows (an 8x5:32 tree at batch 2) by 5 %, 80 (the chain at
+# batch 16) by 6 %, 132 (the tree at batch 4) by 1 %, while 160 (the chain at batch 32) lost
+# 3 % and 8 (a tree's beam at batch 1) moved nothing.
+# The engine's range is DOT_ROWS: 2 rows to two 64-row tiles. "auto" takes it for models of at
+# most DOT_ROWS_MAX_BYTES of weights (launch-bound; Llama-3.2-1B measured even: stop 46).
 DOT_ROWS_ATTR = "_draftgraph_dot_rows"
-DOT_ROWS = (9, 64)
+DOT_ROWS = (2, 128)
 DOT_ROWS_MAX_BYTES = 1 << 30
 
 
