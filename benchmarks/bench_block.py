@@ -123,9 +123,10 @@ def main() -> int:
     ap.add_argument("--tensor-core-rows", default="auto", choices=["auto", "on", "off"],
                     help="the whole run's setting (plain decode too); '/dot' and '/cublas' "
                          "arms set on / off")
-    ap.add_argument("--dot-epilogues", default="on", choices=["on", "off"],
+    ap.add_argument("--dot-epilogues", default="on", choices=["on", "off", "rope"],
                     help="the whole run's: SwiGLU and the next layer's norm in the tensor-core "
-                         "matmul's epilogues (gemv.DOT_EPILOGUES), or the unfused chain")
+                         "matmul's epilogues (gemv.DOT_EPILOGUES), the unfused chain, or also "
+                         "RoPE + the KV store in qkv's (gemv.DOT_ROPE)")
     ap.add_argument("--dot-rows", default=None, metavar="LO,HI",
                     help="products of LO .. HI rows on the tensor-core matmul (gemv.DOT_ROWS: "
                          f"{gemv.DOT_ROWS[0]},{gemv.DOT_ROWS[1]})")
@@ -138,7 +139,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
-    gemv.DOT_EPILOGUES = a.dot_epilogues == "on"
+    gemv.DOT_EPILOGUES = a.dot_epilogues != "off"
+    gemv.DOT_ROPE = a.dot_epilogues == "rope"
     if a.dot_rows:
         gemv.DOT_ROWS = tuple(map(int, a.dot_rows.split(",")))
     target = load_model(a.target, device="cuda", dtype=dtype)

@@ -145,6 +145,15 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {"HAS_BIAS": False, "HAS_RES": False, "SPLIT": split, "EVEN_K": True,
                    "SILU_MUL": silu_mul, "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 32,
                    "BLOCK_K": 64, "PDL": True}))
+    c.append(("tensor-core rows qkv + RoPE + KV store", MM._dot_rope_kernel,
+              {"x": bf16, "w": bf16, "bias": bf16, "q_out": bf16, "k_cache": bf16,
+               "v_cache": bf16, "out_cache_loc": "*i64", "positions": "*i64",
+               "cos_sin_cache": f32,
+               **{n: "i32" for n in ("M", "K", "stride_xm", "stride_wn", "stride_qot",
+                                     "stride_qoh", "stride_kcs", "stride_kch", "stride_vcs",
+                                     "stride_vch", "stride_cs")}},
+              {"NUM_Q_HEADS": 9, "NUM_KV_HEADS": 3, "HAS_BIAS": False, "EVEN_K": True,
+               "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "PDL": True}))
     c.append(("tensor-core rows combine + next norm", MM._combine_rmsnorm_kernel,
               {"part": f32, "res": bf16, "res_out": bf16, "out": bf16, "norm_weight": bf16,
                "eps": "fp32",

@@ -1,7 +1,9 @@
-"""Why a process's later speculative engines run the chain round slower than its first (NOTES,
-stop 45, "the instance effect"): engines A and B of the same arm, each timed before and after
-the other exists. If A stays fast while B is slow, the cause belongs to B (its allocations,
-its graphs); if A slows once B exists, it is process state that B's creation changed.
+"""Why a process's later speculative engines ran the chain round slower than its first (NOTES,
+stop 45, "the instance effect"): engines of the same arm, each timed before and after others
+exist or are freed. If A stays fast while B is slow, the cause belongs to B (its allocations,
+its graphs); if A slows too, it is process state. Found (stop 46): no engine is slow unless
+`--draft-alone` times A's draft alone first (bench_block.py's old default: a graph of the
+drafter's propose captured on a side stream); after that every round is 0.15 ms slower.
 
     python benchmarks/probe_instance.py --arm 'chain|src/draftgraph/heads/smollm2-135m-chain|4' \
         --out r.json

@@ -19,10 +19,11 @@
 #           then the kernel tests of that matmul's PDL chain and the deterministic GPU tests.
 #   fma:    the rounds of `rounds` against `/fma` arms (o and SwiGLU + down of 2 .. 8 rows on
 #           the fused single-row kernels: the chain's verify of 5 rows).
-#   epi:    the rounds of `rounds` (and plain decode: batches of 9+ rows take the matmul) with
-#           the tensor-core matmul's epilogues off and on (`--dot-epilogues`: SwiGLU in
-#           gate_up's, the next norm in down's combine), one process each, then the GPU tests
-#           of that matmul (the epilogues bitwise their unfused kernels) and of the trees.
+#   epi:    the rounds of `rounds` (and plain decode: batches of 2+ rows take the matmul) with
+#           the tensor-core matmul's epilogues off, on and with RoPE (`--dot-epilogues`: SwiGLU
+#           in gate_up's, the next norm in down's combine; rope: also RoPE + the KV store in
+#           qkv's), one process each (EPI overrides the list), then the GPU tests of that
+#           matmul (the epilogues bitwise their unfused kernels) and of the trees.
 #   dotab:  the same arms in runs with `--tensor-core-rows off` and `on` (plain decode too),
 #           alternating, at batch sizes BATCHES (1 4 32; trees where they are drafted, at up
 #           to 4 requests).
@@ -59,8 +60,8 @@ case "${1:-}" in
   rounds|dot|fma)
     # rounds: each arm against its glue twins; dot: cuBLAS rows (`/cublas`) against tensor-core
     # rows (`/dot`), then the tests of that path; fma: against o and down on the fused kernels.
-    # One process per arm: a process's later speculative engines ran the chain's round 0.14 ms
-    # slower than its first (NOTES, stop 45), so arms sharing a process are not comparable.
+    # One process per arm (a habit from stop 45's "instance effect", which stop 46 traced to
+    # bench_block's draft timing, now off unless --draft-alone: arms may share a process).
     a=""; b="/twins"; p=tree; [ "$1" = dot ] && { a="/cublas"; b="/dot"; p=dot; }
     [ "$1" = fma ] && { a=""; b="/fma"; p=fma; }
     for bs in ${BATCHES:-1 4}; do
@@ -79,7 +80,7 @@ case "${1:-}" in
   epi)
     for bs in ${BATCHES:-1 4}; do
       for m in 4 $TREES; do
-        for e in off on; do
+        for e in ${EPI:-off on rope}; do
           o="$OUT/epi_rounds_smollm2_bs${bs}_t${TEMP:-0}_${m/:/_}_${e}.json"
           timeout 120 python3 benchmarks/bench_block.py --target random:smollm2-135m \
             --batch-size "$bs" --steps 200 --arms "chain|$H|$m" --temperature ${TEMP:-0} \

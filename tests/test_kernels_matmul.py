@@ -144,6 +144,43 @@ def test_norm_in_the_combine_is_bitwise_the_product_then_rms_norm(dtype):
         MM.dot_linear_rmsnorm(x, w, res, norm_w, 1e-5, config=CFGS["one_chunk"])
 
 
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_epilogue_is_bitwise_the_product_then_rope_and_store_kv(dtype, with_bias):
+    """qkv's epilogue (a program per head, its halves in two accumulators) rotates q and k by
+    each row's position and stores k and v into their slots: bitwise `dot_linear` followed
+    by `rope_and_store_kv`, every q, k and v element."""
+    from draftgraph.kernels.elementwise import rope_and_store_kv
+
+    hq, hkv, d, m = 3, 1, 32, 20
+    n = (hq + 2 * hkv) * d  # 160 columns, K = 200: a K tail
+    cfg = MM.DotConfig(16, d // 2, 64, 1, 4, 1)
+    x = randn(m, K, dtype=dtype, seed=13)
+    w = randn(n, K, dtype=dtype, seed=14, scale=K ** -0.5)
+    bias = randn(n, dtype=dtype, seed=15) if with_bias else None
+    cos_sin = randn(64, d, seed=16)  # fp32 [max_pos, rot_dim]: cos | sin
+    positions = torch.randint(0, 64, (m,), generator=torch.Generator().manual_seed(17)).to(
+        DEVICE)
+    out_cache_loc = torch.randperm(40, generator=torch.Generator().manual_seed(18))[:m].to(
+        DEVICE)
+    caches = [torch.zeros(40, hkv, d, dtype=dtype, device=DEVICE) for _ in range(4)]
+    q = MM.dot_qkv_rope_store(x, w, bias, positions, cos_sin, caches[0], caches[1],
+                              out_cache_loc, hq, hkv, config=cfg)
+    qkv = MM.dot_linear(x, w, bias, config=cfg)
+    qs, ks, vs = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    want = rope_and_store_kv(qs.reshape(m, hq, d), ks.reshape(m, hkv, d),
+                             vs.reshape(m, hkv, d), positions, cos_sin, caches[2], caches[3],
+                             out_cache_loc)
+    assert q.shape == (m, hq, d)
+    assert torch.equal(q, want)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0][out_cache_loc].abs().amin(-1).gt(0).all()  # every row's k stored
+    assert not torch.equal(q.reshape(m, -1), qs)  # rotated
+    with pytest.raises(ValueError, match="half a head"):
+        MM.dot_qkv_rope_store(x, w, bias, positions, cos_sin, caches[0], caches[1],
+                              out_cache_loc, hq, hkv, config=MM.DotConfig(16, 32, 64, 1, 4, 1))
+
+
 def _dot_anywhere(x, weight, m):
     """gemv._dot without its CUDA check: CPU rows take the matmul (in the interpreter)."""
     rows = getattr(weight, G.DOT_ROWS_ATTR, None)
@@ -152,14 +189,16 @@ def _dot_anywhere(x, weight, m):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU rows in the interpreter; on the GPU: "
                     "test_gpu_tensor_core_rows.py")
-@pytest.mark.parametrize("with_head", [False, True])
+@pytest.mark.parametrize("variant", ["plain", "head", "rope"])
 def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
-        monkeypatch, with_head):
+        monkeypatch, variant):
     """A tiny model's prefill rows on the tensor-core matmul (CPU rows routed to it): every
     layer's SwiGLU runs in gate_up's epilogue and every layer but the last normalizes the next
-    one's input in down's combine; the generated tokens, and with a chain head the target's
+    one's input in down's combine; the generated tokens, with a chain head the target's
     captured streams (the residual itself after a fused norm, x + residual elsewhere) of the
-    prefill, equal the unfused chain's."""
+    prefill, and with the Triton attention backend and `DOT_ROPE` every layer's RoPE and KV
+    store in qkv's epilogue, equal the unfused chain's."""
+    with_head, rope = variant == "head", variant == "rope"
     from _tiny import tiny_hf_model, tiny_loaded
 
     from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -173,7 +212,13 @@ def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
     hidden, inter = hf.config.hidden_size, hf.config.intermediate_size
     # the tiny down projection ([64, 96]) summed in 2 K chunks, as SmolLM2's is in 4
     monkeypatch.setitem(MM.DOT_TUNED, (hidden, inter), MM.DotConfig(16, 32, 32, 2, 4, 1))
-    calls = {"silu_mul": 0, "norm": 0}
+    # qkv ([128, 64]: 8 heads of 16) in tiles of half a head
+    heads = hf.config.num_attention_heads + 2 * hf.config.num_key_value_heads
+    head_dim = hidden // hf.config.num_attention_heads
+    monkeypatch.setitem(MM.DOT_TUNED, (heads * head_dim, hidden),
+                        MM.DotConfig(16, head_dim // 2, 32, 1, 4, 1))
+    monkeypatch.setattr(G, "DOT_ROPE", rope)
+    calls = {"silu_mul": 0, "norm": 0, "rope": 0}
 
     def spy(name, fn):
         def wrapped(*a, **kw):
@@ -184,6 +229,7 @@ def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
 
     monkeypatch.setattr(G, "linear_silu_mul", spy("silu_mul", G.linear_silu_mul))
     monkeypatch.setattr(G, "linear_rmsnorm", spy("norm", G.linear_rmsnorm))
+    monkeypatch.setattr(G, "linear_rope_store", spy("rope", G.linear_rope_store))
 
     def run(epilogues: bool):
         monkeypatch.setattr(G, "DOT_EPILOGUES", epilogues)
@@ -192,6 +238,7 @@ def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
             else None
         engine = LLMEngine(EngineConfig(
             model="tiny", device="cpu", tensor_core_rows="on",
+            attention_backend="triton" if rope else None,
             cache=CacheConfig(kv_cache_tokens=1024),
             scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
             spec=SpecConfig(method="chain", num_draft_tokens=2) if with_head else SpecConfig()),
@@ -204,13 +251,13 @@ def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
         streams = engine.target.capture.out[:16].clone() if with_head else None
         return [o.token_ids for o in outs], streams
 
-    calls.update(silu_mul=0, norm=0)
     unfused, unfused_streams = run(False)
-    assert calls == {"silu_mul": 0, "norm": 0}
+    assert calls == {"silu_mul": 0, "norm": 0, "rope": 0}
     fused, fused_streams = run(True)
     layers = hf.config.num_hidden_layers
     assert calls["norm"] >= layers - 1 and calls["norm"] % (layers - 1) == 0
     assert calls["silu_mul"] >= layers
+    assert calls["rope"] == (calls["silu_mul"] if rope else 0)
     assert fused == unfused
     if with_head:  # layers 0 (its norm fused into down) and 1 (the last: not fused)
         assert engine_layer_ids(hf) == (0, 1)

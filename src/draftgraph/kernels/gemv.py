@@ -283,6 +283,30 @@ def linear_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     return None
 
 
+# RoPE and the KV store in qkv's epilogue too (`matmul.dot_qkv_rope_store`; bitwise the
+# product followed by `rope_and_store_kv`, a launch fewer a layer): compiled and tested under
+# the interpreter, not yet timed on a GPU (stop 46), so off until an A/B says it pays
+# (`bench_block.py --dot-epilogues rope`).
+DOT_ROPE = False
+
+
+def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out_cache_loc: torch.Tensor, num_q_heads: int,
+                      num_kv_heads: int) -> torch.Tensor | None:
+    """Rotated q [M, Hq, D] for rows x [M, K] and the qkv weight, k rotated and v stored into
+    their KV slots, all in the tensor-core matmul's epilogue where these rows take it and its
+    tiles are half a head (`matmul.rope_fits`); None elsewhere."""
+    m = x.numel() // max(x.shape[-1], 1)
+    head_dim = weight.shape[0] // (num_q_heads + 2 * num_kv_heads)
+    if (DOT_EPILOGUES and DOT_ROPE and _dot(x, weight, m)
+            and matmul.rope_fits(weight, head_dim, cos_sin_cache.shape[-1])):
+        return matmul.dot_qkv_rope_store(x, weight, bias, positions, cos_sin_cache, k_cache,
+                                         v_cache, out_cache_loc, num_q_heads, num_kv_heads)
+    return None
+
+
 def wants_exact_rows(module: torch.nn.Module) -> bool:
     """"auto": exact rows for a model whose weights are at most EXACT_ROWS_MAX_BYTES."""
     return weight_bytes(module) <= EXACT_ROWS_MAX_BYTES

@@ -4,6 +4,14 @@ the batch, not on its batch-mates.
 
     dot_linear(x, W, bias, residual, out_dtype)     x [M, K], W [N, K] -> y [M, N]
 
+It is also `--tensor-core-rows`' matmul (kernels/gemv.py: DOT_ROWS), and its epilogues take a
+layer's small kernels in, each bitwise the kernel it replaces (the same roundings, the same
+arithmetic): SwiGLU (`dot_linear(silu_mul=True)`: gate and up rows in two accumulators over
+one activation tile), the next layer's input norm in the K-chunk combine
+(`dot_linear_rmsnorm`), and RoPE with the KV store (`dot_qkv_rope_store`: a head's two halves
+in two accumulators). The loads stay pure: a fusion into them (the norm formed while loading
+the activation) cost 47 % of a tree round (benchmarks/NOTES.md, stop 45).
+
 How: ONE config per weight shape (N, K), never chosen by M (`dot_config`). A program owns a
 [BLOCK_M, BLOCK_N] tile of the output and walks K with tensor cores (tl.dot accumulating into
 its fp32 tile), rows past M masked to zero, so every row takes the same instructions in the
@@ -88,6 +96,35 @@ def _k_split(k: int, cfg: DotConfig) -> int:
     return cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
 
 
+@triton.jit
+def _k_walk(x_rows, w_rows, w2_rows, mask_m, k_lo, k_hi, PAIR: tl.constexpr,
+            EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the product of rows x_rows with weight rows w_rows over K [k_lo, k_hi) in fp32 tiles;
+    # PAIR: also with w2_rows (a second accumulator over the same activation tiles)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None], other=0.0)
+            b = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
+            if PAIR:
+                b2 = tl.load(w2_rows + rk[None, :], eviction_policy="evict_first")
+        else:
+            mask_k = rk < k_hi
+            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            if PAIR:
+                b2 = tl.load(w2_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
+                             eviction_policy="evict_first")
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if PAIR:
+            acc2 = tl.dot(a, tl.trans(b2), acc2, input_precision=PRECISION)
+    return acc, acc2
+
+
 @triton.jit(do_not_specialize=["M"])  # M varies step to step: one compiled kernel for all
 def _dot_kernel(
     x, w, y, part, bias, res, M, N, K, K_SPLIT,
@@ -111,28 +148,11 @@ def _dot_kernel(
     x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up_rows = w_rows
     if SILU_MUL:  # w is [gate | up] ([2N, K]): this program also walks the up rows N + rn
         up_rows = w + (tl.minimum(rn, N - 1) + N).to(tl.int64)[:, None] * stride_wn
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None], other=0.0)
-            b = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
-            if SILU_MUL:
-                bu = tl.load(up_rows + rk[None, :], eviction_policy="evict_first")
-        else:
-            mask_k = rk < k_hi
-            a = tl.load(x_rows + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(w_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            if SILU_MUL:
-                bu = tl.load(up_rows + rk[None, :], mask=mask_k[None, :], other=0.0,
-                             eviction_policy="evict_first")
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-        if SILU_MUL:
-            acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=PRECISION)
+    acc, acc_up = _k_walk(x_rows, w_rows, up_rows, mask_m, k_lo, k_hi, SILU_MUL, EVEN_K,
+                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = mask_m[:, None] & mask_n[None, :]
     if SILU_MUL:
         # gate and up rounded to y's dtype first, then `_silu_and_mul_kernel`'s arithmetic:
@@ -196,6 +216,62 @@ def _combine_rmsnorm_kernel(part, res, res_out, out, norm_weight, M, N, eps, str
     rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / N + eps)
     w = tl.load(norm_weight + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + row * stride_om + cols, (xv * rstd * w).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _dot_rope_kernel(
+    x, w, bias, q_out, k_cache, v_cache, out_cache_loc, positions, cos_sin_cache, M, K,
+    stride_xm, stride_wn, stride_qot, stride_qoh, stride_kcs, stride_kch, stride_vcs,
+    stride_vch, stride_cs,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    # qkv = x @ w^T (+ bias) for one head a program (its two halves, BLOCK_N = head_dim / 2
+    # columns each, in two accumulators), rounded to the model's dtype as the product stores
+    # it, then `_rope_store_kv_kernel`'s arithmetic: q heads rotated into q_out, k heads
+    # rotated into their KV slots, v heads copied there
+    pdl_wait(PDL)
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rm < M
+    i = tl.arange(0, BLOCK_N)
+    rn = head * 2 * BLOCK_N + i  # the head's first half; its second half is rn + BLOCK_N
+    x_rows = x + rm.to(tl.int64)[:, None] * stride_xm
+    w_rows = w + rn.to(tl.int64)[:, None] * stride_wn
+    acc, acc2 = _k_walk(x_rows, w_rows, w_rows + BLOCK_N * stride_wn, mask_m, 0, K, True,
+                        EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias + rn).to(tl.float32)[None, :]
+        acc2 += tl.load(bias + rn + BLOCK_N).to(tl.float32)[None, :]
+    x1 = acc.to(q_out.dtype.element_ty).to(tl.float32)
+    x2 = acc2.to(q_out.dtype.element_ty).to(tl.float32)
+    mask = mask_m[:, None]
+    rows = rm.to(tl.int64)[:, None]
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q or k: rotated by each row's position
+        pos = tl.load(positions + rm, mask=mask_m, other=0).to(tl.int64)
+        cs = cos_sin_cache + pos[:, None] * stride_cs + i[None, :]
+        cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs + BLOCK_N, mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        if head < NUM_Q_HEADS:
+            d = q_out + rows * stride_qot + head * stride_qoh + i[None, :]
+            tl.store(d, o1.to(q_out.dtype.element_ty), mask=mask)
+            tl.store(d + BLOCK_N, o2.to(q_out.dtype.element_ty), mask=mask)
+        else:
+            slot = tl.load(out_cache_loc + rm, mask=mask_m, other=0).to(tl.int64)
+            d = k_cache + slot[:, None] * stride_kcs + (head - NUM_Q_HEADS) * stride_kch \
+                + i[None, :]
+            tl.store(d, o1.to(k_cache.dtype.element_ty), mask=mask)
+            tl.store(d + BLOCK_N, o2.to(k_cache.dtype.element_ty), mask=mask)
+    else:
+        slot = tl.load(out_cache_loc + rm, mask=mask_m, other=0).to(tl.int64)
+        d = v_cache + slot[:, None] * stride_vcs \
+            + (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_vch + i[None, :]
+        tl.store(d, x1.to(v_cache.dtype.element_ty), mask=mask)
+        tl.store(d + BLOCK_N, x2.to(v_cache.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -303,6 +379,52 @@ def dot_linear_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
         )
     shape = (*x.shape[:-1], n)
     return normed.view(shape), new_residual.view(shape)
+
+
+def rope_fits(weight: torch.Tensor, head_dim: int, rot_dim: int,
+              config: DotConfig | None = None) -> bool:
+    """Whether the qkv product [N, K] can rotate and store its heads in its epilogue: K in one
+    chunk, column tiles of half a head (the rotation pairs column i with i + head_dim / 2),
+    whole heads rotated."""
+    n, k = weight.shape
+    cfg = config or dot_config(n, k)
+    return (num_chunks(weight, cfg) == 1 and 2 * cfg.block_n == head_dim == rot_dim
+            and n % head_dim == 0)
+
+
+def dot_qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       out_cache_loc: torch.Tensor, num_q_heads: int, num_kv_heads: int, *,
+                       config: DotConfig | None = None) -> torch.Tensor:
+    """q [T, Hq, D] rotated, with k rotated and v stored into k_cache / v_cache at
+    out_cache_loc: bitwise `dot_linear(x, weight, bias)` followed by
+    `elementwise.rope_and_store_kv`, in one launch (the projection's epilogue). Needs
+    `rope_fits`."""
+    weight = _check(x, weight)
+    n, k = weight.shape
+    cfg = config or dot_config(n, k)
+    head_dim = n // (num_q_heads + 2 * num_kv_heads)
+    if not rope_fits(weight, head_dim, cos_sin_cache.shape[-1], cfg):
+        raise ValueError("dot_qkv_rope_store needs a one-chunk config whose column tiles "
+                         "are half a head, and a rotary part of the whole head")
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    q_out = torch.empty(m, num_q_heads, head_dim, dtype=x.dtype, device=x.device)  # [T, Hq, D]
+    assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+    if m:
+        _dot_rope_kernel[(cdiv(m, cfg.block_m), num_q_heads + 2 * num_kv_heads)](
+            x2, weight, bias if bias is not None else x2, q_out, k_cache, v_cache,
+            out_cache_loc, positions, cos_sin_cache, m, k, x2.stride(0), weight.stride(0),
+            q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), cos_sin_cache.stride(0),
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HAS_BIAS=bias is not None,
+            EVEN_K=k % cfg.block_k == 0,
+            PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **pdl_kwargs(x2),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return q_out.view(*x.shape[:-1], num_q_heads, head_dim)
 
 
 def dot_linear_ref(x, weight, bias=None, residual=None, *, out_dtype=None,

@@ -102,6 +102,19 @@ class LlamaAttention(nn.Module):
     def forward(self, x, fb: ForwardBatch, backend: AttentionBackend, cos_sin_cache):
         return self.o_proj(self.attend(self.qkv_proj(x), fb, backend, cos_sin_cache))
 
+    def rotate_and_store(self, h, fb: ForwardBatch, backend: AttentionBackend,
+                         cos_sin_cache) -> torch.Tensor | None:
+        """Rotated q [T, num_heads, head_dim] from normed rows h, the K/V stored, all in the
+        qkv product's epilogue where it can (rows on the tensor-core matmul, a backend with
+        the fused KV store: kernels/gemv.py `linear_rope_store`); None elsewhere."""
+        if not backend.fused_kv_store:
+            return None
+        pool = backend.kv_pool
+        return gemv.linear_rope_store(
+            h, self.qkv_proj.weight, self.qkv_proj.bias, fb.positions, cos_sin_cache,
+            pool.k_buffers[self.layer_id], pool.v_buffers[self.layer_id], fb.out_cache_loc,
+            self.num_heads, self.num_kv_heads)
+
     def attend(self, qkv, fb: ForwardBatch, backend: AttentionBackend, cos_sin_cache):
         """qkv [T, q + 2 kv] -> attention output [T, q_size] (RoPE, KV store, attention)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -185,6 +198,7 @@ class LlamaDecoderLayer(nn.Module):
             q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
             o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
         else:
+            q = None
             if fuse:
                 qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
                                                   attn.qkv_proj.bias, residual)
@@ -195,8 +209,13 @@ class LlamaDecoderLayer(nn.Module):
                     h, residual = ln(x, residual)
                     if residual is None:
                         residual = x
-                qkv = gemv.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
-            o = attn.attend(qkv, fb, backend, cos_sin_cache)
+                q = attn.rotate_and_store(h, fb, backend, cos_sin_cache)  # or None
+                if q is None:
+                    qkv = gemv.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            if q is not None:
+                o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
+            else:
+                o = attn.attend(qkv, fb, backend, cos_sin_cache)
         h = attn.o_proj(o)
         if fuse:
             gate_up, residual = gemv.rmsnorm_gemv(h, self.post_attention_layernorm.weight,
