@@ -34,8 +34,8 @@ def loaded():
 
 
 def _engine(loaded, drafter=None, use_graphs: bool = True, tree: TreeShape = TREE) -> LLMEngine:
-    if tree.nodes <= 16:
-        return chain_engine(loaded, drafter, use_graphs, k=tree.nodes)
+    if tree.verified <= 16:
+        return chain_engine(loaded, drafter, use_graphs, k=tree.verified)
     return LLMEngine(EngineConfig(  # more drafts than --num-draft-tokens allows
         model="random:smollm2-135m", device="cuda", dtype="float32", use_graphs=use_graphs,
         cache=CacheConfig(kv_cache_tokens=16384),
@@ -69,7 +69,8 @@ def test_an_oracle_tree_is_accepted_to_full_depth_and_lossless(loaded, monkeypat
     assert s["num_accepted_tokens"] >= 0.9 * TREE.depth * s["num_drafts"]
 
 
-@pytest.mark.parametrize("tree", [TREE, TreeShape(8, 5, 32), TreeShape(12, 5, 63)])
+@pytest.mark.parametrize("tree", [TREE, TreeShape(8, 5, 32), TreeShape(12, 5, 63),
+                                  TreeShape(8, 5, 27, 5)])  # with an n-gram branch
 def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatch, tree):
     """Requests join one a step and finish at different lengths: the fused graphs, the
     per-step fallback (each beam step's tree-row metadata rebuilt eagerly between replays)

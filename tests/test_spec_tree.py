@@ -38,8 +38,11 @@ def test_tree_shapes_are_checked_and_named_by_the_flag():
     assert TreeShape(4, 5, 16).total == 4 + 4 * 16
     assert TreeShape.parse("8x5:32").total == 8 + 4 * 64
     assert TreeShape.parse("12x5:63").total == 12 + 4 * 144  # the most verified nodes
+    branch = TreeShape.parse("8x5:27+g5")  # an n-gram branch of 5 beside 27 nodes
+    assert branch == TreeShape(8, 5, 27, 5) and branch.verified == 32 and str(branch) == \
+        "8x5:27+g5"
     for bad in ("4x5", "4x5:64", "2x2:7", "1x6:5", "8x6:16", "4x4:8", "8x6:32", "17x1:17",
-                "16x5:63"):
+                "16x5:63", "8x5:27+g6", "12x5:60+g4", "8x5:24+g5", "4x5:16+g"):
         with pytest.raises(ValueError, match="--speculative-tree"):
             TreeShape.parse(bad)
     with pytest.raises(ValueError, match="--speculative-tree is for --speculative chain"):
@@ -126,7 +129,7 @@ def _tree_engine(hf, tree: TreeShape = TREE, max_num_seqs: int = 8):
     drafter = TreeHeadDrafter(random_head(tiny_loaded(hf).config, "", seed=3), tree)
     spec = SpecConfig(method="chain", tree=tree, adaptive=False)
     # a step's token budget fits three requests' 1 + nodes rows
-    return tiny_engine(hf, max_num_seqs, budget=max(64, 3 * (1 + tree.nodes)), kv_tokens=4096,
+    return tiny_engine(hf, max_num_seqs, budget=max(64, 3 * (1 + tree.verified)), kv_tokens=4096,
                        spec=spec, drafter=drafter), drafter
 
 
@@ -161,7 +164,8 @@ def test_a_steps_rows_follow_its_context_not_the_last_proposal(hf):
 
 
 @pytest.mark.parametrize("tree", [TREE, TreeShape(1, 3, 3), TreeShape(2, 3, 6),
-                                  TreeShape(8, 5, 32),
+                                  TreeShape(8, 5, 32), TreeShape(4, 5, 12, 4),
+                                  TreeShape(8, 5, 27, 5),  # n-gram branches
                                   TreeShape(12, 5, 63)])  # the largest: 64 verify rows
 def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
     engine, drafter = _tree_engine(hf, tree)
@@ -172,18 +176,46 @@ def test_a_random_head_drafting_trees_is_lossless(hf, plain, tree):
     def checked(ctx, prop):  # a step records 0 past a request's drafts (its last tokens)
         pack(ctx, prop)
         for row, n in enumerate(prop.num_drafts.tolist()):
-            if n < tree.nodes:
+            if n < tree.verified:
                 short.append(body.draft_tokens[row, n:].abs().sum().item())
 
     body._pack_tree = checked
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
     assert short and not any(short)
-    if tree.nodes > 16:  # the largest tree sampled too: plain seeded sampling's tokens
+    if tree.verified > 16:  # the large trees sampled too: plain seeded sampling's tokens
         assert engine.generate(PROMPTS[:1], HOT)[0].token_ids == \
             tiny_engine(hf).generate(PROMPTS[:1], HOT)[0].token_ids
     assert len(seen) > 20 and max(seen)[0] == len(PROMPTS)  # trees, the three together
-    assert engine.stats["num_draft_tokens"] > 20 * tree.nodes
+    assert engine.stats["num_draft_tokens"] > 20 * tree.verified
     assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+
+
+def test_an_ngram_branch_beside_the_tree_is_accepted_and_lossless(hf):
+    """4x5:12+g4 (the same 17 verify rows as 4x5:16) with a random head on the tiny model,
+    whose greedy output falls into cycles a prompt lookup predicts: plain decoding's tokens,
+    most steps accept a path through the branch's rows (13 .. 16), and the accepted drafts
+    are several times the tree's alone."""
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, params)]
+    runs = {}
+    for shape in (TreeShape(4, 5, 16), TreeShape(4, 5, 12, 4)):
+        engine, _ = _tree_engine(hf, shape)
+        body, through_branch = engine.spec_graphs.body, []
+        accept = body._accept_tree
+
+        def counted(bs, logits, greedy, body=body, shape=shape, seen=through_branch,
+                    accept=accept):
+            accept(bs, logits, greedy)
+            seen.append(int((body.tv.accepted[:bs] > shape.nodes).any(dim=1).sum()))
+
+        body._accept_tree = counted
+        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
+        runs[shape.ngram] = (sum(through_branch), len(through_branch),
+                             engine.stats["num_accepted_tokens"])
+    assert runs[0][0] == 0  # no branch rows without a branch
+    steps_through, steps, accepted = runs[4]
+    assert steps_through > steps / 3, runs  # measured: 25 of 39 steps
+    assert accepted > 2 * runs[0][2], runs  # measured: 68 against 20
 
 
 def test_batches_too_large_for_trees_draft_chains_and_sampled_batches_trees(hf, plain):

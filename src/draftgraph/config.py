@@ -91,31 +91,46 @@ TREE_MAX_NODES = 63
 @dataclass(frozen=True)
 class TreeShape:
     """Width W (beam and children per node), depth D (steps: the deepest node), nodes N
-    (verified drafts)."""
+    (verified drafts of the head's tree), ngram G (a prompt-lookup chain of up to G drafts
+    from the root verified beside the tree: "WxD:N+gG"; 0: none)."""
 
     width: int
     depth: int
     nodes: int
+    ngram: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> TreeShape:
-        m = re.fullmatch(r"(\d+)x(\d+):(\d+)", spec.strip())
+        m = re.fullmatch(r"(\d+)x(\d+):(\d+)(?:\+g(\d+))?", spec.strip())
         if not m:
-            raise ValueError(f"--speculative-tree must look like WxD:N (width x depth : "
-                             f"verified nodes, e.g. 4x5:16), got {spec!r}")
-        return cls(*map(int, m.groups()))
+            raise ValueError(f"--speculative-tree must look like WxD:N or WxD:N+gG (width x "
+                             f"depth : verified nodes, + an n-gram branch of G drafts; e.g. "
+                             f"4x5:16 or 8x5:27+g5), got {spec!r}")
+        return cls(*(int(g) for g in m.groups() if g is not None))
 
     def __post_init__(self) -> None:
-        w, d, n = self.width, self.depth, self.nodes
-        if not 1 <= w <= 16 or d < 1 or not d <= n <= TREE_MAX_NODES:
-            raise ValueError(f"--speculative-tree {w}x{d}:{n}: need 1 <= width <= 16, "
-                             f"depth >= 1 and depth <= nodes <= {TREE_MAX_NODES}")
+        w, d, n, g = self.width, self.depth, self.nodes, self.ngram
+        if not 1 <= w <= 16 or d < 1 or not d <= n or n + g > TREE_MAX_NODES:
+            raise ValueError(f"--speculative-tree {self}: need 1 <= width <= 16, depth >= 1, "
+                             f"depth <= nodes and nodes + n-gram drafts <= {TREE_MAX_NODES}")
+        if not 0 <= g <= d:
+            raise ValueError(f"--speculative-tree {self}: the n-gram branch needs 0 <= G <= "
+                             f"depth")
         if n > self.total:
-            raise ValueError(f"--speculative-tree {w}x{d}:{n}: a tree of width {w} and depth "
+            raise ValueError(f"--speculative-tree {self}: a tree of width {w} and depth "
                              f"{d} has {self.total} nodes, fewer than {n}")
-        if (d - 1) * w > n:  # each beam row writes its KV into a verify row's slot
-            raise ValueError(f"--speculative-tree {w}x{d}:{n}: the head's {(d - 1) * w} beam "
-                             f"rows need (depth - 1) x width <= nodes")
+        if (d - 1) * w > self.verified:  # each beam row writes its KV into a verify row's slot
+            raise ValueError(f"--speculative-tree {self}: the head's {(d - 1) * w} beam "
+                             f"rows need (depth - 1) x width <= verified drafts")
+
+    def __str__(self) -> str:
+        tail = f"+g{self.ngram}" if self.ngram else ""
+        return f"{self.width}x{self.depth}:{self.nodes}{tail}"
+
+    @property
+    def verified(self) -> int:
+        """Drafts a step verifies: the tree's nodes and the n-gram branch's."""
+        return self.nodes + self.ngram
 
     @property
     def total(self) -> int:

@@ -192,12 +192,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "train-drafter writes one), or random[:layers=N,draft_vocab=V]")
     s.add_argument("--num-draft-tokens", type=int, default=None,
                    help=f"draft tokens proposed per step (default {SpecConfig.num_draft_tokens})")
-    s.add_argument("--speculative-tree", default="auto", metavar="WxD:N|auto|off",
+    s.add_argument("--speculative-tree", default="auto", metavar="WxD:N[+gG]|auto|off",
                    help="--speculative chain: in steps of up to 8 requests (greedy or "
                    "sampled), draft a tree (width W: beam and children per node, depth D, "
-                   "N <= 63 verified nodes, e.g. 8x5:32) and accept its deepest path the "
-                   "target agrees with. auto (default): on one GPU, "
-                   f"{AUTO_TREE.width}x{AUTO_TREE.depth}:{AUTO_TREE.nodes} trees in steps "
+                   "N verified nodes, e.g. 8x5:32; +gG: with a prompt-lookup chain of G <= D "
+                   "drafts from the root beside it, --ngram-min/max; N + G <= 63) and accept "
+                   "its deepest path the target agrees with. auto (default): on one GPU, "
+                   f"{AUTO_TREE} trees in steps "
                    f"of up to {AUTO_TREE_MAX_BS} requests unless --num-draft-tokens is given "
                    "(faster than the chain there; on a CPU slower, so the chain); off: the "
                    "chain")
@@ -222,7 +223,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 # the chain's 1.22x / 1.28x, and 1.89x / 1.82x at batch 4 against 1.85x / 1.72x; sampled (T =
 # 0.7, batch 1) the two shapes tie (1.25x / 1.45x). Its round costs 1.04x a 4x5:16 one (1.281
 # against 1.232 ms, random weights, batch 1); larger batches unmeasured (benchmarks/NOTES.md,
-# stop 45).
+# stop 45). With the matmul's epilogues (stop 46) 1.74-1.78x / 1.85-1.92x at batch 1; 12x5:63
+# costs 1.18x its round for +7-9 % accept (not taken); 8x5:27+g5 (an n-gram branch, the same
+# 33 rows) is +2.7 % / +5.2 % accept offline, not yet timed.
 AUTO_TREE = TreeShape(8, 5, 32)
 AUTO_TREE_MAX_BS = 4
 

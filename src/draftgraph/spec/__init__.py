@@ -82,7 +82,8 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
     if cfg.method == "chain" and cfg.tree is not None:
         from draftgraph.spec.tree import TreeHeadDrafter
 
-        return TreeHeadDrafter(head, cfg.tree, max_bs=cfg.tree_max_bs)
+        return TreeHeadDrafter(head, cfg.tree, max_bs=cfg.tree_max_bs,
+                               ngram_n=(cfg.ngram_min, cfg.ngram_max))
     if cfg.method == "chain":
         from draftgraph.spec.chain_head import ChainHeadDrafter
 

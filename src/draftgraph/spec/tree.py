@@ -13,6 +13,13 @@ log-probabilities, `kernels.tree.top_logprobs`: two launches; scoring its nodes 
 the next beam's rows, `tree_grow`: one) and the final pick (`tree_pick`: one) are Triton
 kernels on the GPU.
 
+An n-gram branch ("WxD:N+gG", `_with_branch`): after the pick, a prompt-lookup chain of up to
+G drafts from the token table (spec/ngram.py's rule, `kernels.ngram`: one launch) is appended
+as drafts N .. N + G - 1, a chain from the root. Nothing merges it into the tree: where it
+repeats the tree's nodes both are verified and the deepest accepted row decides, so it costs
+its G verify rows and one launch, no head step (offline at 33 rows, 8x5:27+g5 against 8x5:32:
++2.7 % / +5.2 % accept on MT-Bench / HumanEval; benchmarks/NOTES.md, stop 46).
+
 A tree row is a decode row with a list of its own (`attention.metadata.RowPaths`): its
 request's keys below the last token's position + 1, then the slots of its ancestors and its
 own at positions t + 1 .. t + depth. So neither the head's steps nor the target's verify need
@@ -46,6 +53,8 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.attention.metadata import MetadataBuffers, RowPaths
 from draftgraph.config import TREE_MAX_BS, TreeShape
+from draftgraph.kernels._triton import triton_usable
+from draftgraph.kernels.ngram import ngram_propose_triton
 from draftgraph.kernels.tree import (
     TreeBuffers,
     TreeContext,
@@ -55,6 +64,7 @@ from draftgraph.kernels.tree import (
 )
 from draftgraph.spec.chain_head import ChainHeadDrafter
 from draftgraph.spec.drafter import DraftContext, Proposal
+from draftgraph.spec.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +76,12 @@ class TreeHeadDrafter(ChainHeadDrafter):
     drafts_trees = True
 
     def __init__(self, head, shape: TreeShape, catch_up: bool = True,
-                 max_bs: int = TREE_MAX_BS) -> None:
-        super().__init__(head, shape.nodes, catch_up)
+                 max_bs: int = TREE_MAX_BS, ngram_n: tuple[int, int] = (1, 4)) -> None:
+        super().__init__(head, shape.verified, catch_up)
         self.shape = shape
         self.tree_max_bs = max_bs  # larger steps draft the chain of D
+        # the n-gram branch's drafts (module docstring): suffixes of ngram_n[0] .. [1] tokens
+        self.branch = NgramProposer(*ngram_n, shape.ngram) if shape.ngram else None
 
     @property
     def num_steps(self) -> int:
@@ -104,8 +116,8 @@ class TreeHeadDrafter(ChainHeadDrafter):
                                 self.beam_path, self.t_feat, self.t_ids, self.t_rows)
         ctx_len = target.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, target.backend.sliding_window, dev)
-        logger.info("draft trees %dx%d:%d in steps of up to %d requests (larger and extras "
-                    "steps draft the chain of %d)", w, d, self.shape.nodes, m, d)
+        logger.info("draft trees %s in steps of up to %d requests (larger and extras steps "
+                    "draft the chain of %d)", self.shape, m, d)
 
     # ---- the proposal (tree or chain: `ctx.tree`, never state left by an earlier call, which
     # would be the last captured graph's when the fallback rebuilds a step's metadata); step
@@ -150,6 +162,32 @@ class TreeHeadDrafter(ChainHeadDrafter):
         bs = ctx.seq_lens.shape[0]
         drafts, parents, depths, live = tree_pick(
             self.node_score[:bs], self.node_tok[:bs], self.node_parent[:bs], self.node_depth,
-            ctx.max_draft, self.k)
+            ctx.max_draft, self.shape.nodes)
+        if self.branch is not None:
+            drafts, parents, depths, live = self._with_branch(ctx, drafts, parents, depths,
+                                                              live)
         return Proposal(drafts, live, parents=parents, depths=depths,
                         tree_depth=self.shape.depth)
+
+    def _with_branch(self, ctx: DraftContext, drafts, parents, depths, live):
+        """The tree's N nodes, then the n-gram branch's G drafts as a chain from the root
+        (draft N + j at depth j + 1, its parent the root or draft N + j - 1): nodes that
+        repeat the tree's are verified twice, harmlessly (the deepest accepted row wins),
+        and the branch's 0-padding past its match (or with no match) is verified as token 0,
+        accepted only where the target's token is 0. The count leads as `tree_pick`'s does:
+        N + the branch's drafts within the budget when every tree node is in it, else the
+        tree's (`tree_pack` then verifies the branch as 0s)."""
+        n, g = self.shape.nodes, self.shape.ngram
+        table = ctx.token_table
+        if table.is_cuda and triton_usable(table):  # one launch over the requests' own tokens
+            branch, _ = ngram_propose_triton(table, ctx.req_pool_indices, ctx.seq_lens,
+                                             self.branch.min_n, self.branch.max_n, g)
+        else:
+            branch, _ = self.branch.propose(table[ctx.req_pool_indices], ctx.seq_lens)
+        bs = branch.shape[0]
+        j = torch.arange(g, device=branch.device)
+        b_parents = torch.where(j == 0, 0, n + j).expand(bs, g)  # [bs, G] rows
+        b_depths = (j + 1).expand(bs, g)
+        live = torch.where(live == n, n + torch.clamp(ctx.max_draft, max=g), live)
+        return (torch.cat([drafts, branch], dim=1), torch.cat([parents, b_parents], dim=1),
+                torch.cat([depths, b_depths], dim=1), live)
