@@ -29,6 +29,7 @@ from draftgraph.kernels import argmax as A  # noqa: E402
 from draftgraph.kernels import elementwise as E  # noqa: E402
 from draftgraph.kernels import matmul as MM  # noqa: E402
 from draftgraph.kernels import metadata as M  # noqa: E402
+from draftgraph.kernels import ngram as N  # noqa: E402
 from draftgraph.kernels import tokens as K  # noqa: E402
 from draftgraph.kernels import tree as T  # noqa: E402
 
@@ -72,12 +73,14 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                    "W_P": 4, "D_P": 8, "BLOCK_H": 256, "FIRST": first, "STAGE": stage,
                    "HAS_VOCAB": True, "PDL": True}))
     p2 = triton.next_power_of_2
-    for name in ("4x5:16", "8x5:32", "12x5:63"):  # the old default, the default, the largest
+    # the old default, the default, the largest, with an n-gram branch
+    for name in ("4x5:16", "8x5:32", "12x5:63", "8x5:27+g5"):
         shape = TreeShape.parse(name)
-        w, d, k = shape.width, shape.depth, shape.nodes
+        w, d, k = shape.width, shape.depth, shape.verified
         c.append((f"tree pick {name}", T._tree_pick_kernel,
-                  {"node_score": f32, "total": "i32"},
-                  {"N": k, "T_P": p2(shape.total), "PDL": True}))
+                  {"node_score": f32, "total": "i32", "stride_o": "i32"},
+                  {"N": shape.nodes, "BRANCH": shape.ngram, "T_P": p2(shape.total),
+                   "PDL": True}))
         c.append((f"tree pack {name}", T._tree_pack_kernel,
                   {"live": "*i8", "stride_res0": "i32", "stride_res1": "i32",
                    "stride_rows": "i32"},
@@ -145,6 +148,9 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {"HAS_BIAS": False, "HAS_RES": False, "SPLIT": split, "EVEN_K": True,
                    "SILU_MUL": silu_mul, "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 32,
                    "BLOCK_K": 64, "PDL": True}))
+    c.append(("n-gram drafts (the tree's branch)", N._ngram_kernel,
+              {n: "i32" for n in ("table_stride", "stride_d", "k")},
+              {"MIN_N": 1, "MAX_N": 4, "N_BLOCK": 8, "K_BLOCK": 8, "BLOCK": 1024}))
     c.append(("tensor-core rows qkv + RoPE + KV store", MM._dot_rope_kernel,
               {"x": bf16, "w": bf16, "bias": bf16, "q_out": bf16, "k_cache": bf16,
                "v_cache": bf16, "out_cache_loc": "*i64", "positions": "*i64",

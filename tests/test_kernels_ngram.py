@@ -40,6 +40,24 @@ def _drafts(seqs, min_n, max_n, k, block, garbage):
     return out
 
 
+def test_ngram_drafts_go_into_the_columns_they_are_given():
+    """`out`: the drafts written into a view of a wider buffer (a tree proposal's last
+    columns), the other columns untouched."""
+    seqs = [[1, 2, 3, 9, 1, 2, 3], [5, 6, 1, 5, 6, 2, 5, 6], [4]]
+    table = torch.zeros(4, 16, dtype=torch.int64)
+    for r, seq in enumerate(seqs, 1):
+        table[r, : len(seq)] = torch.tensor(seq)
+    wide = torch.full((3, 7), -7, dtype=torch.int64, device=DEVICE)
+    rows = torch.tensor([1, 2, 3], device=DEVICE)
+    lens = torch.tensor([len(x) for x in seqs], device=DEVICE)
+    drafts, num = ngram_propose_triton(table.to(DEVICE), rows, lens, 1, 3, 4, out=wide[:, 3:])
+    assert drafts.data_ptr() == wide[:, 3:].data_ptr()
+    for i, seq in enumerate(seqs):
+        want = propose_ref(seq, 1, 3, 4)
+        assert wide[i, 3:].tolist() == want + [0] * (4 - len(want)) and int(num[i]) == len(want)
+    assert (wide[:, :3] == -7).all()
+
+
 def test_ngram_kernel_edge_cases():
     seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 9, 1, 2, 3], [5, 6, 1, 5, 6, 2, 5, 6],
             [7, 5, 6, 1, 8, 5, 6, 2, 7, 5, 6], [4, 4, 4], [4], [], [9] * 12]

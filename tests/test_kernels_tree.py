@@ -93,6 +93,19 @@ def test_a_grown_tree_equals_the_twins_buffer_for_buffer(w, d, bs, vocab, nan):
         for x, y in zip(got, ref, strict=True):
             assert torch.equal(x, y), n
         assert ((got[1] >= 0) & (got[1] < torch.arange(1, n + 1, device=DEVICE))).all()
+        # with an n-gram branch of 3 after the n nodes: written into the first n columns of
+        # a wider proposal, the rest untouched; the count takes the branch's drafts within
+        # the budget when all n nodes are
+        wide = [torch.full((bs, n + 3), -7, dtype=torch.int64, device=DEVICE) for _ in range(3)]
+        views = tuple(t[:, :n] for t in wide)
+        for pick in (T.tree_pick_triton, T.tree_pick_ref):
+            *cols, live = pick(a.node_score[:bs].contiguous(), a.node_tok[:bs].contiguous(),
+                               a.node_parent[:bs].contiguous(), _depths(w, d),
+                               ctx.max_draft, n, 3, views)
+            for x, y, t in zip(cols, ref[:3], wide, strict=True):
+                assert torch.equal(x, y) and (t[:, n:] == -7).all(), n
+            want = torch.where(ref[3] == n, n + ctx.max_draft.clamp(max=3), ref[3])
+            assert torch.equal(live, want), n
 
 
 def _depths(w: int, d: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from draftgraph.kernels._triton import next_pow2, tl, triton
 
 
 @triton.jit
-def _ngram_kernel(table, table_stride, rows, lens, drafts, num, k,
+def _ngram_kernel(table, table_stride, rows, lens, drafts, stride_d, num, k,
                   MIN_N: tl.constexpr, MAX_N: tl.constexpr, N_BLOCK: tl.constexpr,
                   K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
@@ -52,23 +52,25 @@ def _ngram_kernel(table, table_stride, rows, lens, drafts, num, k,
     idx = ends + 1 + j
     valid = (ends >= 0) & (idx < length) & (j < k)
     tok = tl.load(base + idx, mask=valid, other=0)
-    tl.store(drafts + r * k + j, tok, mask=j < k)
+    tl.store(drafts + r * stride_d + j, tok, mask=j < k)
     tl.store(num + r, tl.sum(valid.to(tl.int64), axis=0))
 
 
 def ngram_propose_triton(token_table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-                         min_n: int, max_n: int, k: int,
-                         block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                         min_n: int, max_n: int, k: int, block: int = 1024, *,
+                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts [bs, k] int64 (0-padded) and their counts [bs] int64 for the requests whose
-    tokens are token_table[rows[i], :lens[i]]."""
+    tokens are token_table[rows[i], :lens[i]]; the drafts written into `out` when given (a
+    [bs, k] view with unit column stride: the columns of a wider proposal, say)."""
     bs = rows.shape[0]
-    drafts = torch.empty(bs, k, dtype=torch.int64, device=rows.device)
+    drafts = torch.empty(bs, k, dtype=torch.int64, device=rows.device) if out is None else out
+    assert drafts.shape == (bs, k) and drafts.stride(1) == 1
     num = torch.empty(bs, dtype=torch.int64, device=rows.device)
     if bs == 0:
         return drafts, num
     assert token_table.stride(1) == 1, "the token table's rows must be contiguous"
     _ngram_kernel[(bs,)](
-        token_table, token_table.stride(0), rows, lens, drafts, num, k,
+        token_table, token_table.stride(0), rows, lens, drafts, drafts.stride(0), num, k,
         MIN_N=min_n, MAX_N=max_n, N_BLOCK=next_pow2(max_n + 1), K_BLOCK=next_pow2(k),
         BLOCK=block, num_warps=4,
     )

@@ -342,11 +342,15 @@ def tree_grow(step: int, top_lp: torch.Tensor, top_idx: torch.Tensor,
 
 
 def tree_pick_ref(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent: torch.Tensor,
-                  node_depth: torch.Tensor, max_draft: torch.Tensor, n: int,
+                  node_depth: torch.Tensor, max_draft: torch.Tensor, n: int, branch: int = 0,
+                  out: tuple | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """node_* [bs, total] (node_depth [total]), max_draft [bs] -> drafts, parents (0: the last
     token, i: draft i - 1), depths [bs, n] int64 in node order, live [bs] (the kept nodes
-    within the budget: they lead)."""
+    within the budget: they lead). branch: an n-gram branch of that many drafts follows the
+    n nodes (spec/tree.py): when all n are within the budget, live counts its drafts within
+    it too (min(max_draft, branch) more). out: (drafts, parents, depths) views [bs, n] to write
+    into (the first columns of the proposal's, say)."""
     bs = node_score.shape[0]
     depth = node_depth.expand(bs, -1)
     # nodes past a request's draft budget are never verified: ranked last
@@ -360,13 +364,20 @@ def tree_pick_ref(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent:
     parents = torch.where(parent < 0, 0, row_of.gather(1, parent.clamp_min(0)))
     depths = depth.gather(1, keep)
     live = (depths <= max_draft[:, None]).sum(dim=1)
-    return node_tok.gather(1, keep), parents, depths, live
+    live = torch.where(live == n, n + torch.clamp(max_draft, max=branch), live)
+    drafts = node_tok.gather(1, keep)
+    if out is None:
+        return drafts, parents, depths, live
+    for dst, src in zip(out, (drafts, parents, depths), strict=True):
+        dst.copy_(src)
+    return (*out, live)
 
 
 @triton.jit
 def _tree_pick_kernel(
     node_score, node_tok, node_parent, node_depth, max_draft, row_of, drafts, parents, depths,
-    live, total, N: tl.constexpr, T_P: tl.constexpr, PDL: tl.constexpr,
+    live, total, stride_o, N: tl.constexpr, BRANCH: tl.constexpr, T_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -388,41 +399,48 @@ def _tree_pick_kernel(
     parent = tl.load(node_parent + b * total + t, mask=chosen, other=-1)
     prow = tl.load(row_of + b * total + tl.maximum(parent, 0), mask=chosen & (parent >= 0),
                    other=0)
-    out = b * N + rank - 1
+    out = b * stride_o + rank - 1
     tl.store(drafts + out, tl.load(node_tok + b * total + t, mask=chosen, other=0), mask=chosen)
     tl.store(parents + out, prow, mask=chosen)
     tl.store(depths + out, depth, mask=chosen)
-    tl.store(live + b, tl.sum((chosen & (depth <= md)).to(tl.int64), axis=0))
+    count = tl.sum((chosen & (depth <= md)).to(tl.int64), axis=0)
+    tl.store(live + b, tl.where(count == N, N + tl.minimum(md, BRANCH), count))
 
 
 def tree_pick_triton(node_score: torch.Tensor, node_tok: torch.Tensor,
                      node_parent: torch.Tensor, node_depth: torch.Tensor,
-                     max_draft: torch.Tensor, n: int,
+                     max_draft: torch.Tensor, n: int, branch: int = 0, out: tuple | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same semantics as `tree_pick_ref`, one launch (inside a capture the outputs and the
     row scratch come from the graph's pool)."""
     bs, total = node_score.shape
     assert node_score.is_contiguous() and node_tok.is_contiguous() and node_parent.is_contiguous()
     dev = node_score.device
-    drafts = torch.empty(bs, n, dtype=torch.int64, device=dev)
-    parents = torch.empty(bs, n, dtype=torch.int64, device=dev)
-    depths = torch.empty(bs, n, dtype=torch.int64, device=dev)
+    if out is None:
+        out = tuple(torch.empty(bs, n, dtype=torch.int64, device=dev) for _ in range(3))
+    drafts, parents, depths = out
+    assert all(t.shape == (bs, n) and t.stride() == drafts.stride() and t.stride(1) == 1
+               for t in out)
     live = torch.empty(bs, dtype=torch.int64, device=dev)
     row_of = torch.empty(bs, total, dtype=torch.int64, device=dev)
     _tree_pick_kernel[(bs,)](
         node_score, node_tok, node_parent, node_depth, max_draft, row_of, drafts, parents,
-        depths, live, total, N=n, T_P=max(2, next_pow2(total)), num_warps=4,
+        depths, live, total, drafts.stride(0), N=n, BRANCH=branch,
+        T_P=max(2, next_pow2(total)), num_warps=4,
         **pdl_kwargs(node_score),
     )
     return drafts, parents, depths, live
 
 
 def tree_pick(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent: torch.Tensor,
-              node_depth: torch.Tensor, max_draft: torch.Tensor, n: int,
+              node_depth: torch.Tensor, max_draft: torch.Tensor, n: int, branch: int = 0,
+              out: tuple | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if node_score.is_cuda and triton_usable(node_score):
-        return tree_pick_triton(node_score, node_tok, node_parent, node_depth, max_draft, n)
-    return tree_pick_ref(node_score, node_tok, node_parent, node_depth, max_draft, n)
+        return tree_pick_triton(node_score, node_tok, node_parent, node_depth, max_draft, n,
+                                branch, out)
+    return tree_pick_ref(node_score, node_tok, node_parent, node_depth, max_draft, n, branch,
+                         out)
 
 
 # ---- the verify's rows: pack and accept ----------------------------------------------------

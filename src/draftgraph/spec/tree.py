@@ -13,7 +13,7 @@ log-probabilities, `kernels.tree.top_logprobs`: two launches; scoring its nodes 
 the next beam's rows, `tree_grow`: one) and the final pick (`tree_pick`: one) are Triton
 kernels on the GPU.
 
-An n-gram branch ("WxD:N+gG", `_with_branch`): after the pick, a prompt-lookup chain of up to
+An n-gram branch ("WxD:N+gG", `_branch`): after the pick, a prompt-lookup chain of up to
 G drafts from the token table (spec/ngram.py's rule, `kernels.ngram`: one launch) is appended
 as drafts N .. N + G - 1, a chain from the root. Nothing merges it into the tree: where it
 repeats the tree's nodes both are verified and the deepest accepted row decides, so it costs
@@ -114,6 +114,14 @@ class TreeHeadDrafter(ChainHeadDrafter):
                                   device=dev)
         self.bufs = TreeBuffers(self.node_tok, self.node_score, self.node_parent, self.beam_node,
                                 self.beam_path, self.t_feat, self.t_ids, self.t_rows)
+        # the proposal [m, N + G] (drafts, parents, depths): the pick writes columns :N, the
+        # n-gram branch's drafts columns N:, whose parents (the root, then the previous draft's
+        # row) and depths (1 .. G) never change
+        n, g = self.shape.nodes, self.shape.ngram
+        self.prop = torch.zeros(3, m, n + g, dtype=torch.int64, device=dev)
+        j = torch.arange(g, device=dev)
+        self.prop[1, :, n:] = torch.where(j == 0, 0, n + j)
+        self.prop[2, :, n:] = j + 1
         ctx_len = target.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, target.backend.sliding_window, dev)
         logger.info("draft trees %s in steps of up to %d requests (larger and extras steps "
@@ -159,35 +167,27 @@ class TreeHeadDrafter(ChainHeadDrafter):
                                                   prop.draft_probs.shape[2])
                 prop.draft_probs = torch.cat([prop.draft_probs, pad], dim=1)
             return prop
-        bs = ctx.seq_lens.shape[0]
-        drafts, parents, depths, live = tree_pick(
+        bs, n, g = ctx.seq_lens.shape[0], self.shape.nodes, self.shape.ngram
+        drafts, parents, depths = self.prop[:, :bs]
+        _, _, _, live = tree_pick(
             self.node_score[:bs], self.node_tok[:bs], self.node_parent[:bs], self.node_depth,
-            ctx.max_draft, self.shape.nodes)
-        if self.branch is not None:
-            drafts, parents, depths, live = self._with_branch(ctx, drafts, parents, depths,
-                                                              live)
+            ctx.max_draft, n, g, (drafts[:, :n], parents[:, :n], depths[:, :n]))
+        if g:
+            self._branch(ctx, drafts[:, n:])
         return Proposal(drafts, live, parents=parents, depths=depths,
                         tree_depth=self.shape.depth)
 
-    def _with_branch(self, ctx: DraftContext, drafts, parents, depths, live):
-        """The tree's N nodes, then the n-gram branch's G drafts as a chain from the root
-        (draft N + j at depth j + 1, its parent the root or draft N + j - 1): nodes that
-        repeat the tree's are verified twice, harmlessly (the deepest accepted row wins),
-        and the branch's 0-padding past its match (or with no match) is verified as token 0,
-        accepted only where the target's token is 0. The count leads as `tree_pick`'s does:
-        N + the branch's drafts within the budget when every tree node is in it, else the
-        tree's (`tree_pack` then verifies the branch as 0s)."""
-        n, g = self.shape.nodes, self.shape.ngram
-        table = ctx.token_table
+    def _branch(self, ctx: DraftContext, out: torch.Tensor) -> None:
+        """The n-gram branch's G drafts into out [bs, G] (the proposal's last columns: a chain
+        from the root, draft N + j at depth j + 1). Drafts that repeat the tree's nodes are
+        verified twice, harmlessly (the deepest accepted row wins); the 0-padding past the
+        match (or with no match) is verified as token 0, accepted only where the target's
+        token is 0. The pick's count leads over the branch too: N + its drafts within the
+        budget when every tree node is in it, else the tree's (`tree_pack` then verifies the
+        branch as 0s)."""
+        table, p = ctx.token_table, self.branch
         if table.is_cuda and triton_usable(table):  # one launch over the requests' own tokens
-            branch, _ = ngram_propose_triton(table, ctx.req_pool_indices, ctx.seq_lens,
-                                             self.branch.min_n, self.branch.max_n, g)
+            ngram_propose_triton(table, ctx.req_pool_indices, ctx.seq_lens, p.min_n, p.max_n,
+                                 p.k, out=out)
         else:
-            branch, _ = self.branch.propose(table[ctx.req_pool_indices], ctx.seq_lens)
-        bs = branch.shape[0]
-        j = torch.arange(g, device=branch.device)
-        b_parents = torch.where(j == 0, 0, n + j).expand(bs, g)  # [bs, G] rows
-        b_depths = (j + 1).expand(bs, g)
-        live = torch.where(live == n, n + torch.clamp(ctx.max_draft, max=g), live)
-        return (torch.cat([drafts, branch], dim=1), torch.cat([parents, b_parents], dim=1),
-                torch.cat([depths, b_depths], dim=1), live)
+            out.copy_(p.propose(table[ctx.req_pool_indices], ctx.seq_lens)[0])
