@@ -33,7 +33,8 @@
 #           calls 1-7 `bash benchmarks/tree_gpu.sh stage N` with carry [".modeliN"], then
 #           `bash benchmarks/tree_gpu.sh real` with carry [".modeli8", ".whl_gguf"]): greedy
 #           MT-Bench and HumanEval at batch BS (1), plain / chain / trees, accept length,
-#           tokens/s and equality with plain (`bench_accept.py`); TEMP=0.7 for sampled steps.
+#           tokens/s and equality with plain (`bench_accept.py`); TEMP=0.7 for sampled steps;
+#           SETS=mtbench (or humaneval): one set a process, N prompts (20).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks
