@@ -57,9 +57,9 @@ def test_tree_speculation_on_tensor_core_rows_equals_plain_decoding():
 
 
 def test_the_matmuls_epilogues_change_no_bit_of_the_output(monkeypatch):
-    """bf16 trees (17 verify rows a request, 51 a step) with SwiGLU
-    and the next norm in the matmul's epilogues give the tokens of the unfused chain: each
-    epilogue is bitwise the kernel it replaces (test_kernels_matmul.py), so every logit is."""
+    """bf16 trees (17 verify rows a request, 51 a step) with SwiGLU and the next norm in the
+    matmul's epilogues give the tokens of the unfused chain: each epilogue is bitwise the
+    kernel it replaces (test_kernels_matmul.py), so every logit is."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (12, 40, 63)]
     spec = SpecConfig(method="chain", draft_head="random", tree=TreeShape(4, 5, 16))
