@@ -65,8 +65,8 @@ def test_the_matmuls_epilogues_change_no_bit_of_the_output(monkeypatch):
     spec = SpecConfig(method="chain", draft_head="random", tree=TreeShape(4, 5, 16))
     fused_norm, calls = gemv.linear_rmsnorm, []
 
-    def spy(*args):
-        out = fused_norm(*args)
+    def spy(*args, **kwargs):
+        out = fused_norm(*args, **kwargs)
         calls.append(out is not None)
         return out
 

@@ -189,7 +189,7 @@ def _dot_anywhere(x, weight, m):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU rows in the interpreter; on the GPU: "
                     "test_gpu_tensor_core_rows.py")
-@pytest.mark.parametrize("variant", ["plain", "head", "rope"])
+@pytest.mark.parametrize("variant", ["plain", "head", "rope", "split_gate_up"])
 def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
         monkeypatch, variant):
     """A tiny model's prefill rows on the tensor-core matmul (CPU rows routed to it): every
@@ -197,8 +197,9 @@ def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
     one's input in down's combine; the generated tokens, with a chain head the target's
     captured streams (the residual itself after a fused norm, x + residual elsewhere) of the
     prefill, and with the Triton attention backend and `DOT_ROPE` every layer's RoPE and KV
-    store in qkv's epilogue, equal the unfused chain's."""
-    with_head, rope = variant == "head", variant == "rope"
+    store in qkv's epilogue, equal the unfused chain's. split_gate_up: gate_up summed in K
+    chunks takes no SwiGLU epilogue, and down's combine still normalizes (SwiGLU apart)."""
+    with_head, rope, split = variant == "head", variant == "rope", variant == "split_gate_up"
     from _tiny import tiny_hf_model, tiny_loaded
 
     from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -217,6 +218,8 @@ def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
     head_dim = hidden // hf.config.num_attention_heads
     monkeypatch.setitem(MM.DOT_TUNED, (heads * head_dim, hidden),
                         MM.DotConfig(16, head_dim // 2, 32, 1, 4, 1))
+    if split:
+        monkeypatch.setitem(MM.DOT_TUNED, (2 * inter, hidden), MM.DotConfig(16, 32, 32, 2, 4, 1))
     monkeypatch.setattr(G, "DOT_ROPE", rope)
     calls = {"silu_mul": 0, "norm": 0, "rope": 0}
 
@@ -256,7 +259,7 @@ def test_layers_on_the_matmul_fold_swiglu_and_the_next_norm_into_its_epilogues(
     fused, fused_streams = run(True)
     layers = hf.config.num_hidden_layers
     assert calls["norm"] >= layers - 1 and calls["norm"] % (layers - 1) == 0
-    assert calls["silu_mul"] >= layers
+    assert calls["silu_mul"] == 0 if split else calls["silu_mul"] >= layers
     assert calls["rope"] == (calls["silu_mul"] if rope else 0)
     assert fused == unfused
     if with_head:  # layers 0 (its norm fused into down) and 1 (the last: not fused)

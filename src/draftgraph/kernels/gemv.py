@@ -272,13 +272,18 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
 
 
 def linear_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                   norm_weight: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rmsnorm(y + residual) * norm_weight, y + residual) for y = x @ weight^T, the norm in the
-    tensor-core matmul's K-chunk combine where these rows take it in several chunks; None
-    elsewhere (the caller projects and normalizes apart)."""
+                   norm_weight: torch.Tensor, eps: float, *,
+                   silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rmsnorm(y + residual) * norm_weight, y + residual) for y = x @ weight^T (silu_mul: x
+    is [gate | up], SwiGLU first), the norm in the tensor-core matmul's K-chunk combine where
+    these rows take it in several chunks; None elsewhere, nothing computed (the caller
+    projects and normalizes apart)."""
     m = x.numel() // max(x.shape[-1], 1)
     if DOT_EPILOGUES and _dot(x, weight, m) and matmul.num_chunks(weight) > 1:
+        if silu_mul:
+            from draftgraph.kernels import ops
+
+            x = ops.silu_and_mul(x)
         return matmul.dot_linear_rmsnorm(x, weight, residual, norm_weight, eps)
     return None
 

@@ -287,7 +287,7 @@ def num_chunks(weight: torch.Tensor, config: DotConfig | None = None) -> int:
     return cdiv(k, _k_split(k, config or dot_config(n, k)))
 
 
-def _dot(x2, weight, y, part, bias, res, n, cfg, silu_mul) -> None:
+def _launch_dot(x2, weight, y, part, bias, res, n, cfg, silu_mul) -> None:
     """Launch `_dot_kernel` for rows x2 [M, K]: into y, or with K chunks into part."""
     m, k = x2.shape
     k_split = _k_split(k, cfg)
@@ -337,7 +337,7 @@ def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     res = _rows(residual, n) if residual is not None else None
     split = num_chunks(weight, cfg)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    _dot(x2, weight, y, part, bias, res, n, cfg, silu_mul)
+    _launch_dot(x2, weight, y, part, bias, res, n, cfg, silu_mul)
     if split > 1:
         block = 1024
         _combine_kernel[(cdiv(m * n, block),)](
@@ -370,7 +370,7 @@ def dot_linear_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     new_residual = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        _dot(x2, weight, normed, part, None, None, n, cfg, False)
+        _launch_dot(x2, weight, normed, part, None, None, n, cfg, False)
         block = next_pow2(n)
         _combine_rmsnorm_kernel[(m,)](
             part, res, new_residual, normed, norm_weight, m, n, eps, res.stride(0),

@@ -364,7 +364,8 @@ def tree_pick_ref(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent:
     parents = torch.where(parent < 0, 0, row_of.gather(1, parent.clamp_min(0)))
     depths = depth.gather(1, keep)
     live = (depths <= max_draft[:, None]).sum(dim=1)
-    live = torch.where(live == n, n + torch.clamp(max_draft, max=branch), live)
+    if branch:
+        live = torch.where(live == n, n + torch.clamp(max_draft, max=branch), live)
     drafts = node_tok.gather(1, keep)
     if out is None:
         return drafts, parents, depths, live

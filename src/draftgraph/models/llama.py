@@ -144,10 +144,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, x):
-        act = gemv.linear_silu_mul(x, self.gate_up_proj.weight)  # SwiGLU in the matmul
+        act, silu_mul = self.gate_up(x)
+        return self.down_proj(act, silu_mul=silu_mul)
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(silu(gate) * up [M, I], False) where the tensor-core matmul's epilogue does
+        SwiGLU; else ([gate | up] [M, 2I], True): SwiGLU is left to the down projection."""
+        act = gemv.linear_silu_mul(x, self.gate_up_proj.weight)
         if act is not None:
-            return self.down_proj(act)
-        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
+            return act, False
+        return gemv.linear(x, self.gate_up_proj.weight), True
 
     def split_pays(self, x: torch.Tensor) -> bool:
         """A CPU prefill chunk (more rows than exact rows take alone, dense weights) multiplies
@@ -225,14 +231,11 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         if mlp.split_pays(h):
             return mlp.down_proj(mlp.split_activation(h)), residual, False
-        act = gemv.linear_silu_mul(h, mlp.gate_up_proj.weight)  # [M, I], or None
-        silu_mul = act is None
-        if silu_mul:
-            act = gemv.linear(h, mlp.gate_up_proj.weight)  # [M, 2I]
+        act, silu_mul = mlp.gate_up(h)
         down = mlp.down_proj
         if next_norm is not None and down.tp.size == 1:
-            pair = gemv.linear_rmsnorm(ops.silu_and_mul(act) if silu_mul else act, down.weight,
-                                       residual, next_norm.weight, next_norm.eps)
+            pair = gemv.linear_rmsnorm(act, down.weight, residual, next_norm.weight,
+                                       next_norm.eps, silu_mul=silu_mul)
             if pair is not None:
                 return pair[0], pair[1], True
         return down(act, silu_mul=silu_mul), residual, False

@@ -56,6 +56,17 @@ class NgramProposer:
     def propose_ref(self, tokens: list[int]) -> list[int]:
         return propose_ref(tokens, self.min_n, self.max_n, self.k)
 
+    def propose_from_table(self, ctx: DraftContext, out: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts [bs, k] (into `out` when given) and counts [bs] for a step's requests, from
+        the device token table: one Triton launch on CUDA, `propose` elsewhere."""
+        table = ctx.token_table
+        if table.is_cuda and triton_usable(table):  # one launch over the requests' own tokens
+            return ngram_propose_triton(table, ctx.req_pool_indices, ctx.seq_lens, self.min_n,
+                                        self.max_n, self.k, out=out)
+        drafts, num = self.propose(table[ctx.req_pool_indices], ctx.seq_lens)
+        return (drafts, num) if out is None else (out.copy_(drafts), num)
+
     def propose(self, token_buffer: torch.Tensor,
                 lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts for a batch, sync-free.
@@ -103,12 +114,7 @@ class NgramDrafter(Drafter):
         self.proposer = NgramProposer(min_n, max_n, k)
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        table, p = ctx.token_table, self.proposer
-        if table.is_cuda and triton_usable(table):  # one launch over the requests' own tokens
-            drafts, num_drafts = ngram_propose_triton(table, ctx.req_pool_indices, ctx.seq_lens,
-                                                      p.min_n, p.max_n, p.k)
-        else:
-            drafts, num_drafts = p.propose(table[ctx.req_pool_indices], ctx.seq_lens)
+        drafts, num_drafts = self.proposer.propose_from_table(ctx)
         return Proposal(drafts, torch.minimum(num_drafts, ctx.max_draft))  # [bs, k], [bs]
 
     def propose_ref(self, ctx: DraftContext) -> Proposal:

@@ -53,8 +53,6 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.attention.metadata import MetadataBuffers, RowPaths
 from draftgraph.config import TREE_MAX_BS, TreeShape
-from draftgraph.kernels._triton import triton_usable
-from draftgraph.kernels.ngram import ngram_propose_triton
 from draftgraph.kernels.tree import (
     TreeBuffers,
     TreeContext,
@@ -185,9 +183,4 @@ class TreeHeadDrafter(ChainHeadDrafter):
         token is 0. The pick's count leads over the branch too: N + its drafts within the
         budget when every tree node is in it, else the tree's (`tree_pack` then verifies the
         branch as 0s)."""
-        table, p = ctx.token_table, self.branch
-        if table.is_cuda and triton_usable(table):  # one launch over the requests' own tokens
-            ngram_propose_triton(table, ctx.req_pool_indices, ctx.seq_lens, p.min_n, p.max_n,
-                                 p.k, out=out)
-        else:
-            out.copy_(p.propose(table[ctx.req_pool_indices], ctx.seq_lens)[0])
+        self.branch.propose_from_table(ctx, out)
