@@ -123,10 +123,11 @@ def main() -> int:
     ap.add_argument("--tensor-core-rows", default="auto", choices=["auto", "on", "off"],
                     help="the whole run's setting (plain decode too); '/dot' and '/cublas' "
                          "arms set on / off")
-    ap.add_argument("--dot-epilogues", default="on", choices=["on", "off", "rope"],
-                    help="the whole run's: SwiGLU and the next layer's norm in the tensor-core "
-                         "matmul's epilogues (gemv.DOT_EPILOGUES), the unfused chain, or also "
-                         "RoPE + the KV store in qkv's (gemv.DOT_ROPE)")
+    ap.add_argument("--dot-epilogues", default="rope", choices=["rope", "on", "off"],
+                    help="the whole run's: SwiGLU, the next layer's norm and RoPE + the KV "
+                         "store in the tensor-core matmul's epilogues (the default: "
+                         "gemv.DOT_EPILOGUES, gemv.DOT_ROPE), all but RoPE's, or the unfused "
+                         "chain")
     ap.add_argument("--dot-rows", default=None, metavar="LO,HI",
                     help="products of LO .. HI rows on the tensor-core matmul (gemv.DOT_ROWS: "
                          f"{gemv.DOT_ROWS[0]},{gemv.DOT_ROWS[1]})")

@@ -57,21 +57,23 @@ def test_tree_speculation_on_tensor_core_rows_equals_plain_decoding():
 
 
 def test_the_matmuls_epilogues_change_no_bit_of_the_output(monkeypatch):
-    """bf16 trees (17 verify rows a request, 51 a step) with SwiGLU and the next norm in the
-    matmul's epilogues give the tokens of the unfused chain: each epilogue is bitwise the
-    kernel it replaces (test_kernels_matmul.py), so every logit is."""
+    """bf16 trees (17 verify rows a request, 51 a step) with SwiGLU, the next norm and RoPE +
+    the KV store in the matmul's epilogues give the tokens of the unfused chain: each epilogue
+    is bitwise the kernel it replaces (test_kernels_matmul.py), so every logit is."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (12, 40, 63)]
     spec = SpecConfig(method="chain", draft_head="random", tree=TreeShape(4, 5, 16))
-    fused_norm, calls = gemv.linear_rmsnorm, []
+    calls: dict[str, list[bool]] = {"linear_rmsnorm": [], "linear_rope_store": []}
+    for name, seen in calls.items():
+        def spy(*args, _fused=getattr(gemv, name), _seen=seen, **kwargs):
+            out = _fused(*args, **kwargs)
+            _seen.append(out is not None)
+            return out
 
-    def spy(*args, **kwargs):
-        out = fused_norm(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(gemv, "linear_rmsnorm", spy)
+        monkeypatch.setattr(gemv, name, spy)
+    assert gemv.DOT_ROPE
     fused = _greedy(spec, prompts, "bfloat16")
-    assert any(calls)  # the norm ran in down's combine
+    assert any(calls["linear_rmsnorm"])  # the norm ran in down's combine
+    assert any(calls["linear_rope_store"])  # RoPE and the KV store in qkv's epilogue
     monkeypatch.setattr(gemv, "DOT_EPILOGUES", False)
     assert _greedy(spec, prompts, "bfloat16") == fused

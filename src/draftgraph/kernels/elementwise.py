@@ -73,6 +73,15 @@ def rms_norm_triton(
 
 
 @triton.jit
+def rotate(x1, x2, cos, sin):
+    # RoPE's rotation of a pair of halves in fp32, each output one explicit fma over one
+    # product, so every kernel that rotates (these, the gemv's and the matmul's qkv epilogues)
+    # rounds alike: left to itself the compiler contracts x1 * cos - x2 * sin into either
+    # fma, and the H100 gave the matmul's epilogue and this kernel different fp32 bits
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def _cos_sin(cos_sin_cache, pos, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # [1, BLOCK_HALF] fp32 cos and sin of position pos (cache rows: cos | sin)
     i = tl.arange(0, BLOCK_HALF)[None, :]
@@ -95,8 +104,9 @@ def _rope_heads(
     d = dst + t * stride_dt + h * stride_dh
     x1 = tl.load(s + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(s + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    tl.store(d + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(d + HALF + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    o1, o2 = rotate(x1, x2, cos, sin)
+    tl.store(d + i, o1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(d + HALF + i, o2.to(dst.dtype.element_ty), mask=mask)
     if COPY_TAIL:  # partial rotary, out of place: dims past the rotary part pass through
         j = tl.arange(0, BLOCK_D)[None, :]
         tail = (h < num_heads) & (j >= 2 * HALF) & (j < HEAD_DIM)

@@ -49,6 +49,7 @@ from draftgraph.kernels._triton import (
     triton,
     triton_usable,
 )
+from draftgraph.kernels.elementwise import rotate
 
 # Rows up to which the fused kernels run. Measured on the H200 (benchmarks/results/gemv_h200.json):
 # at M = 1 the fused chain of a SmolLM2-135M step takes 458 us against 680 us unfused; at M = 8
@@ -289,10 +290,11 @@ def linear_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 
 
 # RoPE and the KV store in qkv's epilogue too (`matmul.dot_qkv_rope_store`; bitwise the
-# product followed by `rope_and_store_kv`, a launch fewer a layer): compiled and tested under
-# the interpreter, not yet timed on a GPU (stop 46), so off until an A/B says it pays
-# (`bench_block.py --dot-epilogues rope`).
-DOT_ROPE = False
+# product followed by `rope_and_store_kv`, a launch fewer a layer). On an H100 (random
+# SmolLM2 weights, bf16, batch 1, 512-token context) it took the chain's k = 4 round from 1.078
+# to 1.003 ms, the 8x5:32 tree's from 1.214 to 1.200, 8x5:27+g5's from 1.246 to 1.227
+# (benchmarks/NOTES.md, stop 47; `bench_block.py --dot-epilogues on|rope`).
+DOT_ROPE = True
 
 
 def linear_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -566,8 +568,9 @@ def _qkv_rope_kernel(
         pos = tl.load(positions + rowc).to(tl.int64)
         cos = tl.load(cos_sin + pos * stride_cs + d)
         sin = tl.load(cos_sin + pos * stride_cs + HALF + d)
-        r1 = tl.where(rot, y1 * cos - y2 * sin, y1).to(y.dtype.element_ty)
-        r2 = tl.where(rot, y2 * cos + y1 * sin, y2).to(y.dtype.element_ty)
+        o1, o2 = rotate(y1, y2, cos, sin)
+        r1 = tl.where(rot, o1, y1).to(y.dtype.element_ty)
+        r2 = tl.where(rot, o2, y2).to(y.dtype.element_ty)
         tl.store(y + rowc * stride_ym + c1, r1, mask=live)
         tl.store(y + rowc * stride_ym + c2, r2, mask=live)
         slot = tl.load(out_cache_loc + rowc).to(tl.int64)

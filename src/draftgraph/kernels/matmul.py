@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from draftgraph.kernels._triton import cdiv, next_pow2, pdl_kwargs, pdl_wait, tl, triton
-from draftgraph.kernels.elementwise import row_warps  # the norm kernel's: the same reduction
+from draftgraph.kernels.elementwise import rotate, row_warps  # epilogues round as they do
 
 
 class DotConfig(NamedTuple):
@@ -254,8 +254,7 @@ def _dot_rope_kernel(
         cs = cos_sin_cache + pos[:, None] * stride_cs + i[None, :]
         cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(cs + BLOCK_N, mask=mask, other=0.0).to(tl.float32)
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
+        o1, o2 = rotate(x1, x2, cos, sin)
         if head < NUM_Q_HEADS:
             d = q_out + rows * stride_qot + head * stride_qoh + i[None, :]
             tl.store(d, o1.to(q_out.dtype.element_ty), mask=mask)
