@@ -55,7 +55,7 @@ case "${1:-}" in
       arm="chain|$H|$m"; [ "$m" = plain ] && arm=plain
       timeout 200 python3 benchmarks/profile_round_sites.py --arm "$arm" \
         --temperature ${TEMP:-0} --batch-size ${BS:-1} --glue ${GLUE:-default} \
-        --out "$OUT/round_sites_${m/:/_}_bs${BS:-1}_t${TEMP:-0}_${GLUE:-default}.json" 2>&1 \
+        --out "$OUT/round_sites_${m//[:+]/_}_bs${BS:-1}_t${TEMP:-0}_${GLUE:-default}.json" 2>&1 \
         | grep -v -i warn | head -45
     done ;;
   rounds|dot|fma)
@@ -68,7 +68,7 @@ case "${1:-}" in
     for bs in ${BATCHES:-1 4}; do
       for m in 4 $TREES; do
         for v in "$a" "$b"; do
-          o="$OUT/${p}_rounds_smollm2_bs${bs}_t${TEMP:-0}_${m/:/_}${v:+_${v#/}}.json"
+          o="$OUT/${p}_rounds_smollm2_bs${bs}_t${TEMP:-0}_${m//[:+]/_}${v:+_${v#/}}.json"
           timeout 120 python3 benchmarks/bench_block.py --target random:smollm2-135m \
             --batch-size "$bs" --steps 200 --arms "chain|$H|$m$v" --temperature ${TEMP:-0} \
             --out "$o" 2>&1 | grep -E "arm|rror" | grep -v -i warn | cut -c1-400
@@ -82,7 +82,7 @@ case "${1:-}" in
     for bs in ${BATCHES:-1 4}; do
       for m in 4 $TREES; do
         for e in ${EPI:-off on rope}; do
-          o="$OUT/epi_rounds_smollm2_bs${bs}_t${TEMP:-0}_${m/:/_}_${e}.json"
+          o="$OUT/epi_rounds_smollm2_bs${bs}_t${TEMP:-0}_${m//[:+]/_}_${e}.json"
           timeout 120 python3 benchmarks/bench_block.py --target random:smollm2-135m \
             --batch-size "$bs" --steps 200 --arms "chain|$H|$m" --temperature ${TEMP:-0} \
             --dot-epilogues $e --out "$o" 2>&1 | grep -E "arm|rror" | grep -v -i warn \

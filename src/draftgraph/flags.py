@@ -218,15 +218,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 # --speculative-tree auto: the shape and batch cap a chain head drafts with on one GPU. On an
-# H100 (bf16, the real default model, 20 prompts a set, 256 tokens) 8x5:32 trees ran 1.68x /
-# 1.86x plain decoding at batch 1 (MT-Bench / HumanEval) against 4x5:16's 1.67x / 1.71x and
-# the chain's 1.22x / 1.28x, and 1.89x / 1.82x at batch 4 against 1.85x / 1.72x; sampled (T =
-# 0.7, batch 1) the two shapes tie (1.25x / 1.45x). Its round costs 1.04x a 4x5:16 one (1.281
-# against 1.232 ms, random weights, batch 1); larger batches unmeasured (benchmarks/NOTES.md,
-# stop 45). With the matmul's epilogues (stop 46) 1.74-1.78x / 1.85-1.92x at batch 1; 12x5:63
-# costs 1.18x its round for +7-9 % accept (not taken); 8x5:27+g5 (an n-gram branch, the same
-# 33 rows) is +2.7 % / +5.2 % accept offline, not yet timed.
-AUTO_TREE = TreeShape(8, 5, 32)
+# H100 (bf16, the real default model, 40 prompts a set, 256 tokens, greedy) 8x5:27+g5 -- the
+# 8x5:32 tree's 33 verify rows with 5 of them spent on an n-gram branch -- runs 1.85x / 1.97x
+# plain decoding at batch 1 (MT-Bench / HumanEval, best of two runs an arm) against 8x5:32's
+# 1.74x / 1.84x in the same runs (accept length 3.53 / 3.91 against 3.39 / 3.64; 1.88x /
+# 2.08x once RoPE went into the qkv product's epilogue, gemv.DOT_ROPE), 2.08x against 1.98x
+# at batch 4 (MT-Bench), and sampled (T = 0.7, batch 1) 1.41x / 1.50x against
+# 1.37x / 1.48x; its round costs 1.03x an 8x5:32 one (1.246 against 1.214 ms, random weights,
+# batch 1). Earlier: 8x5:32 beat 4x5:16 (1.68x / 1.86x against 1.67x / 1.71x) and the chain
+# (1.22x / 1.28x); 12x5:63 costs 1.18x an 8x5:32 round for +7-9 % accept (not taken).
+# benchmarks/NOTES.md, stops 45-47.
+AUTO_TREE = TreeShape(8, 5, 27, 5)
 AUTO_TREE_MAX_BS = 4
 
 
