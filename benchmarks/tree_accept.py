@@ -253,24 +253,25 @@ def ngram_lead(ids: list[int], t: int, k: int, cap: int, min_n: int = 1,
 def walk(drafter, context, ids, prompt_len, width, depth, nodes, ngram: int = 0) -> dict:
     """`walk_rounds` with the tree's leads; context: the drafter's `context` of the
     sequence; `ngram` > 0: the tree gains a branch of the n-gram drafter's (up to `ngram`)
-    drafts from the root (verified beside the tree's nodes). Returns rounds (that drafted),
-    accepted (tokens) and steps (all)."""
+    drafts from the root (verified beside the tree's nodes; a branch longer than the tree is
+    deep reaches past it: offline only, the engine takes G <= D). Returns rounds (that
+    drafted), accepted (tokens) and steps (all)."""
     last = len(ids) - 1
 
     def lead(i: int) -> int:
         t = prompt_len + i
         cap = min(depth, last - t - 1)
         a = drafter.lead(*context, ids, t, width, depth, nodes, cap) if nodes else 0
-        return max(a, ngram_lead(ids, t, ngram, cap)) if ngram else a
+        return max(a, ngram_lead(ids, t, ngram, min(ngram, last - t - 1))) if ngram else a
 
-    s = walk_rounds(_Leads(lead), prompt_len, len(ids), depth)
+    s = walk_rounds(_Leads(lead), prompt_len, len(ids), max(depth, ngram))
     return {"rounds": s["num_drafts"], "accepted": s["num_accepted_tokens"],
             "steps": s["steps"]}
 
 
 def parse_trees(spec: str) -> list[tuple[int, int, int, int]]:
     """"WxD:N" trees, "WxD:N+gG" with an n-gram branch of up to G drafts; "0xD:0+gG": the
-    n-gram drafter alone (k = min(D, G))."""
+    n-gram drafter alone (k = G)."""
     out = []
     for part in spec.split(","):
         part, _, g = part.partition("+g")
