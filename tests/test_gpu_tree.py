@@ -70,7 +70,8 @@ def test_an_oracle_tree_is_accepted_to_full_depth_and_lossless(loaded, monkeypat
 
 
 @pytest.mark.parametrize("tree", [TREE, TreeShape(8, 5, 32), TreeShape(12, 5, 63),
-                                  TreeShape(8, 5, 27, 5)])  # with an n-gram branch
+                                  TreeShape(8, 5, 27, 5),  # with an n-gram branch,
+                                  TreeShape(8, 5, 27, 16)])  # one reaching past the depth
 def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatch, tree):
     """Requests join one a step and finish at different lengths: the fused graphs, the
     per-step fallback (each beam step's tree-row metadata rebuilt eagerly between replays)

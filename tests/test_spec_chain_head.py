@@ -136,12 +136,13 @@ def _kv_engine(hf, cls=ChainHeadDrafter, spec: str = "", **kw):
     return tiny_engine(hf, spec=SPEC, drafter=drafter), drafter
 
 
-def _max_kv_error(engine, drafter, steps: int = 12, poison: bool = False) -> float:
+def _max_kv_error(engine, drafter, steps: int = 12, poison: bool = False,
+                  prompt: list[int] = KV_PROMPT) -> float:
     """Run one request step by step; after each step compare the head's KV of every position
     before the last token (the entries the next step may read) with the from-scratch values.
     `poison`: then fill the entries from the last token's position on (pending or rejected)
     with NaN, which would spread into every later entry that read them."""
-    engine.add_request(KV_PROMPT, LONG)
+    engine.add_request(prompt, LONG)
     pool = drafter.executor.kv_pool
     worst = 0.0
     for _ in range(steps):

@@ -42,9 +42,11 @@ def test_tree_shapes_are_checked_and_named_by_the_flag():
     assert branch == TreeShape(8, 5, 27, 5) and branch.verified == 32 and str(branch) == \
         "8x5:27+g5"
     for bad in ("4x5", "4x5:64", "2x2:7", "1x6:5", "8x6:16", "4x4:8", "8x6:32", "17x1:17",
-                "16x5:63", "8x5:27+g6", "12x5:60+g4", "8x5:24+g5", "4x5:16+g"):
+                "16x5:63", "8x5:27+g37", "12x5:60+g4", "8x5:24+g5", "4x5:16+g"):
         with pytest.raises(ValueError, match="--speculative-tree"):
             TreeShape.parse(bad)
+    deep = TreeShape.parse("8x5:25+g8")  # a branch reaching past the tree's depth
+    assert (deep.verified, deep.reach, branch.reach) == (33, 8, 5)
     with pytest.raises(ValueError, match="--speculative-tree is for --speculative chain"):
         SpecConfig(method="ngram", tree=TREE)
 
@@ -216,6 +218,66 @@ def test_an_ngram_branch_beside_the_tree_is_accepted_and_lossless(hf):
     steps_through, steps, accepted = runs[4]
     assert steps_through > steps / 3, runs  # measured: 25 of 39 steps
     assert accepted > 2 * runs[0][2], runs  # measured: 68 against 20
+
+
+DEEP = TreeShape(4, 3, 8, 8)  # 17 verify rows; the branch reaches depth 8, the tree 3
+
+
+def _deep_engine(hf):
+    """A random head's trees with DEEP's branch."""
+    drafter = TreeHeadDrafter(random_head(tiny_loaded(hf).config, "", seed=3), DEEP)
+    spec = SpecConfig(method="chain", tree=DEEP, adaptive=False)
+    return tiny_engine(hf, spec=spec, drafter=drafter), drafter
+
+
+def test_a_branch_deeper_than_the_tree_accepts_past_its_depth(hf):
+    """DEEP on the tiny model's cycles: steps accept more drafts than the tree is deep (all
+    through the branch), the output stays plain decoding's, greedy and seeded sampled; the
+    step's tree buffers and the head's catch-up take the branch's reach, not the depth."""
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, params)]
+    engine, drafter = _tree_engine(hf, DEEP)
+    body, accepted = engine.spec_graphs.body, []
+    accept = body._accept_tree
+
+    def counted(bs, logits, greedy):
+        accept(bs, logits, greedy)
+        accepted.extend((body.out["accept_lens"][:bs] - 1).tolist())
+
+    body._accept_tree = counted
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
+    assert body.tv.path.shape[1] == drafter.reach == DEEP.ngram
+    assert int(drafter.cu_ext[0]) == DEEP.ngram
+    deeper = sum(a > DEEP.depth for a in accepted)
+    assert deeper >= 5 and max(accepted) > DEEP.depth + 2, accepted
+    engine, _ = _tree_engine(hf, DEEP)
+    assert engine.generate(PROMPTS[:1], HOT)[0].token_ids == \
+        tiny_engine(hf).generate(PROMPTS[:1], HOT)[0].token_ids
+
+
+def test_the_head_kv_past_the_trees_depth_is_caught_up(hf, monkeypatch):
+    """After every step the head's KV of every final position equals a from-scratch
+    computation, positions accepted through the branch past the tree's depth included; a
+    catch-up that covers only the tree's depth (entries past it sent to the dummy slot)
+    leaves those positions' entries stale."""
+    from test_spec_chain_head import _max_kv_error
+
+    import draftgraph.spec.chain_head as chain_head
+
+    engine, drafter = _deep_engine(hf)
+    assert _max_kv_error(engine, drafter, steps=26, prompt=PROMPTS[2]) < 1e-4
+    # measured: 29, 21 of them in steps that accepted 8, 8 and 5 drafts
+    assert engine.stats["num_accepted_tokens"] >= 25
+    stage = chain_head.stage_catch_up
+
+    def short(*args):  # the catch-up of the tree's depth only
+        stage(*args)
+        cu = args[-1]
+        cu.loc.view(-1, DEEP.reach)[:, DEEP.depth:] = 0
+
+    monkeypatch.setattr(chain_head, "stage_catch_up", short)
+    engine, drafter = _deep_engine(hf)
+    assert _max_kv_error(engine, drafter, steps=26, prompt=PROMPTS[2]) > 1e-2
 
 
 def test_batches_too_large_for_trees_draft_chains_and_sampled_batches_trees(hf, plain):

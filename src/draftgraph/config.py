@@ -113,9 +113,8 @@ class TreeShape:
         if not 1 <= w <= 16 or d < 1 or not d <= n or n + g > TREE_MAX_NODES:
             raise ValueError(f"--speculative-tree {self}: need 1 <= width <= 16, depth >= 1, "
                              f"depth <= nodes and nodes + n-gram drafts <= {TREE_MAX_NODES}")
-        if not 0 <= g <= d:
-            raise ValueError(f"--speculative-tree {self}: the n-gram branch needs 0 <= G <= "
-                             f"depth")
+        if g < 0:
+            raise ValueError(f"--speculative-tree {self}: the n-gram branch needs G >= 0")
         if n > self.total:
             raise ValueError(f"--speculative-tree {self}: a tree of width {w} and depth "
                              f"{d} has {self.total} nodes, fewer than {n}")
@@ -131,6 +130,12 @@ class TreeShape:
     def verified(self) -> int:
         """Drafts a step verifies: the tree's nodes and the n-gram branch's."""
         return self.nodes + self.ngram
+
+    @property
+    def reach(self) -> int:
+        """The deepest verified draft: the tree's depth, or the n-gram branch's length where
+        it reaches past it (a step accepts up to this many drafts)."""
+        return max(self.depth, self.ngram)
 
     @property
     def total(self) -> int:

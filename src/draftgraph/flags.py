@@ -195,8 +195,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-tree", default="auto", metavar="WxD:N[+gG]|auto|off",
                    help="--speculative chain: in steps of up to 8 requests (greedy or "
                    "sampled), draft a tree (width W: beam and children per node, depth D, "
-                   "N verified nodes, e.g. 8x5:32; +gG: with a prompt-lookup chain of G <= D "
-                   "drafts from the root beside it, --ngram-min/max; N + G <= 63) and accept "
+                   "N verified nodes, e.g. 8x5:32; +gG: with a prompt-lookup chain of G "
+                   "drafts from the root beside it, deeper than D if G > D, --ngram-min/max; "
+                   "N + G <= 63) and accept "
                    "its deepest path the target agrees with. auto (default): on one GPU, "
                    f"{AUTO_TREE} trees in steps "
                    f"of up to {AUTO_TREE_MAX_BS} requests unless --num-draft-tokens is given "

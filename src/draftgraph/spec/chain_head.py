@@ -73,8 +73,9 @@ class ChainHeadDrafter(ChainDrafter):
         # per request row: the target's feature of the position before its last token
         self.last_feat = torch.zeros(rows, h, dtype=dt, device=dev)  # [max_reqs + 1, H]
         self.step_feat = torch.zeros(m, h, dtype=dt, device=dev)  # [max_bs, H] chain input
-        # the catch-up extend's raw inputs: an entry per draft step per request
-        s = self.num_steps
+        # the catch-up extend's raw inputs: an entry per position a step may accept, per
+        # request
+        s = self.reach
         self.cu = CatchUp(*(torch.zeros(m * s, dtype=torch.int64, device=dev) for _ in range(2)),
                           torch.ones(m, dtype=torch.int64, device=dev),
                           torch.zeros(m * s, dtype=torch.int64, device=dev),
@@ -86,6 +87,11 @@ class ChainHeadDrafter(ChainDrafter):
                     list(head.head_config.hidden_layer_ids),
                     head.head_config.draft_vocab_size or target.config.vocab_size,
                     self.executor.kv_pool.bytes() / 2**20)
+
+    @property
+    def reach(self) -> int:
+        """The most drafts a step accepts (one path's): the catch-up's entries a request."""
+        return self.num_steps
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target_model.embed_tokens(ids)
@@ -110,7 +116,7 @@ class ChainHeadDrafter(ChainDrafter):
 
     # ---- catch-up ---------------------------------------------------------------------------
     def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
-        bs, m = ctx.seq_lens.shape[0], self.num_steps
+        bs, m = ctx.seq_lens.shape[0], self.reach
         total = bs * (1 + self.k)
         feats = self.head.features(self.capture.out[:total])  # [bs * (1 + k), H]
         # the entries' tokens, slots and feature rows (a chain's packed rows 0 .. m, a tree's

@@ -138,7 +138,7 @@ class StepBody:
         self._draft_index: torch.Tensor | None = None
         self.drafts_trees = drafter is not None and drafter.drafts_trees
         if self.drafts_trees:
-            self._alloc_tree(max_bs, drafter.num_steps)
+            self._alloc_tree(max_bs, drafter.reach)
 
     def _alloc_tree(self, max_bs: int, depth: int) -> None:
         """A tree verify's rows (spec/tree.py): every request's 1 + k rows as decode rows of

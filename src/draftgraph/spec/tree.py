@@ -18,7 +18,9 @@ G drafts from the token table (spec/ngram.py's rule, `kernels.ngram`: one launch
 as drafts N .. N + G - 1, a chain from the root. Nothing merges it into the tree: where it
 repeats the tree's nodes both are verified and the deepest accepted row decides, so it costs
 its G verify rows and one launch, no head step (offline at 33 rows, 8x5:27+g5 against 8x5:32:
-+2.7 % / +5.2 % accept on MT-Bench / HumanEval; benchmarks/NOTES.md, stop 46).
++2.7 % / +5.2 % accept on MT-Bench / HumanEval; benchmarks/NOTES.md, stop 46). A branch
+longer than the tree is deep reaches past it (G > D): the step's tree buffers, its acceptance
+walk and the head's catch-up span the `reach`, max(D, G), drafts a path may accept.
 
 A tree row is a decode row with a list of its own (`attention.metadata.RowPaths`): its
 request's keys below the last token's position + 1, then the slots of its ancestors and its
@@ -84,6 +86,10 @@ class TreeHeadDrafter(ChainHeadDrafter):
     @property
     def num_steps(self) -> int:
         return self.shape.depth
+
+    @property
+    def reach(self) -> int:
+        return self.shape.reach  # an n-gram branch may reach past the tree's depth
 
     def bind(self, target) -> None:
         super().bind(target)
@@ -173,7 +179,7 @@ class TreeHeadDrafter(ChainHeadDrafter):
         if g:
             self._branch(ctx, drafts[:, n:])
         return Proposal(drafts, live, parents=parents, depths=depths,
-                        tree_depth=self.shape.depth)
+                        tree_depth=self.shape.reach)
 
     def _branch(self, ctx: DraftContext, out: torch.Tensor) -> None:
         """The n-gram branch's G drafts into out [bs, G] (the proposal's last columns: a chain
