@@ -73,6 +73,21 @@ def test_a_sampled_oracle_tree_through_the_kernels_gives_plain_samplings_tokens(
     assert kernels["tree_accept"] >= 3
 
 
+def test_a_tree_drafters_chain_steps_through_the_kernels_equal_plain(hf, kernels):
+    """Steps of several requests with a tree drafter capped at one request a tree draft its
+    chain of D: packed from the first D columns of its proposal, accepted 1 + D wide and
+    copied into the results (pack_chain, greedy_emit, stage_catch_up as kernels)."""
+    from draftgraph.spec.tree import TreeHeadDrafter
+
+    plain = [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, GREEDY)]
+    drafter = TreeHeadDrafter(random_head(tiny_loaded(hf).config, "", seed=3), TREE, max_bs=1)
+    spec = SpecConfig(method="chain", tree=TREE, adaptive=False)
+    engine = tiny_engine(hf, budget=128, spec=spec, drafter=drafter)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
+    assert kernels["pack_chain"] > 5 and kernels["greedy_emit"] >= kernels["pack_chain"]
+    assert kernels["stage_catch_up"] == kernels["pack_chain"]  # every step a chain
+
+
 def _head_drafts(hf, spec) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     """A random chain head's outputs, every step's recorded drafts, and at the end its KV pool
     and last features, which the catch-up writes (outputs alone cannot see a wrong one)."""

@@ -99,11 +99,13 @@ def test_speculative_step_inputs_shift_by_the_previous_accept_lengths(bs):
         assert capped > 0  # the cap was exercised
 
 
-@pytest.mark.parametrize("bs,k", [(1, 4), (3, 4), (7, 16), (33, 1)])
-def test_the_chain_pack_equals_its_twin(bs, k):
+@pytest.mark.parametrize("bs,k,wider", [(1, 4, 0), (3, 4, 0), (7, 16, 0), (33, 1, 0),
+                                        (3, 5, 27)])
+def test_the_chain_pack_equals_its_twin(bs, k, wider):
     """A verify's packed rows from drafts of every count 0 .. k (past each count the drafter
     left junk): every buffer the kernel writes, the stale tail past the live rows, and the
-    token table, equal to the twin's; then the values themselves."""
+    token table, equal to the twin's; then the values themselves. wider: the drafts are the
+    first k columns of a wider proposal (a tree drafter's chain of D)."""
     g = torch.Generator().manual_seed(bs * 100 + k)
     t = 1 + k
     m = bs + 2  # buffers sized for more than the batch
@@ -111,7 +113,7 @@ def test_the_chain_pack_equals_its_twin(bs, k):
     def noise(*shape):
         return torch.randint(100, 200, shape, generator=g).to(DEVICE)
 
-    drafts = noise(bs, k)
+    drafts = noise(bs, k + wider)[:, :k]
     num = torch.randint(0, k + 1, (bs,), generator=g).to(DEVICE)
     num[0] = k
     last = noise(bs)

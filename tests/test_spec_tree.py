@@ -297,6 +297,54 @@ def test_batches_too_large_for_trees_draft_chains_and_sampled_batches_trees(hf, 
     assert (1, False) in seen  # the sampled request's steps drafted trees
 
 
+def test_a_tree_drafters_chain_steps_verify_its_chain_not_the_trees_rows(hf, plain):
+    """Steps that draft no tree (too many requests) verify 1 + D rows a request, the chain's,
+    not the tree's 1 + k (before: 17 a request for 4x5:16, 33 for the auto shape); the tokens
+    stay plain decoding's, and sampled chain steps take the D drafts' distributions."""
+    engine, drafter = _tree_engine(hf, max_num_seqs=8)
+    drafter.tree_max_bs = 1  # every step of two or more requests drafts the chain of D
+    body, rows = engine.spec_graphs.body, []
+    forward = body._forward_and_accept
+
+    def counted(bs, greedy):
+        rows.append((bs, body.tree_step(bs), body._fb(bs).input_ids.shape[0]))
+        forward(bs, greedy)
+
+    body._forward_and_accept = counted
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
+    chains = {(bs, n) for bs, tree, n in rows if not tree}
+    assert chains and all(n == bs * (1 + TREE.depth) for bs, n in chains), rows
+    assert body.chain_k == TREE.depth < body.k == TREE.verified
+    # sampled chain steps: the D drafts' distributions go to rejection sampling
+    engine, drafter = _tree_engine(hf, max_num_seqs=8)
+    drafter.tree_max_bs = 1
+    seen = _count_tree_steps(engine)
+    outs = engine.generate(PROMPTS, HOT)
+    assert all(len(o.token_ids) == HOT.max_tokens for o in outs)
+    assert engine.stats["num_draft_tokens"] > 0 and (len(PROMPTS), False) not in seen
+
+
+def test_a_tree_drafters_chain_steps_give_plain_logprobs_top_n_and_penalties(hf):
+    """Top-N alternatives and penalties send a tree drafter's steps down the chain (their
+    tails read a chain): tokens, logprobs and top-N alternatives, written 1 + D wide and
+    copied into the results, equal plain decoding's."""
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=True,
+                             top_logprobs=3),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=0.5)]
+    ref = tiny_engine(hf).generate(PROMPTS[:2], params)
+    engine, _ = _tree_engine(hf)
+    seen = _count_tree_steps(engine)
+    outs = engine.generate(PROMPTS[:2], params)
+    assert not seen  # no tree step: every one ran the chain
+    assert engine.stats["num_draft_tokens"] > 0
+    for got, want in zip(outs, ref, strict=True):
+        assert got.token_ids == want.token_ids
+    assert outs[0].logprobs == pytest.approx(ref[0].logprobs, abs=1e-4)
+    assert [[t for t, *_ in top] for top in outs[0].top_logprobs] == \
+        [[t for t, *_ in top] for top in ref[0].top_logprobs]
+
+
 class OracleTree(TreeHeadDrafter):
     """A random head whose every row ranks the plain continuation's next token first, with
     log-probability ~0 (the rest ~-1e4): the true path is always drafted and accepted as deep

@@ -256,8 +256,9 @@ def pack_chain_triton(drafts: torch.Tensor, num_drafts: torch.Tensor,
                       last_tokens: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
                       slots: torch.Tensor, token_table: torch.Tensor, out: ChainPack) -> None:
     bs, k = drafts.shape
-    drafts, num_drafts = drafts.contiguous(), num_drafts.contiguous()  # no-ops as drafters give
-    assert slots.stride(1) == 1 and token_table.stride(1) == 1
+    num_drafts = num_drafts.contiguous()  # a no-op as drafters give it
+    # drafts may be a column prefix of a wider proposal (a tree drafter's chain of D)
+    assert drafts.stride(1) == 1 and slots.stride(1) == 1 and token_table.stride(1) == 1
     assert out.draft_tokens.is_contiguous()
     _pack_chain_kernel[(1,)](
         drafts, num_drafts, last_tokens, seq_lens, rows, slots, token_table, out.draft_tokens,

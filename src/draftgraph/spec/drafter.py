@@ -94,6 +94,12 @@ class Drafter:
                              "(--num-draft-tokens)")
         self.k = k
 
+    @property
+    def chain_k(self) -> int:
+        """Drafts a step without a tree proposes at most (its verify's rows a request: 1 +
+        chain_k): k, except for a tree drafter's chain of D."""
+        return self.k
+
     def bind(self, target) -> None:
         """Allocate persistent buffers (`target`: the target's ModelExecutor, whose slot
         space, batch size and device to share); called once, before any capture."""

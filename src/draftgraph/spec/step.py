@@ -30,6 +30,7 @@ rebuilt eagerly between them (logged once too).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -111,6 +112,18 @@ class StepBody:
         self.pack = ChainPack(self.draft_tokens, self.num_drafts, self.extend_lens,
                               self.verify_seq_lens, self.packed_ids, self.packed_loc,
                               self.logit_rows)
+        # a chain step verifies 1 + chain_k rows a request: k, except for a tree drafter,
+        # whose steps without a tree draft its chain of D (1 + k rows each would be the
+        # tree's: 33 instead of 6 at 8x5:27+g5). Its outputs then go through buffers 1 +
+        # chain_k wide, copied into the results' first columns.
+        self.chain_k = drafter.chain_k if drafter is not None else 0
+        self.chain_out: dict[str, torch.Tensor] = {}
+        if self.chain_k < self.k:
+            self.chain_drafts = torch.zeros(max_bs, self.chain_k, dtype=torch.int64,
+                                            device=dev)
+            self.chain_pack = dataclasses.replace(self.pack, draft_tokens=self.chain_drafts)
+        else:
+            self.chain_drafts, self.chain_pack = self.draft_tokens, self.pack
         # NOTE: a drafter is bound once per target: every body that drafts with it (a graph
         # set and its twins) shares its buffers and state, so each request's draft state is
         # the same whichever body runs its step (a second bind would leave graphs captured
@@ -175,6 +188,14 @@ class StepBody:
         if self.k == 0:  # decode emits one token per request and drafts none, every step
             out["accept_lens"].fill_(1)
             out["num_drafts"].zero_()
+        if self.chain_k < self.k:  # a chain step's results, 1 + chain_k rows a request
+            t = 1 + self.chain_k
+            width = {"tokens": t, "logprobs": t}
+            if "top_ids" in out:
+                n = out["top_ids"].shape[1] // (1 + self.k)
+                width.update(top_ids=t * n, top_logprobs=t * n)
+            self.chain_out = {name: out[name].new_zeros(out[name].shape[0], w)
+                              for name, w in width.items()}
 
     def read(self, host: dict, bs: int) -> list[tuple[list[int], list[float], int, list]]:
         """Per request: (emitted tokens, their logprobs, drafts proposed, per emitted token
@@ -248,7 +269,7 @@ class StepBody:
             return ForwardBatch(Phase.DECODE, v["input_ids"][:bs], v["req_pool_indices"][:bs],
                                 v["seq_lens"][:bs], self.extend_lens[:bs],
                                 v["reserved_slots"][:bs, 0], meta)
-        n = bs * (1 + self.k)
+        n = bs * (1 + self.chain_k)
         return ForwardBatch(Phase.VERIFY, self.packed_ids[:n], v["req_pool_indices"][:bs],
                             self.verify_seq_lens[:bs], self.extend_lens[:bs],
                             self.packed_loc[:n], meta)
@@ -280,9 +301,11 @@ class StepBody:
         if prop.parents is not None:
             self._pack_tree(ctx, prop)
             return
-        self._draft_probs, self._draft_index = prop.draft_probs, prop.draft_index
-        pack_chain(prop.draft_tokens, prop.num_drafts, ctx.last_tokens, ctx.seq_lens,
-                   ctx.req_pool_indices, ctx.reserved_slots, ctx.token_table, self.pack)
+        kc, probs = self.chain_k, prop.draft_probs
+        self._draft_probs = probs[:, :kc] if probs is not None else None
+        self._draft_index = prop.draft_index
+        pack_chain(prop.draft_tokens[:, :kc], prop.num_drafts, ctx.last_tokens, ctx.seq_lens,
+                   ctx.req_pool_indices, ctx.reserved_slots, ctx.token_table, self.chain_pack)
 
     def _pack_tree(self, ctx: DraftContext, prop) -> None:
         """A tree's rows (`kernels.tree.tree_pack`): request b's last token and its k drafts
@@ -328,7 +351,7 @@ class StepBody:
                                                   self.tv.accepted[:bs]))
 
     def _forward_and_accept(self, bs: int, greedy: bool) -> None:
-        v, T = self.raw, 1 + self.k
+        v, T = self.raw, 1 + self.chain_k
         fb = self._fb(bs)
         if self.tree_step(bs):  # every row a logit row
             x, residual = self.model(fb.input_ids, fb, self.backend, final_norm=False,
@@ -338,29 +361,32 @@ class StepBody:
         if T == 1:  # every row is a logit row: the final norm goes into the LM head kernel
             logits = self.model.compute_logits(*self.model(fb.input_ids, fb, self.backend,
                                                            final_norm=False))
-            drafts, num_drafts, probs = self.draft_tokens[:bs], self.num_drafts[:bs], None
+            drafts, num_drafts, probs = self.chain_drafts[:bs], self.num_drafts[:bs], None
         else:
             # the final norm goes into the LM head kernel, as for decode rows
             x, residual = self.model(fb.input_ids, fb, self.backend, final_norm=False,
                                      capture=self.target.capture)
             idx = self.logit_rows[: bs * T]
             logits = self.model.compute_logits(x[idx], residual[idx])  # [bs * T, V] fp32
-            drafts, num_drafts = self.draft_tokens[:bs], self.num_drafts[:bs]
+            drafts, num_drafts = self.chain_drafts[:bs], self.num_drafts[:bs]
             probs = self._draft_probs
         o = self.out
-        tokens, accept_lens, _ = emit(
+        c = self.chain_out or o  # results 1 + chain_k wide (copied into o's below)
+        extras = step_extras(v, c, bs, self.target.controls)
+        _, accept_lens, _ = emit(
             logits, drafts, num_drafts, probs, v["temperature"][:bs], v["top_p"][:bs],
             v["top_k"][:bs], v["seeds"][:bs], v["seq_lens"][:bs], greedy,
-            out_tokens=o["tokens"][:bs], out_logprobs=o["logprobs"][:bs],
-            draft_index=self._draft_index if probs is not None else None,
-            **step_extras(v, o, bs, self.target.controls))
+            out_tokens=c["tokens"][:bs], out_logprobs=c["logprobs"][:bs],
+            draft_index=self._draft_index if probs is not None else None, **extras)
+        for name, buf in self.chain_out.items():
+            o[name][:bs, : buf.shape[1]].copy_(buf[:bs])
         if T == 1:  # accept_lens (1) and num_drafts (0) were written once, at bind
             return
         o["accept_lens"][:bs].copy_(accept_lens)
         o["num_drafts"][:bs].copy_(num_drafts)
         self.drafter.after_accept(self._ctx(bs, greedy),
-                                  Acceptance(tokens, accept_lens, self.verify_seq_lens[:bs],
-                                             fb))
+                                  Acceptance(o["tokens"][:bs], accept_lens,
+                                             self.verify_seq_lens[:bs], fb))
 
     def _step(self, bs: int, greedy: bool) -> None:
         self._prepare(bs, greedy)

@@ -91,6 +91,10 @@ class TreeHeadDrafter(ChainHeadDrafter):
     def reach(self) -> int:
         return self.shape.reach  # an n-gram branch may reach past the tree's depth
 
+    @property
+    def chain_k(self) -> int:
+        return self.shape.depth  # steps without a tree draft the chain of D
+
     def bind(self, target) -> None:
         super().bind(target)
         w, d, dev = self.shape.width, self.shape.depth, target.device
@@ -163,13 +167,8 @@ class TreeHeadDrafter(ChainHeadDrafter):
 
     def finish(self, ctx: DraftContext) -> Proposal:
         if not ctx.tree:  # the chain of D (sampled, or a batch too large for tree rows)
-            prop = super().finish(ctx)
-            d = self.shape.depth
-            prop.num_drafts = torch.clamp(ctx.max_draft, max=d)
-            if prop.draft_probs is not None and d < self.k:
-                pad = prop.draft_probs.new_zeros(ctx.seq_lens.shape[0], self.k - d,
-                                                  prop.draft_probs.shape[2])
-                prop.draft_probs = torch.cat([prop.draft_probs, pad], dim=1)
+            prop = super().finish(ctx)  # D columns of drafts (and distributions) count
+            prop.num_drafts = torch.clamp(ctx.max_draft, max=self.shape.depth)
             return prop
         bs, n, g = ctx.seq_lens.shape[0], self.shape.nodes, self.shape.ngram
         drafts, parents, depths = self.prop[:, :bs]
