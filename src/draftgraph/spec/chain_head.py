@@ -118,7 +118,7 @@ class ChainHeadDrafter(ChainDrafter):
     def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
         bs, m = ctx.seq_lens.shape[0], self.reach
         total = accept.verify_fb.input_ids.shape[0]  # the verify's rows
-        feats = self.head.features(self.capture.out[:total])  # [bs * (1 + k), H]
+        feats = self.head.features(self.capture.out[:total])  # [rows, H]
         # the entries' tokens, slots and feature rows (a chain's packed rows 0 .. m, a tree's
         # path's), and the row of each request's new last feature: one launch on the GPU
         cu = self.cu
