@@ -193,6 +193,7 @@ class LlamaDecoderLayer(nn.Module):
         # next norm into its epilogues; everything else runs the plain chain
         fuse = not normed and gemv.pays(x.shape[0], attn.qkv_proj.weight)
         ln = self.input_layernorm
+        q = None  # rotated q [T, heads, head_dim] where its K/V are already stored
         if fuse and backend.fused_kv_store and cos_sin_cache.shape[-1] == attn.head_dim:
             # norm, qkv, RoPE and the KV store in one launch; then attention alone
             pool = backend.kv_pool
@@ -202,26 +203,23 @@ class LlamaDecoderLayer(nn.Module):
                 pool.v_buffers[attn.layer_id], fb.out_cache_loc, attn.num_heads,
                 attn.num_kv_heads)
             q = qkv[:, : attn.q_size].view(-1, attn.num_heads, attn.head_dim)
+        elif fuse:
+            qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
+                                              attn.qkv_proj.bias, residual)
+        else:
+            if normed:
+                h = x
+            else:
+                h, residual = ln(x, residual)
+                if residual is None:
+                    residual = x
+            q = attn.rotate_and_store(h, fb, backend, cos_sin_cache)  # or None
+            if q is None:
+                qkv = gemv.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        if q is not None:  # attention alone
             o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
         else:
-            q = None
-            if fuse:
-                qkv, residual = gemv.rmsnorm_gemv(x, ln.weight, ln.eps, attn.qkv_proj.weight,
-                                                  attn.qkv_proj.bias, residual)
-            else:
-                if normed:
-                    h = x
-                else:
-                    h, residual = ln(x, residual)
-                    if residual is None:
-                        residual = x
-                q = attn.rotate_and_store(h, fb, backend, cos_sin_cache)  # or None
-                if q is None:
-                    qkv = gemv.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
-            if q is not None:
-                o = backend.attend(q, attn.layer_id, attn.sliding, fb).reshape(-1, attn.q_size)
-            else:
-                o = attn.attend(qkv, fb, backend, cos_sin_cache)
+            o = attn.attend(qkv, fb, backend, cos_sin_cache)
         h = attn.o_proj(o)
         if fuse:
             gate_up, residual = gemv.rmsnorm_gemv(h, self.post_attention_layernorm.weight,

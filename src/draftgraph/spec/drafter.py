@@ -57,10 +57,9 @@ class Proposal:
     # the column there of each target token (-1: probability 0); None: over the target's
     draft_index: torch.Tensor | None = None
     # a tree of drafts (spec/tree.py), in depth order: each draft's parent row (0: the last
-    # token, i: draft i - 1) and depth [bs, k] int64, the deepest depth; None: a chain
+    # token, i: draft i - 1) and depth [bs, k] int64; None: a chain
     parents: torch.Tensor | None = None
     depths: torch.Tensor | None = None
-    tree_depth: int = 0
 
 
 @dataclass

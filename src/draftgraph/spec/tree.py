@@ -177,8 +177,7 @@ class TreeHeadDrafter(ChainHeadDrafter):
             ctx.max_draft, n, g, (drafts[:, :n], parents[:, :n], depths[:, :n]))
         if g:
             self._branch(ctx, drafts[:, n:])
-        return Proposal(drafts, live, parents=parents, depths=depths,
-                        tree_depth=self.shape.reach)
+        return Proposal(drafts, live, parents=parents, depths=depths)
 
     def _branch(self, ctx: DraftContext, out: torch.Tensor) -> None:
         """The n-gram branch's G drafts into out [bs, G] (the proposal's last columns: a chain
