@@ -27,6 +27,9 @@
 #   dotab:  the same arms in runs with `--tensor-core-rows off` and `on` (plain decode too),
 #           alternating, at batch sizes BATCHES (1 4 32; trees where they are drafted, at up
 #           to 4 requests).
+#   batch:  chain k = 4 against the trees TREES in one process at each batch size of BATCHES
+#           (8 16 32): above `config.TREE_MAX_BS` requests a tree drafter drafts its head's
+#           chain of D (verifying 1 + D rows a request), at or below it its tree.
 #   kernels: GPU time per kernel name over graph-replayed rounds (`bench_block.py --kernels`),
 #           chain k = 4 and the trees TREES, plain decode in the same run.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
@@ -106,6 +109,16 @@ case "${1:-}" in
         python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('decode', d['plain_decode']['ms_per_round'], {k: round(v['ms_per_round'], 4) for k, v in d['arms'].items()})" "$OUT/dotab_smollm2_bs${bs}_${rows}.json"
       done
     done ;;
+  batch)
+    for bs in ${BATCHES:-8 16 32}; do
+      arms="chain|$H|4"
+      for t in $TREES; do arms="$arms;chain|$H|$t"; done
+      timeout 200 python3 benchmarks/bench_block.py --target random:smollm2-135m \
+        --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
+        --out "$OUT/batch_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
+        | grep -v -i warn | cut -c1-200
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('bs', sys.argv[2], 'decode', d['plain_decode']['ms_per_round'], {k: round(v['ms_per_round'], 4) for k, v in d['arms'].items()})" "$OUT/batch_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" "$bs"
+    done ;;
   kernels)
     arms="chain|$H|4"
     for t in $TREES; do arms="$arms;chain|$H|$t"; done
@@ -126,5 +139,5 @@ case "${1:-}" in
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}${SETS:+_${SETS/,/_}}.json" 2>&1 | grep -v Warning | tail -12
     ;;
-  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | epi | dotab | kernels | stage N | real"; exit 2 ;;
+  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | epi | dotab | batch | kernels | stage N | real"; exit 2 ;;
 esac

@@ -127,8 +127,9 @@ def plain(hf):
     return [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, GREEDY)]
 
 
-def _tree_engine(hf, tree: TreeShape = TREE, max_num_seqs: int = 8):
-    drafter = TreeHeadDrafter(random_head(tiny_loaded(hf).config, "", seed=3), tree)
+def _tree_engine(hf, tree: TreeShape = TREE, max_num_seqs: int = 8, chain: int | None = None):
+    drafter = TreeHeadDrafter(random_head(tiny_loaded(hf).config, "", seed=3), tree,
+                              chain=chain)
     spec = SpecConfig(method="chain", tree=tree, adaptive=False)
     # a step's token budget fits three requests' 1 + nodes rows
     return tiny_engine(hf, max_num_seqs, budget=max(64, 3 * (1 + tree.verified)), kv_tokens=4096,
@@ -247,7 +248,8 @@ def test_a_branch_deeper_than_the_tree_accepts_past_its_depth(hf):
     body._accept_tree = counted
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
     assert body.tv.path.shape[1] == drafter.reach == DEEP.ngram
-    assert int(drafter.cu_ext[0]) == DEEP.ngram
+    assert sorted(drafter.cu) == [DEEP.depth, DEEP.reach]  # the chain's catch-up, the tree's
+    assert int(drafter.cu[DEEP.reach][1][0]) == DEEP.ngram
     deeper = sum(a > DEEP.depth for a in accepted)
     assert deeper >= 5 and max(accepted) > DEEP.depth + 2, accepted
     engine, _ = _tree_engine(hf, DEEP)
@@ -297,31 +299,103 @@ def test_batches_too_large_for_trees_draft_chains_and_sampled_batches_trees(hf, 
     assert (1, False) in seen  # the sampled request's steps drafted trees
 
 
-def test_a_tree_drafters_chain_steps_verify_its_chain_not_the_trees_rows(hf, plain):
-    """Steps that draft no tree (too many requests) verify 1 + D rows a request, the chain's,
-    not the tree's 1 + k (before: 17 a request for 4x5:16, 33 for the auto shape); the tokens
-    stay plain decoding's, and sampled chain steps take the D drafts' distributions."""
-    engine, drafter = _tree_engine(hf, max_num_seqs=8)
-    drafter.tree_max_bs = 1  # every step of two or more requests drafts the chain of D
-    body, rows = engine.spec_graphs.body, []
-    forward = body._forward_and_accept
+@pytest.mark.parametrize("chain", [None, 3])
+def test_a_tree_drafters_chain_steps_verify_its_chain_not_the_trees_rows(hf, plain,
+                                                                         monkeypatch, chain):
+    """Steps that draft no tree (too many requests) run the head `chain` times (at most D:
+    D by default) and verify 1 + chain rows a request, not the tree's 1 + k (before: 17 a
+    request for 4x5:16, 33 for the auto shape), and their catch-up has `chain` entries a
+    request, not the tree's reach; the tokens stay plain decoding's, and sampled chain steps
+    take the chain's distributions."""
+    import draftgraph.spec.chain_head as chain_head
+
+    c = chain or TREE.depth
+    engine, drafter = _tree_engine(hf, max_num_seqs=8, chain=chain)
+    drafter.tree_max_bs = 1  # every step of two or more requests drafts the chain
+    body, rows, heads, entries = engine.spec_graphs.body, [], [], []
+    forward, run_step, stage = body._forward_and_accept, drafter.run_step, \
+        chain_head.stage_catch_up
 
     def counted(bs, greedy):
         rows.append((bs, body.tree_step(bs), body._fb(bs).input_ids.shape[0]))
         forward(bs, greedy)
 
-    body._forward_and_accept = counted
+    def head_step(ctx, i, fb):
+        heads.append((ctx.seq_lens.shape[0], ctx.tree, i))
+        run_step(ctx, i, fb)
+
+    def staged(*args):
+        entries.append((args[3].shape[0], args[5] is not None, args[-1].ids.shape[0]))
+        stage(*args)
+
+    body._forward_and_accept, drafter.run_step = counted, head_step
+    monkeypatch.setattr(chain_head, "stage_catch_up", staged)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
     chains = {(bs, n) for bs, tree, n in rows if not tree}
-    assert chains and all(n == bs * (1 + TREE.depth) for bs, n in chains), rows
-    assert body.chain_k == TREE.depth < body.k == TREE.verified
-    # sampled chain steps: the D drafts' distributions go to rejection sampling
-    engine, drafter = _tree_engine(hf, max_num_seqs=8)
+    assert chains and all(n == bs * (1 + c) for bs, n in chains), rows
+    assert body.chain_k == drafter.chain_k == c < body.k == TREE.verified
+    # each chain proposal ran the head c times; each chain step's catch-up c entries a request
+    assert {i for bs, tree, i in heads if not tree} == set(range(c)), heads
+    m = drafter.executor.max_bs
+    assert {e for bs, tree, e in entries if bs > 1} == {m * c}, entries
+    # sampled chain steps: the chain's distributions go to rejection sampling
+    engine, drafter = _tree_engine(hf, max_num_seqs=8, chain=chain)
     drafter.tree_max_bs = 1
     seen = _count_tree_steps(engine)
     outs = engine.generate(PROMPTS, HOT)
     assert all(len(o.token_ids) == HOT.max_tokens for o in outs)
     assert engine.stats["num_draft_tokens"] > 0 and (len(PROMPTS), False) not in seen
+
+
+class _AcceptingChain(TreeHeadDrafter):
+    """Its chain steps draft the plain greedy continuation (`future`), so they accept every
+    draft and the catch-up has entries to fix (test_spec_chain_head's `_Accepting`)."""
+
+    def __init__(self, head, shape, future: list[int], **kw) -> None:
+        super().__init__(head, shape, **kw)
+        self.future = torch.tensor(future + [0] * (shape.reach + 2))
+
+    def take(self, ctx, i, logits):
+        bs = super().take(ctx, i, logits).shape[0]
+        tok = self.future[(ctx.seq_lens[:bs] + i).clamp_max(len(self.future) - 1)]
+        self.drafts[:bs, i].copy_(tok)
+        self.step_ids[:bs].copy_(tok)
+        return tok
+
+
+def test_a_tree_drafters_short_chain_keeps_the_head_kv_exact(hf):
+    """Chain steps of 3 drafts from a drafter whose trees reach 8 (DEEP): every draft is
+    accepted, and after every step the head's KV of every final position equals a
+    from-scratch computation (the catch-up's 3 entries a request cover what a chain step
+    accepts); a catch-up one entry short leaves entries stale."""
+    from test_spec_chain_head import KV_PROMPT, LONG, _max_kv_error
+
+    import draftgraph.spec.chain_head as chain_head
+
+    def run(short: bool) -> tuple[float, dict]:
+        (out,) = tiny_engine(hf).generate([KV_PROMPT], LONG)
+        head = random_head(tiny_loaded(hf).config, "", seed=3)
+        drafter = _AcceptingChain(head, DEEP, KV_PROMPT + out.token_ids, chain=3)
+        spec = SpecConfig(method="chain", tree=DEEP, adaptive=False)
+        engine = tiny_engine(hf, spec=spec, drafter=drafter)
+        drafter.tree_max_bs = 0  # every step drafts the chain
+        stage = chain_head.stage_catch_up
+
+        def staged(*args):
+            stage(*args)
+            if short:
+                args[-1].loc.view(-1, 3)[:, 2] = 0
+        chain_head.stage_catch_up = staged
+        try:
+            return _max_kv_error(engine, drafter, steps=12, prompt=KV_PROMPT), engine.stats
+        finally:
+            chain_head.stage_catch_up = stage
+
+    err, stats = run(short=False)
+    assert err < 1e-4
+    # the prefill, then 11 steps of 3 drafts, all accepted
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] == 33
+    assert run(short=True)[0] > 1e-2
 
 
 def test_a_tree_drafters_chain_steps_give_plain_logprobs_top_n_and_penalties(hf):

@@ -257,7 +257,7 @@ def pack_chain_triton(drafts: torch.Tensor, num_drafts: torch.Tensor,
                       slots: torch.Tensor, token_table: torch.Tensor, out: ChainPack) -> None:
     bs, k = drafts.shape
     num_drafts = num_drafts.contiguous()  # a no-op as drafters give it
-    # drafts may be a column prefix of a wider proposal (a tree drafter's chain of D)
+    # drafts may be a column prefix of a wider proposal (a tree drafter's chain)
     assert drafts.stride(1) == 1 and slots.stride(1) == 1 and token_table.stride(1) == 1
     assert out.draft_tokens.is_contiguous()
     _pack_chain_kernel[(1,)](

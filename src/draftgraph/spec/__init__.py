@@ -83,7 +83,8 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
         from draftgraph.spec.tree import TreeHeadDrafter
 
         return TreeHeadDrafter(head, cfg.tree, max_bs=cfg.tree_max_bs,
-                               ngram_n=(cfg.ngram_min, cfg.ngram_max))
+                               ngram_n=(cfg.ngram_min, cfg.ngram_max),
+                               chain=cfg.num_draft_tokens)
     if cfg.method == "chain":
         from draftgraph.spec.chain_head import ChainHeadDrafter
 

@@ -87,6 +87,11 @@ class StagedDrafter(Drafter):
     def num_steps(self) -> int:
         raise NotImplementedError
 
+    def steps_for(self, tree: bool) -> int:
+        """Forwards in a proposal of a step that drafts a tree (`DraftContext.tree`) or not;
+        a tree drafter's two differ (spec/tree.py)."""
+        return self.num_steps
+
     @property
     def in_graph(self) -> bool:
         """Whether its backend builds every step's metadata inside one graph (the fused
@@ -122,7 +127,7 @@ class StagedDrafter(Drafter):
         """The fused proposal: metadata built for step 0, then advanced in place."""
         backend = self.executor.backend
         self.begin(ctx)
-        for i in range(self.num_steps):
+        for i in range(self.steps_for(ctx.tree)):
             self.stage_step(ctx, i)
             fb = self.step_fb(ctx, i)
             if i == 0:
@@ -188,7 +193,7 @@ class ChainDrafter(StagedDrafter):
         staged (a greedy take is one combine launch after the argmax's chunks on the GPU:
         `kernels.tokens.draft_take`). A draw keeps its distribution over V' for rejection
         sampling."""
-        stage = i + 1 < self.num_steps
+        stage = i + 1 < self.steps_for(ctx.tree)
         if ctx.greedy:
             return draft_take(logits, self.vocab, i, ctx.seq_lens, ctx.reserved_slots,
                               self.steps, stage)

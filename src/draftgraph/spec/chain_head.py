@@ -74,13 +74,17 @@ class ChainHeadDrafter(ChainDrafter):
         self.last_feat = torch.zeros(rows, h, dtype=dt, device=dev)  # [max_reqs + 1, H]
         self.step_feat = torch.zeros(m, h, dtype=dt, device=dev)  # [max_bs, H] chain input
         # the catch-up extend's raw inputs: an entry per position a step may accept, per
-        # request
+        # request (`reach`); a tree drafter's chain steps accept fewer (`chain_k`): their
+        # catch-up reads a prefix of the same buffers, m * chain_k long
         s = self.reach
-        self.cu = CatchUp(*(torch.zeros(m * s, dtype=torch.int64, device=dev) for _ in range(2)),
-                          torch.ones(m, dtype=torch.int64, device=dev),
-                          torch.zeros(m * s, dtype=torch.int64, device=dev),
-                          torch.zeros(m, dtype=torch.int64, device=dev))
-        self.cu_ext = torch.full((m,), s, dtype=torch.int64, device=dev)
+        cu = CatchUp(*(torch.zeros(m * s, dtype=torch.int64, device=dev) for _ in range(2)),
+                     torch.ones(m, dtype=torch.int64, device=dev),
+                     torch.zeros(m * s, dtype=torch.int64, device=dev),
+                     torch.zeros(m, dtype=torch.int64, device=dev))
+        self.cu = {e: (CatchUp(cu.ids[: m * e], cu.loc[: m * e], cu.seq,
+                               cu.feat_rows[: m * e], cu.last_rows),
+                       torch.full((m,), e, dtype=torch.int64, device=dev))
+                   for e in {s, self.chain_k}}
         self.alloc_steps(m, dev)
         logger.info("chain head: %d layer(s), target layers %s, draft vocabulary %d, KV pool "
                     "%.1f MiB", head.config.num_hidden_layers,
@@ -116,18 +120,19 @@ class ChainHeadDrafter(ChainDrafter):
 
     # ---- catch-up ---------------------------------------------------------------------------
     def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
-        bs, m = ctx.seq_lens.shape[0], self.reach
+        # entries a request: a tree's reach, a chain's k
+        bs, m = ctx.seq_lens.shape[0], self.reach if accept.path is not None else self.chain_k
         total = accept.verify_fb.input_ids.shape[0]  # the verify's rows
         feats = self.head.features(self.capture.out[:total])  # [rows, H]
         # the entries' tokens, slots and feature rows (a chain's packed rows 0 .. m, a tree's
         # path's), and the row of each request's new last feature: one launch on the GPU
-        cu = self.cu
+        cu, ext = self.cu[m]
         stage_catch_up(accept.tokens, accept.accept_lens, accept.verify_seq_lens, ctx.seq_lens,
                        ctx.reserved_slots, accept.path, total, cu)
         if self.catch_up:
             ids = cu.ids[: bs * m]
             fb = ForwardBatch(Phase.EXTEND, ids, ctx.req_pool_indices, cu.seq[:bs],
-                              self.cu_ext[:bs], cu.loc[: bs * m], self.executor.meta)
+                              ext[:bs], cu.loc[: bs * m], self.executor.meta)
             self.executor.backend.build_metadata(fb)
             self.head.write_kv(self._embed(ids), feats[cu.feat_rows[: bs * m]], fb,
                                self.executor.backend)

@@ -96,7 +96,7 @@ class Drafter:
     @property
     def chain_k(self) -> int:
         """Drafts a step without a tree proposes at most (its verify's rows a request: 1 +
-        chain_k): k, except for a tree drafter's chain of D."""
+        chain_k): k, except for a tree drafter's chain (spec/tree.py)."""
         return self.k
 
     def bind(self, target) -> None:

@@ -113,9 +113,9 @@ class StepBody:
                               self.verify_seq_lens, self.packed_ids, self.packed_loc,
                               self.logit_rows)
         # a chain step verifies 1 + chain_k rows a request: k, except for a tree drafter,
-        # whose steps without a tree draft its chain of D (1 + k rows each would be the
-        # tree's: 33 instead of 6 at 8x5:27+g5). Its outputs then go through buffers 1 +
-        # chain_k wide, copied into the results' first columns.
+        # whose steps without a tree draft a chain of at most D (1 + k rows each would be
+        # the tree's: 44 instead of 5 at 8x5:27+g16 with the chain of 4). Its outputs then
+        # go through buffers 1 + chain_k wide, copied into the results' first columns.
         self.chain_k = drafter.chain_k if drafter is not None else 0
         self.chain_out: dict[str, torch.Tensor] = {}
         if self.chain_k < self.k:
@@ -225,7 +225,8 @@ class StepBody:
         """The unfused proposal: record + step 0's inputs | for each step: its metadata (eager),
         then the step and the next step's inputs (captured); the last step packs the
         proposal, and verifies too when verify metadata is built in the graph."""
-        d, n = self.drafter, self.drafter.num_steps
+        d = self.drafter
+        n = d.steps_for(self.tree_step(bs))
 
         def first():
             ctx = self._record(bs, greedy)

@@ -20,7 +20,9 @@ repeats the tree's nodes both are verified and the deepest accepted row decides,
 its G verify rows and one launch, no head step (offline at 33 rows, 8x5:27+g5 against 8x5:32:
 +2.7 % / +5.2 % accept on MT-Bench / HumanEval; benchmarks/NOTES.md, stop 46). A branch
 longer than the tree is deep reaches past it (G > D): the step's tree buffers, its acceptance
-walk and the head's catch-up span the `reach`, max(D, G), drafts a path may accept.
+walk and the head's catch-up span the `reach`, max(D, G), drafts a path may accept (the
+CLI's default, 8x5:27+g16: +12 % / +22 % accept length over g5 on the real default model,
+MT-Bench / HumanEval, H100; stop 48).
 
 A tree row is a decode row with a list of its own (`attention.metadata.RowPaths`): its
 request's keys below the last token's position + 1, then the slots of its ancestors and its
@@ -42,8 +44,11 @@ Sampled steps draft trees too (the same top-W children): the target's token afte
 is then the very draw plain sampling makes at that position (seeded by it), and a child is
 taken iff it carries that draw: the point-mass rule of `verify.rejection_sample` along a
 tree, so a sampled request emits plain sampling's tokens. Steps with top-N or sampling
-controls, and batches of more than `tree_max_bs` requests, draft the head's chain of D instead:
-the step body decides (`StepBody.tree_step`) and says so in `DraftContext.tree`.
+controls, and batches of more than `tree_max_bs` requests, draft the head's chain instead
+(`chain`, --num-draft-tokens, at most D: 4 by default, which at batch 16 and 32 costs 0.90x
+the chain of 5's round on an H100 for ~3 % less acceptance, benchmarks/NOTES.md, stop 48),
+its catch-up `chain_k` entries a request: the step body decides (`StepBody.tree_step`) and
+says so in `DraftContext.tree`.
 """
 
 from __future__ import annotations
@@ -76,10 +81,13 @@ class TreeHeadDrafter(ChainHeadDrafter):
     drafts_trees = True
 
     def __init__(self, head, shape: TreeShape, catch_up: bool = True,
-                 max_bs: int = TREE_MAX_BS, ngram_n: tuple[int, int] = (1, 4)) -> None:
+                 max_bs: int = TREE_MAX_BS, ngram_n: tuple[int, int] = (1, 4),
+                 chain: int | None = None) -> None:
         super().__init__(head, shape.verified, catch_up)
         self.shape = shape
-        self.tree_max_bs = max_bs  # larger steps draft the chain of D
+        self.tree_max_bs = max_bs  # larger steps draft a chain
+        # that chain's drafts: `chain` (--num-draft-tokens), at most the tree's depth
+        self.chain = min(chain or shape.depth, shape.depth)
         # the n-gram branch's drafts (module docstring): suffixes of ngram_n[0] .. [1] tokens
         self.branch = NgramProposer(*ngram_n, shape.ngram) if shape.ngram else None
 
@@ -93,7 +101,10 @@ class TreeHeadDrafter(ChainHeadDrafter):
 
     @property
     def chain_k(self) -> int:
-        return self.shape.depth  # steps without a tree draft the chain of D
+        return self.chain  # steps without a tree draft this chain
+
+    def steps_for(self, tree: bool) -> int:
+        return self.shape.depth if tree else self.chain
 
     def bind(self, target) -> None:
         super().bind(target)
@@ -133,7 +144,7 @@ class TreeHeadDrafter(ChainHeadDrafter):
         ctx_len = target.backend.req_to_token.shape[1]
         self.tree_meta = MetadataBuffers(r, r, r * ctx_len, target.backend.sliding_window, dev)
         logger.info("draft trees %s in steps of up to %d requests (larger and extras steps "
-                    "draft the chain of %d)", self.shape, m, d)
+                    "draft a chain of %d)", self.shape, m, self.chain)
 
     # ---- the proposal (tree or chain: `ctx.tree`, never state left by an earlier call, which
     # would be the last captured graph's when the fallback rebuilds a step's metadata); step
@@ -166,9 +177,9 @@ class TreeHeadDrafter(ChainHeadDrafter):
                               ctx.reserved_slots), stage=i + 1 < self.shape.depth)
 
     def finish(self, ctx: DraftContext) -> Proposal:
-        if not ctx.tree:  # the chain of D (sampled, or a batch too large for tree rows)
-            prop = super().finish(ctx)  # D columns of drafts (and distributions) count
-            prop.num_drafts = torch.clamp(ctx.max_draft, max=self.shape.depth)
+        if not ctx.tree:  # a chain (extras, or a batch too large for tree rows)
+            prop = super().finish(ctx)  # chain_k columns of drafts (and distributions) count
+            prop.num_drafts = torch.clamp(ctx.max_draft, max=self.chain)
             return prop
         bs, n, g = ctx.seq_lens.shape[0], self.shape.nodes, self.shape.ngram
         drafts, parents, depths = self.prop[:, :bs]
