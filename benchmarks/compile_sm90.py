@@ -73,8 +73,8 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                    "W_P": 4, "D_P": 8, "BLOCK_H": 256, "FIRST": first, "STAGE": stage,
                    "HAS_VOCAB": True, "PDL": True}))
     p2 = triton.next_power_of_2
-    # the old default, the default, the largest, with an n-gram branch
-    for name in ("4x5:16", "8x5:32", "12x5:63", "8x5:27+g5"):
+    # the old defaults, the largest, with n-gram branches (the default: 8x5:27+g16)
+    for name in ("4x5:16", "8x5:32", "12x5:63", "8x5:27+g5", "8x5:27+g16"):
         shape = TreeShape.parse(name)
         w, d, k = shape.width, shape.depth, shape.verified
         c.append((f"tree pick {name}", T._tree_pick_kernel,

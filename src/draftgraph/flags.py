@@ -219,8 +219,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 # --speculative-tree auto: the shape and batch cap a chain head drafts with on one GPU. On an
-# H100 (bf16, the real default model, 40 prompts a set, 256 tokens, greedy) 8x5:27+g5 -- the
-# 8x5:32 tree's 33 verify rows with 5 of them spent on an n-gram branch -- runs 1.85x / 1.97x
+# H100 (bf16, the real default model, 40 prompts a set, 256 tokens, greedy) 8x5:27+g16 -- the
+# tree of 27 nodes with an n-gram branch of 16 beside it, reaching 11 past the tree's depth --
+# runs 2.07x / 2.43x plain decoding at batch 1 (MT-Bench / HumanEval, best of two runs an
+# arm; accept length 3.96 / 4.82) against 8x5:27+g5's 1.90x / 2.02x (3.54 / 3.95) and g10's
+# 2.01x / 2.35x (g24: 1.92x, 8x5:32+g31: 1.65x on MT-Bench), 1.90x against 1.67x at batch 4
+# (MT-Bench), and sampled (T = 0.7, batch 1) 1.47x against 1.50x (the branch rarely matches a
+# draw); its round costs 1.10x g5's on random weights with a 512-token context (1.351 against
+# 1.224 ms), where no branch is ever accepted. benchmarks/NOTES.md, stop 48. Before that
+# (stop 47): 8x5:27+g5 -- the
+# 8x5:32 tree's 33 verify rows with 5 of them spent on an n-gram branch -- ran 1.85x / 1.97x
 # plain decoding at batch 1 (MT-Bench / HumanEval, best of two runs an arm) against 8x5:32's
 # 1.74x / 1.84x in the same runs (accept length 3.53 / 3.91 against 3.39 / 3.64; 1.88x /
 # 2.08x once RoPE went into the qkv product's epilogue, gemv.DOT_ROPE), 2.08x against 1.98x
@@ -228,8 +236,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 # 1.37x / 1.48x; its round costs 1.03x an 8x5:32 one (1.246 against 1.214 ms, random weights,
 # batch 1). Earlier: 8x5:32 beat 4x5:16 (1.68x / 1.86x against 1.67x / 1.71x) and the chain
 # (1.22x / 1.28x); 12x5:63 costs 1.18x an 8x5:32 round for +7-9 % accept (not taken).
-# benchmarks/NOTES.md, stops 45-47.
-AUTO_TREE = TreeShape(8, 5, 27, 5)
+# benchmarks/NOTES.md, stops 45-47. At batch 8 (MT-Bench) the chain of 4, 2x5:10+g5 and
+# 8x5:27+g5 ran within 4 % of each other (1.48x / 1.49x / 1.44x), so trees stay at <= 4.
+AUTO_TREE = TreeShape(8, 5, 27, 16)
 AUTO_TREE_MAX_BS = 4
 
 
