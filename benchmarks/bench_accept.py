@@ -109,7 +109,7 @@ def main() -> int:
                     "chain": SpecConfig(method="chain", draft_head=head or a.head,
                                         num_draft_tokens=a.k, adaptive=adaptive, tree=tree),
                     "block": SpecConfig(method="block", draft_head=head or a.block_head,
-                                        block_size=a.block_size, adaptive=adaptive),
+                                        block_size=a.block_size, adaptive=adaptive, tree=tree),
                     "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,
                                         adaptive=adaptive)}[kind]
             engine = LLMEngine(EngineConfig(

@@ -28,7 +28,7 @@ import time
 import torch
 from _meta import run_header
 
-from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, TreeShape
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 
@@ -85,6 +85,9 @@ def main() -> int:
     ap.add_argument("--confidence-threshold", type=float, nargs="+", default=[None],
                     help="block: per --draft-head arm (one value: every arm)")
     ap.add_argument("--draft-model", default=None, help="draft: the draft model")
+    ap.add_argument("--speculative-tree", default=None, metavar="WxD:N[+gG]",
+                    help="chain: a tree; block: 1xK:K+gG, an n-gram branch beside the block "
+                         "(trees in steps of up to 8 requests: --batch 8 drafts them always)")
     ap.add_argument("--prompt-ids", help="JSON {set: [[token ids], ...]} instead of text")
     ap.add_argument("--dump-prompt-ids", help="write the prompt sets as token ids and exit")
     ap.add_argument("--out")
@@ -119,7 +122,9 @@ def main() -> int:
         args.confidence_threshold) == 1 else 1)
     arms = [engine(SpecConfig(method=args.speculative, num_draft_tokens=args.k,
                               draft_head=h, draft_model=args.draft_model,
-                              confidence_threshold=t, adaptive=args.speculative == "ngram"))
+                              confidence_threshold=t, adaptive=args.speculative == "ngram",
+                              tree=TreeShape.parse(args.speculative_tree)
+                              if args.speculative_tree else None))
             for h, t in zip(heads, thresholds, strict=True)]
     reports = [{} for _ in arms]
     for name, (prompts, raw) in sets.items():

@@ -46,6 +46,21 @@ def tiny_engine(hf, max_num_seqs: int = 8, budget: int = 64, kv_tokens: int = 20
 
 
 
+
+def tree_accepts(engine) -> list[int]:
+    """Drafts accepted by each request of every tree step the engine runs from now on (the
+    list fills as it runs)."""
+    body, seen = engine.spec_graphs.body, []
+    accept = body._accept_tree
+
+    def counted(bs, logits, greedy):
+        accept(bs, logits, greedy)
+        seen.extend((body.out["accept_lens"][:bs] - 1).tolist())
+
+    body._accept_tree = counted
+    return seen
+
+
 class OracleDrafter(Drafter):
     """Drafts a known future sequence of one request, through the drafter seam: draft j of a
     request with seq_lens n is future[n + j]."""

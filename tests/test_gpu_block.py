@@ -2,7 +2,8 @@
 inside the replay), the eager-metadata fallback and the eager body propose the same drafts step
 after step and give plain decoding's output; with drafts that get accepted, the head's context
 KV after every replayed step equals a from-scratch injection (the injection inside the graph);
-captured buffers keep their addresses over growing and shrinking batches (fp32)."""
+captured buffers keep their addresses over growing and shrinking batches (fp32); with an
+n-gram branch beside the block too."""
 
 from __future__ import annotations
 
@@ -26,17 +27,20 @@ def loaded():
     return load_model("random:smollm2-135m", device="cuda", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("spec", ["block_size=5,window=64",
-                                  "block_size=8,window=16,markov_rank=32,confidence=1"])
+@pytest.mark.parametrize("spec,branch", [
+    ("block_size=5,window=64", 0),
+    ("block_size=8,window=16,markov_rank=32,confidence=1", 0),
+    ("block_size=5,window=64", 6),  # an n-gram branch beside the block: tree steps
+])
 def test_in_graph_fallback_and_eager_blocks_draft_the_same_and_are_lossless(loaded, spec,
-                                                                           monkeypatch):
+                                                                           branch, monkeypatch):
     prompts = _prompts(loaded.config.vocab_size)
     head = random_head(loaded.config, spec, "cuda", torch.float32, seed=2, kind="block")
     runs = {}
     for arm in ("in_graph", "fallback", "eager"):
         if arm == "fallback":  # what a backend without in-graph block metadata gets
             monkeypatch.setattr(BlockHeadDrafter, "in_graph", property(lambda self: False))
-        drafter = BlockHeadDrafter(head, confidence_threshold=0.45)
+        drafter = BlockHeadDrafter(head, confidence_threshold=0.45, branch=branch)
         engine = _engine(loaded, drafter, use_graphs=arm != "eager")
         assert engine.spec_graphs.body.fused_draft == (arm != "fallback")
         ptrs = [t.data_ptr() for t in (drafter.block_ids, drafter.drafts, drafter.num_drafts,

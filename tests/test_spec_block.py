@@ -4,17 +4,21 @@ target's hidden states (a drafter that skips the injection fails it); pending an
 positions are never read (a block one position off reads them); the in-graph proposal and the
 eager-metadata fallback give the same drafts, and a builder that leaves the block's lists
 undone is caught; the Markov head drafts left to right; the confidence head cuts blocks; at
-temperature 1 the output follows the target; block head directories round-trip."""
+temperature 1 the output follows the target; an n-gram branch beside the block is accepted
+past the block's depth, losslessly, with the head's context KV moved along the accepted
+branch; block head directories round-trip."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from _tiny import tiny_engine, tiny_loaded
+from _tiny import tiny_engine, tiny_loaded, tree_accepts
 
 from draftgraph.attention.backend import Phase, TorchBackend
 from draftgraph.attention.metadata import build_positions_and_slots
-from draftgraph.config import SpecConfig
+from draftgraph.config import SpecConfig, TreeShape
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.block_head import BlockHead
 from draftgraph.models.heads import load_head, random_head, save_head
@@ -132,10 +136,10 @@ def _kv_engine(hf, cls=BlockHeadDrafter, spec: str = "block_size=5,window=8", **
     return _engine(hf, spec, cls, **kw)
 
 
-def _max_kv_error(engine, drafter, steps: int = 12) -> float:
+def _max_kv_error(engine, drafter, steps: int = 12, prompt: list[int] = KV_PROMPT) -> float:
     """One request step by step; after each step, the head's context KV of every position
     before the last token (what later blocks may read) against the from-scratch values."""
-    engine.add_request(KV_PROMPT, LONG)
+    engine.add_request(prompt, LONG)
     pool = drafter.executor.kv_pool
     worst = 0.0
     for _ in range(steps):
@@ -360,6 +364,74 @@ def test_at_temperature_1_the_output_follows_the_target():
         return tiny_engine(target, spec=SPEC, drafter=drafter, **kw), drafter
 
     assert_head_follows_the_target(make)
+
+
+# ---- an n-gram branch beside the block --------------------------------------------------------
+
+def _branch_engine(hf, cls=None, branch: int = 6, **kw):
+    """A random head's blocks of 4 with an n-gram branch of `branch` drafts beside them."""
+    return _engine(hf, cls=cls, branch=branch, **kw)
+
+
+def test_an_ngram_branch_beside_the_block_reaches_past_it_losslessly(hf, plain):
+    """Blocks of 4 and a branch of 6 (`1x4:4+g6`): 1 + 10 verify rows a request; steps accept
+    more drafts than the block holds (through the branch), and the output is plain decoding's,
+    greedy and seeded sampled; steps over the drafter's batch cap verify the block alone."""
+    engine, drafter = _branch_engine(hf)
+    accepted = tree_accepts(engine)
+    assert [o.token_ids for o in engine.generate(PROMPTS, LONG)] == \
+        [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, LONG)]
+    assert (drafter.k, drafter.chain_k, drafter.reach) == (10, 4, 6)
+    assert sum(a > 4 for a in accepted) >= 3, accepted  # measured: 5 steps, up to 6
+    hot = SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
+    engine, _ = _branch_engine(hf)
+    assert [o.token_ids for o in engine.generate(PROMPTS, hot)] == \
+        [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, hot)]
+    engine, drafter = _branch_engine(hf)
+    drafter.tree_max_bs = 1  # steps of 2 or 3 requests: the block alone, 1 + 4 rows each
+    body, rows = engine.spec_graphs.body, []
+    fb = body._fb
+
+    def spied(bs):
+        out = fb(bs)
+        rows.append((bs, body.tree_step(bs), out.input_ids.shape[0]))
+        return out
+
+    body._fb = spied
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
+    assert {(bs, n) for bs, tree, n in rows if not tree} >= {(3, 15)}, rows
+
+
+class _NoCopy(BlockHeadDrafter):
+    """Broken: leaves the head's K/V of a tree's accepted nodes in the nodes' slots."""
+
+    def after_accept(self, ctx, accept):
+        super().after_accept(ctx, dataclasses.replace(accept, copy=None))
+
+
+def test_the_context_kv_after_branch_steps_equals_a_from_scratch_injection(hf):
+    """After every step the head's context KV of every final position equals a from-scratch
+    injection, positions accepted through the branch included (their K/V moved from the
+    branch nodes' slots with the target's); a drafter that skips the move keeps, at those
+    positions, the block's rejected drafts' entries."""
+    engine, drafter = _branch_engine(hf)
+    assert _max_kv_error(engine, drafter, steps=16, prompt=PROMPTS[1]) < 1e-4
+    assert engine.stats["num_accepted_tokens"] >= 10  # measured: 16
+    engine, drafter = _branch_engine(hf, cls=_NoCopy)
+    assert _max_kv_error(engine, drafter, steps=16, prompt=PROMPTS[1]) > 1e-2
+
+
+def test_a_blocks_branch_shape_is_checked(hf):
+    cfg = tiny_loaded(hf).config
+    ok = SpecConfig(method="block", draft_head="random:block_size=5",
+                    tree=TreeShape.parse("1x4:4+g6"))
+    assert make_drafter(ok, target_config=cfg).k == 10
+    for bad in ("2x4:4+g6", "1x3:3+g6", "1x5:5+g6"):
+        spec = dataclasses.replace(ok, tree=TreeShape.parse(bad))
+        with pytest.raises(ValueError, match="--speculative-tree 1x4:4"):
+            make_drafter(spec, target_config=cfg)
+    with pytest.raises(ValueError, match="--speculative-tree is for"):
+        SpecConfig(method="ngram", tree=TreeShape.parse("1x4:4+g6"))
 
 
 # ---- head directories and flags -----------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny import tiny_engine, tiny_loaded
+from _tiny import tiny_engine, tiny_loaded, tree_accepts
 
 import draftgraph.attention.metadata as metadata
 from draftgraph.attention.kv_pool import KVPool
@@ -72,6 +72,31 @@ def test_the_cli_drafts_trees_by_default_on_one_gpu_only():
     given = spec("--device", "cpu", "--speculative-tree", "2x4:8")
     assert (given.tree, given.tree_max_bs) == (TreeShape(2, 4, 8), TREE_MAX_BS)
     assert spec("--device", "cuda", method="ngram").tree is None
+
+
+def test_the_cli_gives_the_block_an_ngram_branch_on_one_gpu(tmp_path):
+    """--speculative block, --speculative-tree auto: on one GPU a branch of AUTO_BLOCK_BRANCH
+    drafts beside the block, whose size comes from --block-size or the head's directory (the
+    shipped head's 8 for the default model); none on a CPU or for a random head."""
+    from draftgraph.cli import parse_args
+    from draftgraph.flags import AUTO_BLOCK_BRANCH, AUTO_TREE_MAX_BS, spec_config_from_args
+
+    def spec(model, *flags):
+        return spec_config_from_args(parse_args(["generate", model, "hi", "--speculative",
+                                                 "block", *flags]))
+
+    g = AUTO_BLOCK_BRANCH
+    on = spec("default", "--device", "cuda")
+    assert (on.tree, on.tree_max_bs) == (TreeShape(1, 7, 7, g), AUTO_TREE_MAX_BS)
+    assert spec("default", "--device", "cuda", "--block-size", "5").tree == TreeShape(1, 4, 4, g)
+    (tmp_path / "config.json").write_text('{"kind": "block", "block_size": 12}')
+    assert spec("random:tiny", "--device", "cuda", "--draft-head", str(tmp_path)).tree == \
+        TreeShape(1, 11, 11, g)
+    assert spec("default", "--device", "cpu").tree is None
+    assert spec("random:tiny", "--device", "cuda", "--draft-head", "random").tree is None
+    assert spec("default", "--device", "cuda", "--speculative-tree", "off").tree is None
+    assert spec("default", "--device", "cpu", "--speculative-tree", "1x7:7+g4").tree == \
+        TreeShape(1, 7, 7, 4)
 
 
 def test_steps_over_the_drafters_batch_cap_draft_chains(hf, plain):
@@ -238,14 +263,7 @@ def test_a_branch_deeper_than_the_tree_accepts_past_its_depth(hf):
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     plain = [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, params)]
     engine, drafter = _tree_engine(hf, DEEP)
-    body, accepted = engine.spec_graphs.body, []
-    accept = body._accept_tree
-
-    def counted(bs, logits, greedy):
-        accept(bs, logits, greedy)
-        accepted.extend((body.out["accept_lens"][:bs] - 1).tolist())
-
-    body._accept_tree = counted
+    body, accepted = engine.spec_graphs.body, tree_accepts(engine)
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == plain
     assert body.tv.path.shape[1] == drafter.reach == DEEP.ngram
     assert sorted(drafter.cu) == [DEEP.depth, DEEP.reach]  # the chain's catch-up, the tree's

@@ -161,7 +161,8 @@ class SpecConfig:
     block_size: int | None = None
     confidence_threshold: float | None = None  # block: None: the head's (--confidence-threshold)
     # chain: draft a tree (spec/tree.py) in steps of at most tree_max_bs requests
-    # (--speculative-tree; the CLI's "auto" picks one on a GPU: flags.AUTO_TREE)
+    # (--speculative-tree; the CLI's "auto" picks one on a GPU: flags.AUTO_TREE); block:
+    # 1xK:K+gG, the block and an n-gram branch of G drafts beside it (spec/block.py)
     tree: TreeShape | None = None
     tree_max_bs: int = TREE_MAX_BS
 
@@ -183,8 +184,9 @@ class SpecConfig:
             _need(self.draft_model is not None, "--speculative draft needs --draft-model")
         _need(self.draft_head is None or self.method in ("chain", "block"),
               "--draft-head is for --speculative chain or block")
-        _need(self.tree is None or self.method == "chain",
-              "--speculative-tree is for --speculative chain")
+        _need(self.tree is None or self.method in ("chain", "block"),
+              "--speculative-tree is for --speculative chain (a tree of the head's drafts) "
+              "or block (1xK:K+gG: the block of K drafts and an n-gram branch of G)")
         _need(1 <= self.tree_max_bs <= TREE_MAX_BS,
               f"trees are drafted in steps of 1 .. {TREE_MAX_BS} requests, got "
               f"{self.tree_max_bs}")

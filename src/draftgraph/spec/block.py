@@ -24,6 +24,17 @@ are the context of the next block; the rejected ones sit at positions the next b
 at or past, in slots that are freed, and are never in any window. The block's own K/V at the
 same slots is overwritten by that injection before any later block reads it. Eager target
 forwards (prefill chunks, mixed steps) reach `observe`, which injects their tokens.
+
+An n-gram branch (`--speculative-tree 1xK:K+gG`, K = block size - 1): beside the block's chain
+of K drafts, a prompt-lookup chain of up to G drafts from the root (spec/ngram.py's rule, one
+launch), verified as a two-branch tree by the step body's tree verify (spec/tree.py: every
+row a decode row with its own key list, the deepest accepted row decides, the accepted
+nodes' target K/V copied to their positions' slots). In such steps the block drafts its
+argmax whatever the request's temperature (a sampled tree step takes a child iff it carries
+plain sampling's draw, which an argmax meets most often); the injection runs over every
+verify row (each into its node's slot, at its position) and the same copy list then moves
+the accepted nodes' head K/V to their positions' slots. Steps of more than `tree_max_bs`
+requests, or with top-N or penalties, draft the block alone (`chain_k` = K).
 """
 
 from __future__ import annotations
@@ -33,11 +44,13 @@ import logging
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
+from draftgraph.config import TREE_MAX_BS
 from draftgraph.models.block_head import BlockHead
 from draftgraph.runtime.executor import ModelExecutor
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.spec.chain import StagedDrafter
 from draftgraph.spec.drafter import Acceptance, DraftContext, Proposal
+from draftgraph.spec.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +60,20 @@ class BlockHeadDrafter(StagedDrafter):
     needs_hidden_states = True
 
     def __init__(self, head: BlockHead, block_size: int | None = None,
-                 confidence_threshold: float | None = None, inject: bool = True) -> None:
+                 confidence_threshold: float | None = None, inject: bool = True,
+                 branch: int = 0, ngram_n: tuple[int, int] = (1, 4),
+                 max_bs: int = TREE_MAX_BS) -> None:
         cfg = head.head_config
         self.block_size = block_size or cfg.block_size
         if not 2 <= self.block_size <= 17:
             raise ValueError(f"--block-size must be in 2..17 (1..16 drafts), got "
                              f"{self.block_size}")
-        super().__init__(self.block_size - 1)
+        self.nb = self.block_size - 1  # the block's drafts
+        # k: the drafts a step verifies, the block's and an n-gram branch's (module note)
+        super().__init__(self.nb + branch)
+        self.branch = NgramProposer(*ngram_n, branch) if branch else None
+        self.drafts_trees = branch > 0
+        self.tree_max_bs = max_bs  # larger steps draft the block alone
         self.head = head
         self.threshold = (cfg.confidence_threshold if confidence_threshold is None
                           else confidence_threshold)
@@ -63,6 +83,14 @@ class BlockHeadDrafter(StagedDrafter):
     @property
     def num_steps(self) -> int:
         return 1
+
+    @property
+    def chain_k(self) -> int:
+        return self.nb  # a step without the branch verifies the block
+
+    @property
+    def reach(self) -> int:
+        return max(self.nb, self.k - self.nb)  # the deeper of the block and the branch
 
     @property
     def in_graph(self) -> bool:
@@ -100,9 +128,15 @@ class BlockHeadDrafter(StagedDrafter):
         self.block_loc = torch.zeros(m * g, dtype=torch.int64, device=dev)
         self.block_seq_lens = torch.ones(m, dtype=torch.int64, device=dev)
         self.block_lens = torch.full((m,), g, dtype=torch.int64, device=dev)
-        self.drafts = torch.zeros(m, self.k, dtype=torch.int64, device=dev)
+        # the proposal [3, m, k] (drafts, parents, depths): the block's chain of nb drafts,
+        # then the branch's chain from the root (parents: 0 the last token, i: draft i - 1)
+        nb, j = self.nb, torch.arange(self.k, device=dev)
+        self.prop = torch.zeros(3, m, self.k, dtype=torch.int64, device=dev)
+        self.prop[1] = torch.where((j == 0) | (j == nb), 0, j)
+        self.prop[2] = torch.where(j < nb, j + 1, j - nb + 1)
+        self.drafts = self.prop[0]  # [max_bs, k] int64
         self.num_drafts = torch.zeros(m, dtype=torch.int64, device=dev)
-        self._probs: torch.Tensor | None = None  # [bs, k, V] of the proposal being built
+        self._probs: torch.Tensor | None = None  # [bs, nb, V] of the proposal being built
         logger.info("block head: %d layer(s), block size %d, window %d, target layers %s, "
                     "Markov rank %d, confidence %s, draft vocabulary %d, KV pool %.1f MiB",
                     head.config.num_hidden_layers, g, hc.window, list(hc.hidden_layer_ids),
@@ -114,8 +148,9 @@ class BlockHeadDrafter(StagedDrafter):
     def stage_step(self, ctx: DraftContext, i: int) -> None:
         bs = ctx.seq_lens.shape[0]
         self.block_ids[:bs, 0].copy_(ctx.last_tokens)
-        self.block_loc[: bs * self.block_size].copy_(ctx.reserved_slots.flatten())
-        torch.add(ctx.seq_lens, self.k, out=self.block_seq_lens[:bs])
+        self.block_loc[: bs * self.block_size].view(bs, -1).copy_(
+            ctx.reserved_slots[:, : self.block_size])
+        torch.add(ctx.seq_lens, self.nb, out=self.block_seq_lens[:bs])
 
     def step_fb(self, ctx: DraftContext, i: int = 0) -> ForwardBatch:
         bs, g = ctx.seq_lens.shape[0], self.block_size
@@ -124,19 +159,20 @@ class BlockHeadDrafter(StagedDrafter):
                             self.block_lens[:bs], self.block_loc[: bs * g], self.executor.meta)
 
     def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
-        head, bs, k = self.head, fb.bs, self.k
+        head, bs, k = self.head, fb.bs, self.nb
         hidden = head(self.target_model.embed_tokens(fb.input_ids), fb, self.executor.backend)
         rows = hidden.view(bs, self.block_size, -1)[:, 1:]  # [bs, k, H]: drafts 1..k
         logits = head.logits(rows.reshape(bs * k, -1), self.lm_head).view(bs, k, -1)
         markov = head.markov_in is not None
         probs, prev = [], ctx.last_tokens
-        if ctx.greedy and not markov:  # every draft at once
-            self.drafts[:bs].copy_(self.draft_argmax(logits))
+        greedy = ctx.greedy or ctx.tree  # a tree step's drafts are argmaxes (module note)
+        if greedy and not markov:  # every draft at once
+            self.drafts[:bs, :k].copy_(self.draft_argmax(logits))
         else:
             for j in range(k):  # left to right: the Markov head reads the draft before
                 lj = logits[:, j] + head.markov(prev, self.markov_w) if markov \
                     else logits[:, j]  # [bs, V']
-                if ctx.greedy:
+                if greedy:
                     tok = self.draft_argmax(lj)  # [bs] int64
                 else:
                     tok, q = self.sample_drafts(lj, ctx, ctx.seq_lens + j)
@@ -146,7 +182,7 @@ class BlockHeadDrafter(StagedDrafter):
         self._probs = torch.stack(probs, dim=1) if probs else None
         count = torch.clamp(ctx.max_draft, max=k)
         if head.confidence is not None:  # cut at the first draft the head doubts
-            before = torch.cat([ctx.last_tokens[:, None], self.drafts[:bs, :-1]], dim=1)
+            before = torch.cat([ctx.last_tokens[:, None], self.drafts[:bs, : k - 1]], dim=1)
             conf = head.accept_prob(rows.reshape(bs * k, -1),
                                     before.flatten()).view(bs, k)  # [bs, k] fp32
             sure = (conf >= self.threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)
@@ -155,8 +191,17 @@ class BlockHeadDrafter(StagedDrafter):
 
     def finish(self, ctx: DraftContext) -> Proposal:
         bs = ctx.seq_lens.shape[0]
-        return Proposal(self.drafts[:bs], self.num_drafts[:bs], self._probs,
-                        self.draft_index if self._probs is not None else None)
+        if not ctx.tree:
+            return Proposal(self.drafts[:bs], self.num_drafts[:bs], self._probs,
+                            self.draft_index if self._probs is not None else None)
+        # the branch's drafts after the block's; they count when the whole block does (as
+        # a tree's pick counts them: kernels.tree.tree_pick), within the request's budget
+        self.branch.propose_from_table(ctx, self.drafts[:bs, self.nb:])
+        n = self.num_drafts[:bs]
+        live = torch.where(n == self.nb,
+                           n + torch.clamp(ctx.max_draft, max=self.k - self.nb), n)
+        return Proposal(self.drafts[:bs], live, parents=self.prop[1, :bs],
+                        depths=self.prop[2, :bs])
 
     # ---- KV injection -----------------------------------------------------------------------
     def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
@@ -165,6 +210,8 @@ class BlockHeadDrafter(StagedDrafter):
             return
         fb = accept.verify_fb
         self.head.inject_kv(self.capture.out[: fb.num_tokens], fb, self.executor.backend)
+        if accept.copy is not None:  # a tree's accepted nodes: to their positions' slots
+            self.executor.kv_pool.copy_slots(accept.copy[0], accept.copy[1])
 
     def observe(self, sb: StepBatch) -> None:
         """An eager target forward captured the streams of its tokens: inject them."""

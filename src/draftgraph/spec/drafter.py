@@ -75,6 +75,9 @@ class Acceptance:
     # a tree's verify: the accepted path's packed rows [bs, 1 + depth] (depth j's row at j; a
     # chain's row j is j) and the packed rows per request; None: a chain
     path: torch.Tensor | None = None
+    # a tree's verify: the K/V moves [2, n] int64 (source slots, destination slots) that put
+    # the accepted nodes at their positions' slots, done in the target's pool already
+    copy: torch.Tensor | None = None
 
 
 class Drafter:

@@ -349,7 +349,8 @@ class StepBody:
         self.target.kv_pool.copy_slots(self.tv.copy[0, : bs * D], self.tv.copy[1, : bs * D])
         self.drafter.after_accept(ctx, Acceptance(o["tokens"][:bs], o["accept_lens"][:bs],
                                                   self.verify_seq_lens[:bs], self._fb(bs),
-                                                  self.tv.accepted[:bs]))
+                                                  self.tv.accepted[:bs],
+                                                  self.tv.copy[:, : bs * D]))
 
     def _forward_and_accept(self, bs: int, greedy: bool) -> None:
         v, T = self.raw, 1 + self.chain_k
