@@ -3,7 +3,7 @@ inside the replay), the eager-metadata fallback and the eager body propose the s
 after step and give plain decoding's output; with drafts that get accepted, the head's context
 KV after every replayed step equals a from-scratch injection (the injection inside the graph);
 captured buffers keep their addresses over growing and shrinking batches (fp32); with an
-n-gram branch beside the block too."""
+n-gram branch beside the block and with a tree of the block's rows too."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_gpu_chain_head import _drafts_and_outputs, _engine, _prompts
 
+from draftgraph.config import TreeShape
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.heads import random_head
 from draftgraph.models.loader import load_model
@@ -27,20 +28,22 @@ def loaded():
     return load_model("random:smollm2-135m", device="cuda", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("spec,branch", [
-    ("block_size=5,window=64", 0),
-    ("block_size=8,window=16,markov_rank=32,confidence=1", 0),
-    ("block_size=5,window=64", 6),  # an n-gram branch beside the block: tree steps
+@pytest.mark.parametrize("spec,tree", [
+    ("block_size=5,window=64", None),
+    ("block_size=8,window=16,markov_rank=32,confidence=1", None),
+    ("block_size=5,window=64", "1x4:4+g6"),  # an n-gram branch beside the block: tree steps
+    ("block_size=5,window=64,markov_rank=32", "2x4:8+g6"),  # a tree of the block's rows
 ])
 def test_in_graph_fallback_and_eager_blocks_draft_the_same_and_are_lossless(loaded, spec,
-                                                                           branch, monkeypatch):
+                                                                           tree, monkeypatch):
     prompts = _prompts(loaded.config.vocab_size)
     head = random_head(loaded.config, spec, "cuda", torch.float32, seed=2, kind="block")
     runs = {}
     for arm in ("in_graph", "fallback", "eager"):
         if arm == "fallback":  # what a backend without in-graph block metadata gets
             monkeypatch.setattr(BlockHeadDrafter, "in_graph", property(lambda self: False))
-        drafter = BlockHeadDrafter(head, confidence_threshold=0.45, branch=branch)
+        drafter = BlockHeadDrafter(head, confidence_threshold=0.45,
+                                   tree=TreeShape.parse(tree) if tree else None)
         engine = _engine(loaded, drafter, use_graphs=arm != "eager")
         assert engine.spec_graphs.body.fused_draft == (arm != "fallback")
         ptrs = [t.data_ptr() for t in (drafter.block_ids, drafter.drafts, drafter.num_drafts,

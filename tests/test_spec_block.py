@@ -366,28 +366,40 @@ def test_at_temperature_1_the_output_follows_the_target():
     assert_head_follows_the_target(make)
 
 
-# ---- an n-gram branch beside the block --------------------------------------------------------
+# ---- trees: an n-gram branch beside the block, a tree of the block's rows -------------------
 
-def _branch_engine(hf, cls=None, branch: int = 6, **kw):
-    """A random head's blocks of 4 with an n-gram branch of `branch` drafts beside them."""
-    return _engine(hf, cls=cls, branch=branch, **kw)
+BRANCH, WIDE, WIDE_NO_BRANCH = (TreeShape.parse(t) for t in ("1x4:4+g6", "2x4:8+g6", "4x3:10"))
 
 
-def test_an_ngram_branch_beside_the_block_reaches_past_it_losslessly(hf, plain):
-    """Blocks of 4 and a branch of 6 (`1x4:4+g6`): 1 + 10 verify rows a request; steps accept
-    more drafts than the block holds (through the branch), and the output is plain decoding's,
-    greedy and seeded sampled; steps over the drafter's batch cap verify the block alone."""
-    engine, drafter = _branch_engine(hf)
+def _tree_engine(hf, tree: TreeShape = BRANCH, cls=None, **kw):
+    """A random head's blocks of 4 (with a Markov head, so siblings' children differ) drafting
+    `tree`: the block and a branch of 6, or a tree of its rows."""
+    return _engine(hf, "block_size=5,window=8,markov_rank=8", cls=cls, tree=tree, **kw)
+
+
+@pytest.mark.parametrize("tree", [BRANCH, WIDE, WIDE_NO_BRANCH], ids=str)
+def test_block_trees_are_lossless_and_a_branch_reaches_past_the_block(hf, tree):
+    """1 + k verify rows a request (the block's 4 or the tree's nodes, and the branch's 6);
+    the output is plain decoding's, greedy and seeded sampled; with a branch, steps accept more
+    drafts than the block holds; a wide tree gives a node siblings (its parents repeat)."""
+    engine, drafter = _tree_engine(hf, tree)
     accepted = tree_accepts(engine)
     assert [o.token_ids for o in engine.generate(PROMPTS, LONG)] == \
         [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, LONG)]
-    assert (drafter.k, drafter.chain_k, drafter.reach) == (10, 4, 6)
-    assert sum(a > 4 for a in accepted) >= 3, accepted  # measured: 5 steps, up to 6
+    assert (drafter.k, drafter.chain_k, drafter.reach) == (tree.verified, 4, tree.reach)
+    assert accepted and max(accepted) <= tree.reach
+    if tree.ngram:
+        assert sum(a > 4 for a in accepted) >= 3, accepted  # measured: 3 either way
+    parents = drafter.prop[1, 0, : tree.nodes].tolist()
+    assert (len(set(parents)) < len(parents)) == (tree.width > 1), parents
     hot = SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
-    engine, _ = _branch_engine(hf)
+    engine, _ = _tree_engine(hf, tree)
     assert [o.token_ids for o in engine.generate(PROMPTS, hot)] == \
         [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, hot)]
-    engine, drafter = _branch_engine(hf)
+
+
+def test_steps_over_the_cap_verify_the_block_alone(hf, plain):
+    engine, drafter = _tree_engine(hf, WIDE)
     drafter.tree_max_bs = 1  # steps of 2 or 3 requests: the block alone, 1 + 4 rows each
     body, rows = engine.spec_graphs.body, []
     fb = body._fb
@@ -409,29 +421,55 @@ class _NoCopy(BlockHeadDrafter):
         super().after_accept(ctx, dataclasses.replace(accept, copy=None))
 
 
-def test_the_context_kv_after_branch_steps_equals_a_from_scratch_injection(hf):
+class _OracleRows(BlockHeadDrafter):
+    """Its tree's rows rank the plain greedy continuation first (`future`), so every step
+    accepts the tree's full depth through nodes that sit in columns other than their depths
+    (the K/V move has work: the branch is not needed for it)."""
+
+    def __init__(self, head, future: list[int], **kw) -> None:
+        super().__init__(head, **kw)
+        self.future = torch.tensor(future + [0] * (self.nb + 2))
+
+    def _grow(self, ctx, logits):
+        j = torch.arange(logits.shape[1])
+        nxt = self.future[(ctx.seq_lens[:, None] + j).clamp_max(len(self.future) - 1)]
+        super()._grow(ctx, logits.scatter(2, nxt[..., None], 1e4))
+
+
+class _OracleNoCopy(_OracleRows, _NoCopy):
+    pass
+
+
+@pytest.mark.parametrize("tree", [BRANCH, WIDE, WIDE_NO_BRANCH], ids=str)
+def test_the_context_kv_after_tree_steps_equals_a_from_scratch_injection(hf, tree):
     """After every step the head's context KV of every final position equals a from-scratch
-    injection, positions accepted through the branch included (their K/V moved from the
-    branch nodes' slots with the target's); a drafter that skips the move keeps, at those
-    positions, the block's rejected drafts' entries."""
-    engine, drafter = _branch_engine(hf)
+    injection, positions accepted through the branch or through tree nodes off their depth's
+    column included (their K/V moved from the nodes' slots with the target's); a drafter that
+    skips the move keeps, at those positions, rejected drafts' entries."""
+    oracle = tree.width > 1 and not tree.ngram  # 4x3:10: every step accepts 3 tree nodes
+    kw = {}
+    if oracle:
+        (out,) = tiny_engine(hf).generate([PROMPTS[1]], LONG)
+        kw["future"] = PROMPTS[1] + out.token_ids
+    engine, drafter = _tree_engine(hf, tree, cls=_OracleRows if oracle else None, **kw)
     assert _max_kv_error(engine, drafter, steps=16, prompt=PROMPTS[1]) < 1e-4
-    assert engine.stats["num_accepted_tokens"] >= 10  # measured: 16
-    engine, drafter = _branch_engine(hf, cls=_NoCopy)
+    # measured: 16 with a branch (a random block accepts little), 45 = 15 steps x 3
+    assert engine.stats["num_accepted_tokens"] >= (45 if oracle else 10)
+    engine, drafter = _tree_engine(hf, tree, cls=_OracleNoCopy if oracle else _NoCopy, **kw)
     assert _max_kv_error(engine, drafter, steps=16, prompt=PROMPTS[1]) > 1e-2
 
 
-def test_a_blocks_branch_shape_is_checked(hf):
+def test_a_blocks_tree_shape_is_checked(hf):
     cfg = tiny_loaded(hf).config
-    ok = SpecConfig(method="block", draft_head="random:block_size=5",
-                    tree=TreeShape.parse("1x4:4+g6"))
+    ok = SpecConfig(method="block", draft_head="random:block_size=5", tree=BRANCH)
     assert make_drafter(ok, target_config=cfg).k == 10
-    for bad in ("2x4:4+g6", "1x3:3+g6", "1x5:5+g6"):
+    assert make_drafter(dataclasses.replace(ok, tree=WIDE), target_config=cfg).k == 14
+    for bad in ("1x3:3+g6", "1x5:5+g6", "2x5:8+g6"):  # a chain not the block; too deep
         spec = dataclasses.replace(ok, tree=TreeShape.parse(bad))
         with pytest.raises(ValueError, match="--speculative-tree 1x4:4"):
             make_drafter(spec, target_config=cfg)
     with pytest.raises(ValueError, match="--speculative-tree is for"):
-        SpecConfig(method="ngram", tree=TreeShape.parse("1x4:4+g6"))
+        SpecConfig(method="ngram", tree=BRANCH)
 
 
 # ---- head directories and flags -----------------------------------------------------------

@@ -162,7 +162,8 @@ class SpecConfig:
     confidence_threshold: float | None = None  # block: None: the head's (--confidence-threshold)
     # chain: draft a tree (spec/tree.py) in steps of at most tree_max_bs requests
     # (--speculative-tree; the CLI's "auto" picks one on a GPU: flags.AUTO_TREE); block:
-    # 1xK:K+gG, the block and an n-gram branch of G drafts beside it (spec/block.py)
+    # 1xK:K+gG, the block and an n-gram branch of G drafts beside it, or WxD:N+gG with W > 1,
+    # a tree of the block's rows (spec/block.py)
     tree: TreeShape | None = None
     tree_max_bs: int = TREE_MAX_BS
 
@@ -186,7 +187,8 @@ class SpecConfig:
               "--draft-head is for --speculative chain or block")
         _need(self.tree is None or self.method in ("chain", "block"),
               "--speculative-tree is for --speculative chain (a tree of the head's drafts) "
-              "or block (1xK:K+gG: the block of K drafts and an n-gram branch of G)")
+              "or block (1xK:K+gG: the block of K drafts and an n-gram branch of G; or a "
+              "tree of the block's rows)")
         _need(1 <= self.tree_max_bs <= TREE_MAX_BS,
               f"trees are drafted in steps of 1 .. {TREE_MAX_BS} requests, got "
               f"{self.tree_max_bs}")

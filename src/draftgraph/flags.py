@@ -204,7 +204,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    f"of up to {AUTO_TREE_MAX_BS} requests unless --num-draft-tokens is given "
                    "(faster than the chain there; on a CPU slower, so the chain); off: the "
                    "chain. --speculative block: 1xK:K+gG (K: the block's drafts, block size "
-                   "- 1) verifies a prompt-lookup chain of G drafts beside the block; auto: "
+                   "- 1) verifies a prompt-lookup chain of G drafts beside the block, WxD:N+gG "
+                   "with W > 1 and D <= K a tree of the block's rows beside it; auto: "
                    f"G = {AUTO_BLOCK_BRANCH} on one GPU in steps of up to {AUTO_TREE_MAX_BS} "
                    "requests, none on a CPU")
     s.add_argument("--block-size", type=int, default=None,

@@ -91,11 +91,5 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
         return ChainHeadDrafter(head, cfg.num_draft_tokens)
     from draftgraph.spec.block import BlockHeadDrafter
 
-    drafter = BlockHeadDrafter(head, cfg.block_size, cfg.confidence_threshold,
-                               branch=cfg.tree.ngram if cfg.tree else 0,
-                               ngram_n=(cfg.ngram_min, cfg.ngram_max), max_bs=cfg.tree_max_bs)
-    nb = drafter.nb
-    if cfg.tree is not None and (cfg.tree.width, cfg.tree.depth, cfg.tree.nodes) != (1, nb, nb):
-        raise ValueError(f"--speculative block drafts its block of {nb} with an n-gram branch "
-                         f"beside it: --speculative-tree 1x{nb}:{nb}+gG, got {cfg.tree}")
-    return drafter
+    return BlockHeadDrafter(head, cfg.block_size, cfg.confidence_threshold, tree=cfg.tree,
+                            ngram_n=(cfg.ngram_min, cfg.ngram_max), max_bs=cfg.tree_max_bs)

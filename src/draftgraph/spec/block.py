@@ -35,6 +35,13 @@ plain sampling's draw, which an argmax meets most often); the injection runs ove
 verify row (each into its node's slot, at its position) and the same copy list then moves
 the accepted nodes' head K/V to their positions' slots. Steps of more than `tree_max_bs`
 requests, or with top-N or penalties, draft the block alone (`chain_k` = K).
+
+A tree of the block's rows (`--speculative-tree WxD:N+gG`, W > 1, D <= K; `_grow`): EAGLE-2's
+dynamic tree (spec/tree.py) with row d of the one block forward in place of the chain head's
+step d: depth d's W best nodes each take the W likeliest tokens of row d with their own token
+in the Markov term, and the N best nodes are verified, the branch beside them. Offline
+(benchmarks/tree_accept.py, 256 tokens) 4x7:16+g16 accepts 3.63 / 3.95 on MT-Bench / HumanEval
+against the block and branch's 3.03 / 3.16; not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +51,14 @@ import logging
 import torch
 
 from draftgraph.attention.backend import ForwardBatch, Phase
-from draftgraph.config import TREE_MAX_BS
+from draftgraph.config import TREE_MAX_BS, TreeShape
+from draftgraph.kernels.tree import (
+    TreeBuffers,
+    TreeContext,
+    top_logprobs,
+    tree_grow_ref,
+    tree_pick,
+)
 from draftgraph.models.block_head import BlockHead
 from draftgraph.runtime.executor import ModelExecutor
 from draftgraph.runtime.schema import StepBatch
@@ -61,18 +75,25 @@ class BlockHeadDrafter(StagedDrafter):
 
     def __init__(self, head: BlockHead, block_size: int | None = None,
                  confidence_threshold: float | None = None, inject: bool = True,
-                 branch: int = 0, ngram_n: tuple[int, int] = (1, 4),
+                 tree: TreeShape | None = None, ngram_n: tuple[int, int] = (1, 4),
                  max_bs: int = TREE_MAX_BS) -> None:
         cfg = head.head_config
         self.block_size = block_size or cfg.block_size
         if not 2 <= self.block_size <= 17:
             raise ValueError(f"--block-size must be in 2..17 (1..16 drafts), got "
                              f"{self.block_size}")
-        self.nb = self.block_size - 1  # the block's drafts
-        # k: the drafts a step verifies, the block's and an n-gram branch's (module note)
-        super().__init__(self.nb + branch)
-        self.branch = NgramProposer(*ngram_n, branch) if branch else None
-        self.drafts_trees = branch > 0
+        self.nb = nb = self.block_size - 1  # the block's drafts
+        if tree is not None and not (tree.depth <= nb and (
+                tree.width > 1 or tree.depth == tree.nodes == nb)):
+            raise ValueError(f"--speculative block with a block of {nb}: --speculative-tree "
+                             f"1x{nb}:{nb}+gG (the block and an n-gram branch) or WxD:N+gG "
+                             f"with W > 1 and D <= {nb} (a tree of the block's rows), got {tree}")
+        self.tree = tree
+        # k: the drafts a step verifies, the block's (or its tree's) and an n-gram branch's
+        super().__init__(tree.verified if tree is not None else nb)
+        g = tree.ngram if tree is not None else 0
+        self.branch = NgramProposer(*ngram_n, g) if g else None
+        self.drafts_trees = tree is not None
         self.tree_max_bs = max_bs  # larger steps draft the block alone
         self.head = head
         self.threshold = (cfg.confidence_threshold if confidence_threshold is None
@@ -90,7 +111,7 @@ class BlockHeadDrafter(StagedDrafter):
 
     @property
     def reach(self) -> int:
-        return max(self.nb, self.k - self.nb)  # the deeper of the block and the branch
+        return self.tree.reach  # the deeper of the block (or its tree) and the branch
 
     @property
     def in_graph(self) -> bool:
@@ -128,13 +149,16 @@ class BlockHeadDrafter(StagedDrafter):
         self.block_loc = torch.zeros(m * g, dtype=torch.int64, device=dev)
         self.block_seq_lens = torch.ones(m, dtype=torch.int64, device=dev)
         self.block_lens = torch.full((m,), g, dtype=torch.int64, device=dev)
-        # the proposal [3, m, k] (drafts, parents, depths): the block's chain of nb drafts,
-        # then the branch's chain from the root (parents: 0 the last token, i: draft i - 1)
-        nb, j = self.nb, torch.arange(self.k, device=dev)
+        # the proposal [3, m, k] (drafts, parents, depths): the block's chain of nb drafts
+        # (or its tree's n nodes, `_grow`), then the branch's chain from the root (parents:
+        # 0 the last token, i: draft i - 1)
+        n, j = self.k - (self.branch.k if self.branch else 0), torch.arange(self.k, device=dev)
         self.prop = torch.zeros(3, m, self.k, dtype=torch.int64, device=dev)
-        self.prop[1] = torch.where((j == 0) | (j == nb), 0, j)
-        self.prop[2] = torch.where(j < nb, j + 1, j - nb + 1)
+        self.prop[1] = torch.where((j == 0) | (j == n), 0, j)
+        self.prop[2] = torch.where(j < n, j + 1, j - n + 1)
         self.drafts = self.prop[0]  # [max_bs, k] int64
+        if self.tree is not None and self.tree.width > 1:
+            self._alloc_grow(m, dev)
         self.num_drafts = torch.zeros(m, dtype=torch.int64, device=dev)
         self._probs: torch.Tensor | None = None  # [bs, nb, V] of the proposal being built
         logger.info("block head: %d layer(s), block size %d, window %d, target layers %s, "
@@ -143,6 +167,24 @@ class BlockHeadDrafter(StagedDrafter):
                     hc.markov_rank, f"cut < {self.threshold}" if hc.confidence else "off",
                     hc.draft_vocab_size or target.config.vocab_size,
                     self.executor.kv_pool.bytes() / 2**20)
+
+    def _alloc_grow(self, m: int, dev: torch.device) -> None:
+        """A tree of the block's rows (W > 1): the chain tree's node buffers (spec/tree.py),
+        without the head-step features a block does not have (0 columns)."""
+        w, d = self.tree.width, self.tree.depth
+        total = self.tree.total
+        self.node_depth = torch.tensor([1] * w + [2 + i // w ** 2 for i in range(total - w)],
+                                       dtype=torch.int64, device=dev)
+        r = m * w
+        self.bufs = TreeBuffers(
+            torch.zeros(m, total, dtype=torch.int64, device=dev),
+            torch.zeros(m, total, dtype=torch.float32, device=dev),
+            torch.zeros(m, total, dtype=torch.int64, device=dev),
+            torch.zeros(m, w, dtype=torch.int64, device=dev),
+            torch.zeros(2, m, w, d, dtype=torch.int64, device=dev),
+            torch.zeros(r, 0, device=dev), torch.zeros(r, dtype=torch.int64, device=dev),
+            torch.zeros(4, r, dtype=torch.int64, device=dev))
+        self.no_stream = torch.zeros(r, 0, device=dev)
 
     # ---- the block ------------------------------------------------------------------------
     def stage_step(self, ctx: DraftContext, i: int) -> None:
@@ -163,6 +205,9 @@ class BlockHeadDrafter(StagedDrafter):
         hidden = head(self.target_model.embed_tokens(fb.input_ids), fb, self.executor.backend)
         rows = hidden.view(bs, self.block_size, -1)[:, 1:]  # [bs, k, H]: drafts 1..k
         logits = head.logits(rows.reshape(bs * k, -1), self.lm_head).view(bs, k, -1)
+        if ctx.tree and self.tree.width > 1:
+            self._grow(ctx, logits)
+            return
         markov = head.markov_in is not None
         probs, prev = [], ctx.last_tokens
         greedy = ctx.greedy or ctx.tree  # a tree step's drafts are argmaxes (module note)
@@ -189,19 +234,47 @@ class BlockHeadDrafter(StagedDrafter):
             count = torch.minimum(count, sure)
         self.num_drafts[:bs].copy_(count)
 
+    def _grow(self, ctx: DraftContext, logits: torch.Tensor) -> None:
+        """A tree of the block's rows (EAGLE-2's dynamic tree, spec/tree.py): depth d's W best
+        nodes (by cumulative draft log-probability) each take the W likeliest tokens of row
+        d with their own token in the Markov term, so only that term differs between the
+        children of siblings (the offline walk's `BlockTree`, benchmarks/tree_accept.py). The
+        growing is the chain tree's reference ops (`tree_grow_ref`: sort and gathers, no
+        head-step features to stage), the rows' top-W its kernel (`top_logprobs`)."""
+        bs, w, head = ctx.seq_lens.shape[0], self.tree.width, self.head
+        tctx = TreeContext(ctx.seq_lens, ctx.req_pool_indices, ctx.max_draft,
+                           ctx.reserved_slots)
+        for d in range(self.tree.depth):
+            if d == 0:
+                prev, lg = ctx.last_tokens, logits[:, 0]  # [bs, V']
+            else:  # the beam's tokens, staged by the last grow
+                prev, lg = self.bufs.t_ids[: bs * w], logits[:, d].repeat_interleave(w, 0)
+            if head.markov_in is not None:
+                lg = lg + head.markov(prev, self.markov_w)
+            top_lp, top_idx = top_logprobs(lg, w)
+            tree_grow_ref(d, top_lp, top_idx, self.vocab, self.no_stream[: lg.shape[0]],
+                          self.bufs, tctx, stage=d + 1 < self.tree.depth)
+        self._probs = None
+
     def finish(self, ctx: DraftContext) -> Proposal:
         bs = ctx.seq_lens.shape[0]
         if not ctx.tree:
             return Proposal(self.drafts[:bs], self.num_drafts[:bs], self._probs,
                             self.draft_index if self._probs is not None else None)
-        # the branch's drafts after the block's; they count when the whole block does (as
-        # a tree's pick counts them: kernels.tree.tree_pick), within the request's budget
-        self.branch.propose_from_table(ctx, self.drafts[:bs, self.nb:])
-        n = self.num_drafts[:bs]
-        live = torch.where(n == self.nb,
-                           n + torch.clamp(ctx.max_draft, max=self.k - self.nb), n)
-        return Proposal(self.drafts[:bs], live, parents=self.prop[1, :bs],
-                        depths=self.prop[2, :bs])
+        drafts, parents, depths = self.prop[:, :bs]
+        g = self.branch.k if self.branch else 0
+        n = self.k - g
+        if self.tree.width > 1:  # the best n nodes of the tree, in depth order
+            live = tree_pick(self.bufs.node_score[:bs], self.bufs.node_tok[:bs],
+                             self.bufs.node_parent[:bs], self.node_depth, ctx.max_draft, n, g,
+                             (drafts[:, :n], parents[:, :n], depths[:, :n]))[3]
+        else:  # the block's chain; the branch counts when the whole block does (as a tree's
+            # pick counts it: kernels.tree.tree_pick), within the request's budget
+            c = self.num_drafts[:bs]
+            live = torch.where(c == n, n + torch.clamp(ctx.max_draft, max=g), c)
+        if g:
+            self.branch.propose_from_table(ctx, drafts[:, n:])
+        return Proposal(drafts, live, parents=parents, depths=depths)
 
     # ---- KV injection -----------------------------------------------------------------------
     def after_accept(self, ctx: DraftContext, accept: Acceptance) -> None:
