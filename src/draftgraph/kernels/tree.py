@@ -60,6 +60,27 @@ class TreeBuffers(NamedTuple):
     t_rows: torch.Tensor  # [4, r] int64: request row, KV length, slot, path base
 
 
+def tree_buffers(width: int, depth: int, m: int, feat: int, dtype: torch.dtype,
+                 device) -> tuple[TreeBuffers, torch.Tensor]:
+    """A tree drafter's buffers for up to m requests (`feat`: the width of the rows' input
+    features, the head's stream; 0 for a block's tree, whose rows feed no head step) and each
+    node's depth [total]. Nodes are depth-major: W at depth 1, then each step's W x W
+    children (beam row-major); a beam row's slots at depths 1 .. D sit in half i % 2 of
+    beam_path for step i."""
+    w, r = width, m * width
+    total = w + (depth - 1) * w ** 2
+
+    def zeros(*shape, dtype=torch.int64):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    bufs = TreeBuffers(zeros(m, total), zeros(m, total, dtype=torch.float32), zeros(m, total),
+                       zeros(m, w), zeros(2, m, w, depth), zeros(r, feat, dtype=dtype),
+                       zeros(r), zeros(4, r))
+    node_depth = torch.tensor([1] * w + [2 + i // w ** 2 for i in range(total - w)],
+                              dtype=torch.int64, device=device)
+    return bufs, node_depth
+
+
 class TreeContext(NamedTuple):
     """The step's raw inputs the staging reads ([bs] int64 each; reserved_slots [bs, S])."""
 

@@ -53,9 +53,9 @@ import torch
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.config import TREE_MAX_BS, TreeShape
 from draftgraph.kernels.tree import (
-    TreeBuffers,
     TreeContext,
     top_logprobs,
+    tree_buffers,
     tree_grow_ref,
     tree_pick,
 )
@@ -152,13 +152,16 @@ class BlockHeadDrafter(StagedDrafter):
         # the proposal [3, m, k] (drafts, parents, depths): the block's chain of nb drafts
         # (or its tree's n nodes, `_grow`), then the branch's chain from the root (parents:
         # 0 the last token, i: draft i - 1)
-        n, j = self.k - (self.branch.k if self.branch else 0), torch.arange(self.k, device=dev)
+        n = self.tree.nodes if self.tree is not None else self.nb
+        j = torch.arange(self.k, device=dev)
         self.prop = torch.zeros(3, m, self.k, dtype=torch.int64, device=dev)
         self.prop[1] = torch.where((j == 0) | (j == n), 0, j)
         self.prop[2] = torch.where(j < n, j + 1, j - n + 1)
         self.drafts = self.prop[0]  # [max_bs, k] int64
-        if self.tree is not None and self.tree.width > 1:
-            self._alloc_grow(m, dev)
+        if self.tree is not None and self.tree.width > 1:  # a tree of the block's rows:
+            # the chain tree's buffers, with no head-step features (0 columns; `_grow`)
+            self.bufs, self.node_depth = tree_buffers(self.tree.width, self.tree.depth, m, 0,
+                                                      torch.float32, dev)
         self.num_drafts = torch.zeros(m, dtype=torch.int64, device=dev)
         self._probs: torch.Tensor | None = None  # [bs, nb, V] of the proposal being built
         logger.info("block head: %d layer(s), block size %d, window %d, target layers %s, "
@@ -167,24 +170,6 @@ class BlockHeadDrafter(StagedDrafter):
                     hc.markov_rank, f"cut < {self.threshold}" if hc.confidence else "off",
                     hc.draft_vocab_size or target.config.vocab_size,
                     self.executor.kv_pool.bytes() / 2**20)
-
-    def _alloc_grow(self, m: int, dev: torch.device) -> None:
-        """A tree of the block's rows (W > 1): the chain tree's node buffers (spec/tree.py),
-        without the head-step features a block does not have (0 columns)."""
-        w, d = self.tree.width, self.tree.depth
-        total = self.tree.total
-        self.node_depth = torch.tensor([1] * w + [2 + i // w ** 2 for i in range(total - w)],
-                                       dtype=torch.int64, device=dev)
-        r = m * w
-        self.bufs = TreeBuffers(
-            torch.zeros(m, total, dtype=torch.int64, device=dev),
-            torch.zeros(m, total, dtype=torch.float32, device=dev),
-            torch.zeros(m, total, dtype=torch.int64, device=dev),
-            torch.zeros(m, w, dtype=torch.int64, device=dev),
-            torch.zeros(2, m, w, d, dtype=torch.int64, device=dev),
-            torch.zeros(r, 0, device=dev), torch.zeros(r, dtype=torch.int64, device=dev),
-            torch.zeros(4, r, dtype=torch.int64, device=dev))
-        self.no_stream = torch.zeros(r, 0, device=dev)
 
     # ---- the block ------------------------------------------------------------------------
     def stage_step(self, ctx: DraftContext, i: int) -> None:
@@ -252,7 +237,7 @@ class BlockHeadDrafter(StagedDrafter):
             if head.markov_in is not None:
                 lg = lg + head.markov(prev, self.markov_w)
             top_lp, top_idx = top_logprobs(lg, w)
-            tree_grow_ref(d, top_lp, top_idx, self.vocab, self.no_stream[: lg.shape[0]],
+            tree_grow_ref(d, top_lp, top_idx, self.vocab, self.bufs.t_feat[: lg.shape[0]],
                           self.bufs, tctx, stage=d + 1 < self.tree.depth)
         self._probs = None
 
@@ -262,8 +247,7 @@ class BlockHeadDrafter(StagedDrafter):
             return Proposal(self.drafts[:bs], self.num_drafts[:bs], self._probs,
                             self.draft_index if self._probs is not None else None)
         drafts, parents, depths = self.prop[:, :bs]
-        g = self.branch.k if self.branch else 0
-        n = self.k - g
+        n, g = self.tree.nodes, self.tree.ngram
         if self.tree.width > 1:  # the best n nodes of the tree, in depth order
             live = tree_pick(self.bufs.node_score[:bs], self.bufs.node_tok[:bs],
                              self.bufs.node_parent[:bs], self.node_depth, ctx.max_draft, n, g,

@@ -61,9 +61,9 @@ from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.attention.metadata import MetadataBuffers, RowPaths
 from draftgraph.config import TREE_MAX_BS, TreeShape
 from draftgraph.kernels.tree import (
-    TreeBuffers,
     TreeContext,
     top_logprobs,
+    tree_buffers,
     tree_grow,
     tree_pick,
 )
@@ -108,31 +108,18 @@ class TreeHeadDrafter(ChainHeadDrafter):
 
     def bind(self, target) -> None:
         super().bind(target)
-        w, d, dev = self.shape.width, self.shape.depth, target.device
+        w, dev = self.shape.width, target.device
         m = min(self.tree_max_bs, target.max_bs)
-        total = self.shape.total
-        # nodes, depth-major: W at depth 1, then each step's W x W children (beam row-major)
-        self.node_tok = torch.zeros(m, total, dtype=torch.int64, device=dev)
-        self.node_score = torch.zeros(m, total, dtype=torch.float32, device=dev)
-        self.node_parent = torch.zeros(m, total, dtype=torch.int64, device=dev)
-        self.node_depth = torch.tensor([1] * w + [2 + i // w ** 2 for i in range(total - w)],
-                                       dtype=torch.int64, device=dev)
-        self.beam_node = torch.zeros(m, w, dtype=torch.int64, device=dev)
-        # a beam row's slots at depths 1 .. d; step i's rows read half i % 2 (kernels/tree.py)
-        self.beam_path = torch.zeros(2, m, w, d, dtype=torch.int64, device=dev)
-        # the beam rows of a step (one per request and beam entry): their raw inputs and
-        # their own metadata (tree rows)
+        # the nodes, the beam, and the beam rows of a step (one per request and beam entry):
+        # their raw inputs, input features and own metadata (tree rows)
+        self.bufs, self.node_depth = tree_buffers(w, self.shape.depth, m,
+                                                  self.step_feat.shape[1],
+                                                  self.step_feat.dtype, dev)
         r = m * w
-        self.t_ids = torch.zeros(r, dtype=torch.int64, device=dev)
         # request row, KV length, slot and path base of each row, staged together (a dead
         # row's: the dummy row 0, length 1, slot 0, base 1)
-        self.t_rows = torch.zeros(4, r, dtype=torch.int64, device=dev)
-        self.t_req, self.t_seq, self.t_loc, self.t_base = (self.t_rows[i] for i in range(4))
+        self.t_req, self.t_seq, self.t_loc, self.t_base = self.bufs.t_rows
         self.t_ones = torch.ones(r, dtype=torch.int64, device=dev)
-        self.t_feat = torch.zeros(r, self.step_feat.shape[1], dtype=self.step_feat.dtype,
-                                  device=dev)
-        self.bufs = TreeBuffers(self.node_tok, self.node_score, self.node_parent, self.beam_node,
-                                self.beam_path, self.t_feat, self.t_ids, self.t_rows)
         # the proposal [m, N + G] (drafts, parents, depths): the pick writes columns :N, the
         # n-gram branch's drafts columns N:, whose parents (the root, then the previous draft's
         # row) and depths (1 .. G) never change
@@ -155,16 +142,16 @@ class TreeHeadDrafter(ChainHeadDrafter):
             return super().step_fb(ctx, i)
         bs = ctx.seq_lens.shape[0]
         r = bs * self.shape.width
-        return ForwardBatch(Phase.DRAFT_CHAIN, self.t_ids[:r], self.t_req[:r], self.t_seq[:r],
-                            self.t_ones[:r], self.t_loc[:r], self.tree_meta,
-                            paths=RowPaths(self.beam_path[i % 2, :bs].view(r, -1),
+        return ForwardBatch(Phase.DRAFT_CHAIN, self.bufs.t_ids[:r], self.t_req[:r],
+                            self.t_seq[:r], self.t_ones[:r], self.t_loc[:r], self.tree_meta,
+                            paths=RowPaths(self.bufs.beam_path[i % 2, :bs].view(r, -1),
                                            self.t_base[:r]))
 
     def run_step(self, ctx: DraftContext, i: int, fb: ForwardBatch) -> None:
         if not ctx.tree:
             super().run_step(ctx, i, fb)
             return
-        feat = self.step_feat[: fb.bs] if i == 0 else self.t_feat[: fb.bs]
+        feat = self.step_feat[: fb.bs] if i == 0 else self.bufs.t_feat[: fb.bs]
         self._expand(ctx, i, *self.head_step(feat, fb))
 
     def _expand(self, ctx: DraftContext, i: int, logits: torch.Tensor,
@@ -184,7 +171,8 @@ class TreeHeadDrafter(ChainHeadDrafter):
         bs, n, g = ctx.seq_lens.shape[0], self.shape.nodes, self.shape.ngram
         drafts, parents, depths = self.prop[:, :bs]
         _, _, _, live = tree_pick(
-            self.node_score[:bs], self.node_tok[:bs], self.node_parent[:bs], self.node_depth,
+            self.bufs.node_score[:bs], self.bufs.node_tok[:bs], self.bufs.node_parent[:bs],
+            self.node_depth,
             ctx.max_draft, n, g, (drafts[:, :n], parents[:, :n], depths[:, :n]))
         if g:
             self._branch(ctx, drafts[:, n:])
