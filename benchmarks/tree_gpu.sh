@@ -30,6 +30,9 @@
 #   batch:  chain k = 4 against the trees TREES in one process at each batch size of BATCHES
 #           (8 16 32): above `config.TREE_MAX_BS` requests a tree drafter drafts its head's
 #           chain of D (verifying 1 + D rows a request), at or below it its tree.
+#   blockr: ms per round of the shipped block head (random-weight target of the default
+#           model's shape, bf16) alone and with the trees BTREES (its n-gram branch, wider
+#           trees of its rows) at BATCHES (1 4), plain decode in the same run.
 #   kernels: GPU time per kernel name over graph-replayed rounds (`bench_block.py --kernels`),
 #           chain k = 4 and the trees TREES, plain decode in the same run.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
@@ -119,8 +122,19 @@ case "${1:-}" in
         | grep -v -i warn | cut -c1-200
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('bs', sys.argv[2], 'decode', d['plain_decode']['ms_per_round'], {k: round(v['ms_per_round'], 4) for k, v in d['arms'].items()})" "$OUT/batch_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" "$bs"
     done ;;
+  blockr)
+    B=src/draftgraph/heads/smollm2-135m-block
+    for bs in ${BATCHES:-1 4}; do
+      arms="block|$B|in_graph"
+      for t in ${BTREES:-1x7:7+g16 4x7:16+g16 8x7:27+g16}; do arms="$arms;block|$B|$t"; done
+      timeout 250 python3 benchmarks/bench_block.py --target random:smollm2-135m \
+        --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
+        --out "$OUT/block_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "rror" \
+        | grep -v -i warn | cut -c1-300
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('bs', sys.argv[2], 'decode', d['plain_decode']['ms_per_round'], {k.split('|')[2]: (round(v['ms_per_round'], 4), round(v['tokens_per_round_per_request'], 3), v.get('kernel_launches')) for k, v in d['arms'].items()})" "$OUT/block_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" "$bs"
+    done ;;
   kernels)
-    arms="chain|$H|4"
+    arms=""chain|$H|4"
     for t in $TREES; do arms="$arms;chain|$H|$t"; done
     timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m --kernels \
       --batch-size ${BS:-1} --steps 100 --arms "$arms" \
@@ -139,5 +153,5 @@ case "${1:-}" in
       --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}${SETS:+_${SETS/,/_}}.json" 2>&1 | grep -v Warning | tail -12
     ;;
-  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | epi | dotab | batch | kernels | stage N | real"; exit 2 ;;
+  *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | epi | dotab | batch | blockr | kernels | stage N | real"; exit 2 ;;
 esac

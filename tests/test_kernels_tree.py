@@ -22,7 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, V = 40, 97
 
 
-def _bufs(m: int, w: int, d: int, gen: torch.Generator) -> T.TreeBuffers:
+def _bufs(m: int, w: int, d: int, gen: torch.Generator, h: int = H) -> T.TreeBuffers:
     total = w + (d - 1) * w * w
 
     def noise(*shape, dtype=torch.int64):  # stale contents: the kernels must not read them
@@ -30,7 +30,7 @@ def _bufs(m: int, w: int, d: int, gen: torch.Generator) -> T.TreeBuffers:
 
     return T.TreeBuffers(noise(m, total), noise(m, total, dtype=torch.float32),
                          noise(m, total), noise(m, w) % w, noise(2, m, w, d),
-                         noise(m * w, H, dtype=torch.float32), noise(m * w), noise(4, m * w))
+                         noise(m * w, h, dtype=torch.float32), noise(m * w), noise(4, m * w))
 
 
 def _clone(b: T.TreeBuffers) -> T.TreeBuffers:
@@ -42,13 +42,15 @@ def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0), y.nan_to_num(0))
 
 
-def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int, nan: bool = False):
+def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int, nan: bool = False,
+               h: int = H):
     """A whole tree grown by the kernel and by the twin, step by step, from the same random
     head outputs (scores rounded to 1/4: ties everywhere); every buffer compared after each
-    step. `nan`: a NaN log-probability in every step's first row (ranked last)."""
+    step. `nan`: a NaN log-probability in every step's first row (ranked last); `h`: the
+    streams' width (0: no features, the block's tree)."""
     gen = torch.Generator().manual_seed(seed)
     m = bs + 1  # a spare request row: buffers are sized for more than the batch
-    a = _bufs(m, w, d, gen)
+    a = _bufs(m, w, d, gen, h)
     b = _clone(a)
     vmap = torch.randperm(1000, generator=gen)[:V].to(DEVICE) if vocab else None
     ctx = T.TreeContext(torch.randint(3, 40, (bs,), generator=gen).to(DEVICE),
@@ -62,7 +64,7 @@ def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int, nan: bool = Fals
         top = lp.topk(w, dim=-1)
         if nan:
             top.values[0, -1] = float("nan")
-        stream = torch.randn(rows, H, generator=gen).to(DEVICE)
+        stream = torch.randn(rows, h, generator=gen).to(DEVICE)
         args = (step, top.values.to(DEVICE), top.indices.to(DEVICE), vmap, stream)
         stage = step + 1 < d
         T.tree_grow_triton(*args, a, ctx, stage)
@@ -72,12 +74,13 @@ def _grow_both(w: int, d: int, bs: int, vocab: bool, seed: int, nan: bool = Fals
     return a, b, ctx
 
 
-@pytest.mark.parametrize("w,d,bs,vocab,nan", [(4, 5, 3, True, False), (2, 4, 5, False, False),
-                                              (1, 3, 2, True, False), (3, 2, 4, False, False),
-                                              (4, 3, 3, True, True),
-                                              (12, 5, 2, True, False)])  # the widest at 63
-def test_a_grown_tree_equals_the_twins_buffer_for_buffer(w, d, bs, vocab, nan):
-    a, _, ctx = _grow_both(w, d, bs, vocab, seed=w * 10 + d, nan=nan)
+@pytest.mark.parametrize("w,d,bs,vocab,nan,h", [
+    (4, 5, 3, True, False, H), (2, 4, 5, False, False, H), (1, 3, 2, True, False, H),
+    (3, 2, 4, False, False, H), (4, 3, 3, True, True, H),
+    (12, 5, 2, True, False, H),  # the widest at 63
+    (4, 7, 3, True, False, 0)])  # the block's tree: no features to stage
+def test_a_grown_tree_equals_the_twins_buffer_for_buffer(w, d, bs, vocab, nan, h):
+    a, _, ctx = _grow_both(w, d, bs, vocab, seed=w * 10 + d, nan=nan, h=h)
     total = w + (d - 1) * w * w
     if d > 1:  # the last staged rows: live requests' KV lengths, dead ones the dummy row
         rows = a.t_rows[:, : bs * w].view(4, bs, w)

@@ -334,14 +334,16 @@ def tree_grow_triton(step: int, top_lp: torch.Tensor, top_idx: torch.Tensor,
     rows = top_lp.shape[0] // bs
     d = bufs.beam_path.shape[3]
     top_lp, top_idx = top_lp.contiguous(), top_idx.contiguous()
-    assert stream.stride(1) == 1 and bufs.t_feat.stride(1) == 1
-    hidden = stream.shape[1]
+    hidden, feat = stream.shape[1], bufs.t_feat
+    if hidden == 0:  # no features to stage (the block's tree): a live pointer stands in
+        stream = feat = top_lp
+    assert stream.stride(1) == 1 and feat.stride(1) == 1
     _tree_grow_kernel[(bs,)](
         top_lp, top_idx, vocab if vocab is not None else top_idx, stream, bufs.node_tok,
         bufs.node_score, bufs.node_parent, bufs.beam_node, bufs.beam_path[step % 2],
-        bufs.beam_path[(step + 1) % 2], bufs.t_feat, bufs.t_ids, bufs.t_rows, ctx.seq_lens,
+        bufs.beam_path[(step + 1) % 2], feat, bufs.t_ids, bufs.t_rows, ctx.seq_lens,
         ctx.req_pool_indices, ctx.max_draft, ctx.reserved_slots, step, _lo(step, w),
-        bufs.node_tok.shape[1], hidden, stream.stride(0), bufs.t_feat.stride(0),
+        bufs.node_tok.shape[1], hidden, stream.stride(0), feat.stride(0),
         bufs.t_rows.stride(0), ctx.reserved_slots.stride(0), ctx.reserved_slots.stride(1),
         W=w, R=rows, D=d, C_P=max(2, next_pow2(rows * w)), W_P=max(2, next_pow2(w)),
         D_P=max(2, next_pow2(d)), BLOCK_H=min(256, max(16, next_pow2(hidden))),

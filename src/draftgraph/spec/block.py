@@ -56,7 +56,7 @@ from draftgraph.kernels.tree import (
     TreeContext,
     top_logprobs,
     tree_buffers,
-    tree_grow_ref,
+    tree_grow,
     tree_pick,
 )
 from draftgraph.models.block_head import BlockHead
@@ -224,8 +224,8 @@ class BlockHeadDrafter(StagedDrafter):
         nodes (by cumulative draft log-probability) each take the W likeliest tokens of row
         d with their own token in the Markov term, so only that term differs between the
         children of siblings (the offline walk's `BlockTree`, benchmarks/tree_accept.py). The
-        growing is the chain tree's reference ops (`tree_grow_ref`: sort and gathers, no
-        head-step features to stage), the rows' top-W its kernel (`top_logprobs`)."""
+        growing and the rows' top-W are the chain tree's kernels (`tree_grow` with no
+        head-step features to stage, `top_logprobs`)."""
         bs, w, head = ctx.seq_lens.shape[0], self.tree.width, self.head
         tctx = TreeContext(ctx.seq_lens, ctx.req_pool_indices, ctx.max_draft,
                            ctx.reserved_slots)
@@ -237,7 +237,7 @@ class BlockHeadDrafter(StagedDrafter):
             if head.markov_in is not None:
                 lg = lg + head.markov(prev, self.markov_w)
             top_lp, top_idx = top_logprobs(lg, w)
-            tree_grow_ref(d, top_lp, top_idx, self.vocab, self.bufs.t_feat[: lg.shape[0]],
+            tree_grow(d, top_lp, top_idx, self.vocab, self.bufs.t_feat[: lg.shape[0]],
                           self.bufs, tctx, stage=d + 1 < self.tree.depth)
         self._probs = None
 
