@@ -13,6 +13,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # here, carry .old too, SRC=$PWD/.old/src); NO_OFFLINE=1 skips the offline runs
 export PYTHONPATH=/tmp/site:${SRC:-$PWD/src}:$PWD/benchmarks PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 CONC=${CONCURRENCY:-1 16 64 128}
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)  # e.g. NVIDIA H100 80GB HBM3
+GTAG=$(echo "$GPU" | grep -o -i -E "h100|h200" | tr A-Z a-z | head -1)
 for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   for arm in ${ARMS:-plain}; do
     # arms: plain (the defaults: on a GPU the engine in its own process), thread (the engine
@@ -29,7 +31,7 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
       --base-url http://127.0.0.1:8123 --dataset random --random-input-len 512 \
       --random-output-len 128 --ignore-eos --num-prompts ${NUM_PROMPTS:-512} \
       --max-concurrency $CONC --plot --result-dir "$OUT" \
-      --device-label "NVIDIA H200 ($arm${TAG:+ $TAG})" \
+      --device-label "$GPU ($arm${TAG:+ $TAG})" \
       --result-file "serve-$m-$arm${TAG:+-$TAG}-$(date +%H%M%S).json" \
       2>&1 | tail -8
     kill $pid; wait $pid 2>/dev/null
@@ -38,7 +40,7 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   [ -n "${NO_OFFLINE:-}" ] && continue
   timeout ${OFFLINE_TIMEOUT:-200} python3 benchmarks/serve_offline.py --model random:$m \
     --num-prompts ${NUM_PROMPTS:-512} --input-len 512 --output-len 128 \
-    --concurrency "$(echo $CONC | tr ' ' ',')" --out "$OUT/serve_offline_${m}_h200.json" \
+    --concurrency "$(echo $CONC | tr ' ' ',')" --out "$OUT/serve_offline_${m}_${GTAG:-gpu}.json" \
     2>&1 | grep -v -i warn | grep -v "^capturing"
 done
 ls "$OUT"

@@ -134,7 +134,7 @@ case "${1:-}" in
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('bs', sys.argv[2], 'decode', d['plain_decode']['ms_per_round'], {k.split('|')[2]: (round(v['ms_per_round'], 4), round(v['tokens_per_round_per_request'], 3), v.get('kernel_launches')) for k, v in d['arms'].items()})" "$OUT/block_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" "$bs"
     done ;;
   kernels)
-    arms=""chain|$H|4"
+    arms="chain|$H|4"
     for t in $TREES; do arms="$arms;chain|$H|$t"; done
     timeout 280 python3 benchmarks/bench_block.py --target random:smollm2-135m --kernels \
       --batch-size ${BS:-1} --steps 100 --arms "$arms" \

@@ -74,24 +74,29 @@ def test_the_cli_drafts_trees_by_default_on_one_gpu_only():
     assert spec("--device", "cuda", method="ngram").tree is None
 
 
-def test_the_cli_gives_the_block_an_ngram_branch_on_one_gpu(tmp_path):
-    """--speculative block, --speculative-tree auto: on one GPU a branch of AUTO_BLOCK_BRANCH
-    drafts beside the block, whose size comes from --block-size or the head's directory (the
-    shipped head's 8 for the default model); none on a CPU or for a random head."""
+def test_the_cli_gives_the_block_a_tree_of_its_rows_on_one_gpu(tmp_path):
+    """--speculative block, --speculative-tree auto: on one GPU a tree of the block's rows
+    (AUTO_BLOCK_TREE: width, nodes, n-gram branch) as deep as the block, whose size comes
+    from --block-size or the head's directory (the shipped head's 8 for the default model);
+    a block too deep for the tree's beam rows gets the branch alone; none on a CPU or for a
+    random head."""
     from draftgraph.cli import parse_args
-    from draftgraph.flags import AUTO_BLOCK_BRANCH, AUTO_TREE_MAX_BS, spec_config_from_args
+    from draftgraph.flags import AUTO_BLOCK_TREE, AUTO_TREE_MAX_BS, spec_config_from_args
 
     def spec(model, *flags):
         return spec_config_from_args(parse_args(["generate", model, "hi", "--speculative",
                                                  "block", *flags]))
 
-    g = AUTO_BLOCK_BRANCH
+    w, n, g = AUTO_BLOCK_TREE
     on = spec("default", "--device", "cuda")
-    assert (on.tree, on.tree_max_bs) == (TreeShape(1, 7, 7, g), AUTO_TREE_MAX_BS)
-    assert spec("default", "--device", "cuda", "--block-size", "5").tree == TreeShape(1, 4, 4, g)
-    (tmp_path / "config.json").write_text('{"kind": "block", "block_size": 12}')
+    assert (on.tree, on.tree_max_bs) == (TreeShape(w, 7, n, g), AUTO_TREE_MAX_BS)
+    assert spec("default", "--device", "cuda", "--block-size", "5").tree == TreeShape(w, 4, n, g)
+    # a block of 2 grows w + w * w nodes, fewer than n: all of them are verified
+    assert spec("default", "--device", "cuda", "--block-size", "3").tree == \
+        TreeShape(w, 2, w + w * w, g)
+    (tmp_path / "config.json").write_text('{"kind": "block", "block_size": 16}')
     assert spec("random:tiny", "--device", "cuda", "--draft-head", str(tmp_path)).tree == \
-        TreeShape(1, 11, 11, g)
+        TreeShape(1, 15, 15, g)  # 14 x 4 beam rows: more than the 43 verify rows
     assert spec("default", "--device", "cpu").tree is None
     assert spec("random:tiny", "--device", "cuda", "--draft-head", "random").tree is None
     assert spec("default", "--device", "cuda", "--speculative-tree", "off").tree is None

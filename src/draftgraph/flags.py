@@ -206,8 +206,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "chain. --speculative block: 1xK:K+gG (K: the block's drafts, block size "
                    "- 1) verifies a prompt-lookup chain of G drafts beside the block, WxD:N+gG "
                    "with W > 1 and D <= K a tree of the block's rows beside it; auto: "
-                   f"G = {AUTO_BLOCK_BRANCH} on one GPU in steps of up to {AUTO_TREE_MAX_BS} "
-                   "requests, none on a CPU")
+                   f"{auto_block_tree(7)} for a block of 7 drafts on one GPU in steps of up "
+                   f"to {AUTO_TREE_MAX_BS} requests, none on a CPU")
     s.add_argument("--block-size", type=int, default=None,
                    help="--speculative block: the anchor + this many - 1 mask tokens, "
                    "block-size - 1 drafts per step (default: the head's)")
@@ -245,11 +245,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 # 8x5:27+g5 ran within 4 % of each other (1.48x / 1.49x / 1.44x), so trees stay at <= 4.
 AUTO_TREE = TreeShape(8, 5, 27, 16)
 AUTO_TREE_MAX_BS = 4
-# --speculative block with --speculative-tree auto on one GPU: an n-gram branch of this many
-# drafts beside the block (1xK:K+g16). On an H100 (the same runs as above, batch 1) the shipped
-# block head drafts 1.68x / 2.21x plain with it against 1.31x / 1.37x without (accept length
-# 2.92 / 3.94 against 2.19 / 2.31). benchmarks/NOTES.md, stop 48.
-AUTO_BLOCK_BRANCH = 16
+# --speculative block with --speculative-tree auto on one GPU: a tree of the block's K rows,
+# width 4, its 27 best nodes verified with a 16-draft n-gram branch beside them (4xK:27+g16;
+# `auto_block_tree`). On an H100 (bf16, batch 1, 40 prompts, 256 tokens, best of two runs an
+# arm) the shipped block head (K = 7) drafts 2.00x / 2.66x plain on MT-Bench / HumanEval with
+# it (accept length 3.59 / 4.98), against 1.98x / 2.63x with 4x7:16+g16 and 1.69x / 2.20x
+# with the branch alone (1x7:7+g16: 2.92 / 3.94); at batch 4 (MT-Bench) 1.78x against 1.65x,
+# sampled (T = 0.7) 1.36x against 1.11x. Its round costs 1.15x the branch's (1.274 against
+# 1.104 ms, random weights). benchmarks/NOTES.md, stop 49.
+AUTO_BLOCK_TREE = (4, 27, 16)  # width, verified nodes, n-gram drafts
+
+
+def auto_block_tree(k: int) -> TreeShape:
+    """AUTO_BLOCK_TREE over a block of k drafts (depth k; nodes within the tree's), or the
+    branch beside the block where a tree that deep does not fit the verify rows."""
+    w, n, g = AUTO_BLOCK_TREE
+    try:
+        return TreeShape(w, k, max(k, min(n, w + (k - 1) * w * w)), g)
+    except ValueError:
+        return TreeShape(1, k, k, g)
 
 
 def _block_drafts(args: argparse.Namespace) -> int | None:
@@ -284,7 +298,7 @@ def _tree(args: argparse.Namespace) -> tuple[TreeShape | None, int]:
         return AUTO_TREE, AUTO_TREE_MAX_BS
     k = _block_drafts(args) if args.speculative == "block" else None
     if k:
-        return TreeShape(1, k, k, AUTO_BLOCK_BRANCH), AUTO_TREE_MAX_BS
+        return auto_block_tree(k), AUTO_TREE_MAX_BS
     return None, TREE_MAX_BS
 
 
