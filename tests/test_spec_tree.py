@@ -41,10 +41,14 @@ def test_tree_shapes_are_checked_and_named_by_the_flag():
     branch = TreeShape.parse("8x5:27+g5")  # an n-gram branch of 5 beside 27 nodes
     assert branch == TreeShape(8, 5, 27, 5) and branch.verified == 32 and str(branch) == \
         "8x5:27+g5"
-    for bad in ("4x5", "4x5:64", "2x2:7", "1x6:5", "8x6:16", "4x4:8", "8x6:32", "17x1:17",
-                "16x5:63", "8x5:27+g37", "12x5:60+g4", "8x5:24+g5", "4x5:16+g"):
+    for bad in ("4x5", "4x5:64", "2x2:7", "1x6:5", "17x1:17", "8x5:27+g37", "12x5:60+g4",
+                "4x5:16+g"):
         with pytest.raises(ValueError, match="--speculative-tree"):
             TreeShape.parse(bad)
+    # a chain head's (depth - 1) x width beam rows write KV into the verified drafts' slots
+    for deep in ("8x6:16", "4x4:8", "8x6:32", "16x5:63", "8x5:24+g5"):
+        with pytest.raises(ValueError, match="beam rows need"):
+            SpecConfig(method="chain", tree=TreeShape.parse(deep))
     deep = TreeShape.parse("8x5:25+g8")  # a branch reaching past the tree's depth
     assert (deep.verified, deep.reach, branch.reach) == (33, 8, 5)
     with pytest.raises(ValueError, match="--speculative-tree is for --speculative chain"):
@@ -78,8 +82,7 @@ def test_the_cli_gives_the_block_a_tree_of_its_rows_on_one_gpu(tmp_path):
     """--speculative block, --speculative-tree auto: on one GPU a tree of the block's rows
     (AUTO_BLOCK_TREE: width, nodes, n-gram branch) as deep as the block, whose size comes
     from --block-size or the head's directory (the shipped head's 8 for the default model);
-    a block too deep for the tree's beam rows gets the branch alone; none on a CPU or for a
-    random head."""
+    none on a CPU or for a random head."""
     from draftgraph.cli import parse_args
     from draftgraph.flags import AUTO_BLOCK_TREE, AUTO_TREE_MAX_BS, spec_config_from_args
 
@@ -94,9 +97,9 @@ def test_the_cli_gives_the_block_a_tree_of_its_rows_on_one_gpu(tmp_path):
     # a block of 2 grows w + w * w nodes, fewer than n: all of them are verified
     assert spec("default", "--device", "cuda", "--block-size", "3").tree == \
         TreeShape(w, 2, w + w * w, g)
-    (tmp_path / "config.json").write_text('{"kind": "block", "block_size": 16}')
+    (tmp_path / "config.json").write_text('{"kind": "block", "block_size": 17}')
     assert spec("random:tiny", "--device", "cuda", "--draft-head", str(tmp_path)).tree == \
-        TreeShape(1, 15, 15, g)  # 14 x 4 beam rows: more than the 43 verify rows
+        TreeShape(w, 16, n, g)  # 15 x 4 beam rows: more than the 43 verified, the block's
     assert spec("default", "--device", "cpu").tree is None
     assert spec("random:tiny", "--device", "cuda", "--draft-head", "random").tree is None
     assert spec("default", "--device", "cuda", "--speculative-tree", "off").tree is None

@@ -118,9 +118,6 @@ class TreeShape:
         if n > self.total:
             raise ValueError(f"--speculative-tree {self}: a tree of width {w} and depth "
                              f"{d} has {self.total} nodes, fewer than {n}")
-        if (d - 1) * w > self.verified:  # each beam row writes its KV into a verify row's slot
-            raise ValueError(f"--speculative-tree {self}: the head's {(d - 1) * w} beam "
-                             f"rows need (depth - 1) x width <= verified drafts")
 
     def __str__(self) -> str:
         tail = f"+g{self.ngram}" if self.ngram else ""
@@ -136,6 +133,15 @@ class TreeShape:
         """The deepest verified draft: the tree's depth, or the n-gram branch's length where
         it reaches past it (a step accepts up to this many drafts)."""
         return max(self.depth, self.ngram)
+
+    def check_beams(self) -> None:
+        """A chain head's beam rows, (depth - 1) x width over the steps after the first,
+        write their KV into the verify rows' slots, so they must fit the verified drafts (a
+        block's tree runs no beam rows)."""
+        rows = (self.depth - 1) * self.width
+        if rows > self.verified:
+            raise ValueError(f"--speculative-tree {self}: its {rows} beam rows need (depth - 1) "
+                             f"x width <= verified drafts ({self.verified}) for a chain head")
 
     @property
     def total(self) -> int:
@@ -189,6 +195,8 @@ class SpecConfig:
               "--speculative-tree is for --speculative chain (a tree of the head's drafts) "
               "or block (1xK:K+gG: the block of K drafts and an n-gram branch of G; or a "
               "tree of the block's rows)")
+        if self.tree is not None and self.method == "chain":
+            self.tree.check_beams()
         _need(1 <= self.tree_max_bs <= TREE_MAX_BS,
               f"trees are drafted in steps of 1 .. {TREE_MAX_BS} requests, got "
               f"{self.tree_max_bs}")

@@ -257,13 +257,9 @@ AUTO_BLOCK_TREE = (4, 27, 16)  # width, verified nodes, n-gram drafts
 
 
 def auto_block_tree(k: int) -> TreeShape:
-    """AUTO_BLOCK_TREE over a block of k drafts (depth k; nodes within the tree's), or the
-    branch beside the block where a tree that deep does not fit the verify rows."""
+    """AUTO_BLOCK_TREE over a block of k drafts: depth k, its nodes within the tree's."""
     w, n, g = AUTO_BLOCK_TREE
-    try:
-        return TreeShape(w, k, max(k, min(n, w + (k - 1) * w * w)), g)
-    except ValueError:
-        return TreeShape(1, k, k, g)
+    return TreeShape(w, k, max(k, min(n, w + (k - 1) * w * w)), g)
 
 
 def _block_drafts(args: argparse.Namespace) -> int | None:

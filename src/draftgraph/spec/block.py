@@ -162,6 +162,10 @@ class BlockHeadDrafter(StagedDrafter):
             # the chain tree's buffers, with no head-step features (0 columns; `_grow`)
             self.bufs, self.node_depth = tree_buffers(self.tree.width, self.tree.depth, m, 0,
                                                       torch.float32, dev)
+            # its beams run no rows, so write no KV: the grow stages their slots from zeros
+            # (any number of beam rows, where a chain head's must fit its verify rows' slots)
+            self.beam_slots = torch.zeros(m, 1 + (self.tree.depth - 1) * self.tree.width,
+                                          dtype=torch.int64, device=dev)
         self.num_drafts = torch.zeros(m, dtype=torch.int64, device=dev)
         self._probs: torch.Tensor | None = None  # [bs, nb, V] of the proposal being built
         logger.info("block head: %d layer(s), block size %d, window %d, target layers %s, "
@@ -228,7 +232,7 @@ class BlockHeadDrafter(StagedDrafter):
         head-step features to stage, `top_logprobs`)."""
         bs, w, head = ctx.seq_lens.shape[0], self.tree.width, self.head
         tctx = TreeContext(ctx.seq_lens, ctx.req_pool_indices, ctx.max_draft,
-                           ctx.reserved_slots)
+                           self.beam_slots[:bs])
         for d in range(self.tree.depth):
             if d == 0:
                 prev, lg = ctx.last_tokens, logits[:, 0]  # [bs, V']
@@ -238,7 +242,7 @@ class BlockHeadDrafter(StagedDrafter):
                 lg = lg + head.markov(prev, self.markov_w)
             top_lp, top_idx = top_logprobs(lg, w)
             tree_grow(d, top_lp, top_idx, self.vocab, self.bufs.t_feat[: lg.shape[0]],
-                          self.bufs, tctx, stage=d + 1 < self.tree.depth)
+                      self.bufs, tctx, stage=d + 1 < self.tree.depth)
         self._probs = None
 
     def finish(self, ctx: DraftContext) -> Proposal:

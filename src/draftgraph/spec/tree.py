@@ -83,6 +83,7 @@ class TreeHeadDrafter(ChainHeadDrafter):
     def __init__(self, head, shape: TreeShape, catch_up: bool = True,
                  max_bs: int = TREE_MAX_BS, ngram_n: tuple[int, int] = (1, 4),
                  chain: int | None = None) -> None:
+        shape.check_beams()
         super().__init__(head, shape.verified, catch_up)
         self.shape = shape
         self.tree_max_bs = max_bs  # larger steps draft a chain
