@@ -46,6 +46,18 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks
 H=src/draftgraph/heads/smollm2-135m-chain
 TREES=${TREES:-4x5:16 2x4:8}
+B=src/draftgraph/heads/smollm2-135m-block
+
+batch_rounds() {  # $1: the JSON's stem, $2: the arms, $3: the default BATCHES; one process each
+  for bs in ${BATCHES:-$3}; do
+    o="$OUT/${1}_smollm2_bs${bs}_t${TEMP:-0}.json"
+    timeout 250 python3 benchmarks/bench_block.py --target random:smollm2-135m \
+      --batch-size "$bs" --steps 200 --arms "$2" --temperature ${TEMP:-0} --out "$o" 2>&1 \
+      | grep -E "rror" | grep -v -i warn | cut -c1-300
+    # per arm: ms a round, tokens a round a request, host-launched kernels a round
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('bs', sys.argv[2], 'decode', d['plain_decode']['ms_per_round'], {k.split('|', 1)[1]: (round(v['ms_per_round'], 4), round(v['tokens_per_round_per_request'], 3), v.get('kernel_launches')) for k, v in d['arms'].items()})" "$o" "$bs"
+  done
+}
 case "${1:-}" in
   tests)
     timeout 500 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_tree.py \
@@ -113,26 +125,13 @@ case "${1:-}" in
       done
     done ;;
   batch)
-    for bs in ${BATCHES:-8 16 32}; do
-      arms="chain|$H|4"
-      for t in $TREES; do arms="$arms;chain|$H|$t"; done
-      timeout 200 python3 benchmarks/bench_block.py --target random:smollm2-135m \
-        --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
-        --out "$OUT/batch_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "arm|rror" \
-        | grep -v -i warn | cut -c1-200
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('bs', sys.argv[2], 'decode', d['plain_decode']['ms_per_round'], {k: round(v['ms_per_round'], 4) for k, v in d['arms'].items()})" "$OUT/batch_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" "$bs"
-    done ;;
+    arms="chain|$H|4"
+    for t in $TREES; do arms="$arms;chain|$H|$t"; done
+    batch_rounds batch_rounds "$arms" "8 16 32" ;;
   blockr)
-    B=src/draftgraph/heads/smollm2-135m-block
-    for bs in ${BATCHES:-1 4}; do
-      arms="block|$B|in_graph"
-      for t in ${BTREES:-1x7:7+g16 4x7:16+g16 8x7:27+g16}; do arms="$arms;block|$B|$t"; done
-      timeout 250 python3 benchmarks/bench_block.py --target random:smollm2-135m \
-        --batch-size "$bs" --steps 200 --arms "$arms" --temperature ${TEMP:-0} \
-        --out "$OUT/block_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" 2>&1 | grep -E "rror" \
-        | grep -v -i warn | cut -c1-300
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('bs', sys.argv[2], 'decode', d['plain_decode']['ms_per_round'], {k.split('|')[2]: (round(v['ms_per_round'], 4), round(v['tokens_per_round_per_request'], 3), v.get('kernel_launches')) for k, v in d['arms'].items()})" "$OUT/block_rounds_smollm2_bs${bs}_t${TEMP:-0}.json" "$bs"
-    done ;;
+    arms="block|$B|in_graph"
+    for t in ${BTREES:-1x7:7+g16 4x7:27+g16 8x7:27+g16}; do arms="$arms;block|$B|$t"; done
+    batch_rounds block_rounds "$arms" "1 4" ;;
   kernels)
     arms="chain|$H|4"
     for t in $TREES; do arms="$arms;chain|$H|$t"; done
