@@ -10,7 +10,6 @@ imports the other.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 
@@ -268,14 +267,14 @@ def _block_drafts(args: argparse.Namespace) -> int | None:
     then says why)."""
     if args.block_size:
         return args.block_size - 1
+    from draftgraph.models.heads import head_config
     from draftgraph.spec import shipped_head
 
     try:
         path = args.draft_head or shipped_head("block", resolve_model(args))
         if path.startswith("random"):
             return None
-        with open(os.path.join(path, "config.json")) as f:
-            return int(json.load(f)["block_size"]) - 1
+        return int(head_config(path)["block_size"]) - 1
     except (ValueError, OSError, KeyError):
         return None
 

@@ -57,14 +57,19 @@ def save_head(head: nn.Module, path: str, shard_bytes: int = SHARD_BYTES) -> lis
     return names
 
 
-def head_kind(path: str) -> str:
-    """The `kind` of the head directory at `path` (ValueError when it is not one)."""
+def head_config(path: str) -> dict:
+    """The raw `config.json` of the head directory at `path` (ValueError when it has none)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"--draft-head {path!r}: no config.json there (a head directory "
                          "holds config.json and *.safetensors; or use `random`)")
     with open(cfg_path) as f:
-        kind = json.load(f).get("kind", "chain")
+        return json.load(f)
+
+
+def head_kind(path: str) -> str:
+    """The `kind` of the head directory at `path` (ValueError when it is not one)."""
+    kind = head_config(path).get("kind", "chain")
     if kind not in KINDS:
         raise ValueError(f"--draft-head {path!r}: unknown head kind {kind!r} "
                          f"({', '.join(KINDS)})")
@@ -77,8 +82,7 @@ def load_head(path: str, target: ModelConfig, device="cpu",
     from safetensors.torch import load_file
 
     config_cls, head_cls = KINDS[head_kind(path)]
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
+    raw = head_config(path)
     known = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
