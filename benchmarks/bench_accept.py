@@ -105,13 +105,14 @@ def main() -> int:
             kind, _, mode = kind.partition("+")  # "+adaptive": the engine's default policy
             adaptive = mode == "adaptive"
             tree = TreeShape.parse(mode) if ":" in mode else None  # "+WxD:N": draft trees
-            spec = {"plain": SpecConfig(),
-                    "chain": SpecConfig(method="chain", draft_head=head or a.head,
-                                        num_draft_tokens=a.k, adaptive=adaptive, tree=tree),
-                    "block": SpecConfig(method="block", draft_head=head or a.block_head,
-                                        block_size=a.block_size, adaptive=adaptive, tree=tree),
-                    "ngram": SpecConfig(method="ngram", num_draft_tokens=a.k,
-                                        adaptive=adaptive)}[kind]
+            # only this arm's kind is built: a tree is checked against its drafter's bound
+            spec = SpecConfig(**{
+                "plain": {},
+                "chain": dict(method="chain", draft_head=head or a.head, num_draft_tokens=a.k,
+                              adaptive=adaptive, tree=tree),
+                "block": dict(method="block", draft_head=head or a.block_head,
+                              block_size=a.block_size, adaptive=adaptive, tree=tree),
+                "ngram": dict(method="ngram", num_draft_tokens=a.k, adaptive=adaptive)}[kind])
             engine = LLMEngine(EngineConfig(
                 model=a.model, device=a.device, dtype=a.dtype, quantization=a.quantization,
                 cache=CacheConfig(kv_cache_tokens=a.batch * (max(map(len, prompts))
