@@ -78,8 +78,8 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
         shape = TreeShape.parse(name)
         w, d, k = shape.width, shape.depth, shape.verified
         c.append((f"tree pick {name}", T._tree_pick_kernel,
-                  {"node_score": f32, "total": "i32", "stride_o": "i32"},
-                  {"N": shape.nodes, "BRANCH": shape.ngram, "T_P": p2(shape.total),
+                  {"node_score": f32, "total": "i32", "stride_o": "i32", "n_pick": "i32"},
+                  {"BRANCH": shape.ngram, "T_P": p2(shape.total),
                    "PDL": True}))
         c.append((f"tree pack {name}", T._tree_pack_kernel,
                   {"live": "*i8", "stride_res0": "i32", "stride_res1": "i32",

@@ -400,7 +400,7 @@ def tree_pick_ref(node_score: torch.Tensor, node_tok: torch.Tensor, node_parent:
 @triton.jit
 def _tree_pick_kernel(
     node_score, node_tok, node_parent, node_depth, max_draft, row_of, drafts, parents, depths,
-    live, total, stride_o, N: tl.constexpr, BRANCH: tl.constexpr, T_P: tl.constexpr,
+    live, total, stride_o, n_pick, BRANCH: tl.constexpr, T_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -412,7 +412,10 @@ def _tree_pick_kernel(
     score = tl.load(node_score + b * total + t, mask=tm, other=float("-inf"))
     score = tl.where((depth <= md) & (score == score), score, float("-inf"))  # NaN last
     chosen = t < 0
-    for _ in tl.static_range(N):
+    # a loop, not unrolled: one compile serves every count, where an unrolled pick's code
+    # (and compile time) grew with it (GPU tests picking all 100 nodes of a 4x7 tree sat in
+    # compiles)
+    for _ in range(n_pick):
         avail = tm & ~chosen
         best = tl.max(tl.where(avail, score, float("-inf")), axis=0)
         p = tl.min(tl.where(avail & (score == best), t, T_P), axis=0)
@@ -428,7 +431,7 @@ def _tree_pick_kernel(
     tl.store(parents + out, prow, mask=chosen)
     tl.store(depths + out, depth, mask=chosen)
     count = tl.sum((chosen & (depth <= md)).to(tl.int64), axis=0)
-    tl.store(live + b, tl.where(count == N, N + tl.minimum(md, BRANCH), count))
+    tl.store(live + b, tl.where(count == n_pick, n_pick + tl.minimum(md, BRANCH), count))
 
 
 def tree_pick_triton(node_score: torch.Tensor, node_tok: torch.Tensor,
@@ -449,7 +452,7 @@ def tree_pick_triton(node_score: torch.Tensor, node_tok: torch.Tensor,
     row_of = torch.empty(bs, total, dtype=torch.int64, device=dev)
     _tree_pick_kernel[(bs,)](
         node_score, node_tok, node_parent, node_depth, max_draft, row_of, drafts, parents,
-        depths, live, total, drafts.stride(0), N=n, BRANCH=branch,
+        depths, live, total, drafts.stride(0), n, BRANCH=branch,
         T_P=max(2, next_pow2(total)), num_warps=4,
         **pdl_kwargs(node_score),
     )
