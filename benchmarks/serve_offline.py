@@ -26,12 +26,14 @@ from draftgraph.bench.datasets import random_requests
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.flags import add_engine_args, add_model_args, engine_config_from_args
+from draftgraph.server.async_engine import LoopTimes
 
 
 def drive(engine: LLMEngine, requests, concurrency: int) -> dict:
     """Keep `concurrency` requests in the engine until all have run; bench serve's summary."""
     pending = list(requests)
     added, first, last, count = {}, {}, {}, {}
+    times = LoopTimes()  # steps by kind, as the server's engine loop logs them
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and len(added) - len(last) < concurrency:
@@ -39,7 +41,10 @@ def drive(engine: LLMEngine, requests, concurrency: int) -> dict:
             rid = engine.add_request(r.prompt, SamplingParams(
                 max_tokens=r.output_len, temperature=0, ignore_eos=True))
             added[rid] = time.perf_counter()
-        for out in engine.step():
+        s0 = time.perf_counter()
+        outputs = engine.step()
+        times.add_step(engine.step_kind, time.perf_counter() - s0)
+        for out in outputs:
             now = time.perf_counter()
             if out.new_token_ids:
                 first.setdefault(out.request_id, now)
@@ -58,6 +63,7 @@ def drive(engine: LLMEngine, requests, concurrency: int) -> dict:
     return {"max_concurrency": concurrency, "completed": len(last), "duration_s": duration,
             "total_output_tokens": sum(count.values()),
             "output_throughput": sum(count.values()) / duration,
+            "steps_by_kind": times.by_kind(),
             **ms(ttft, "ttft"), **ms(tpot, "tpot"), **ms(e2e, "e2e")}
 
 
@@ -80,7 +86,8 @@ def main() -> int:
         runs.append(drive(engine, requests, c))
         r = runs[-1]
         print(f"offline c={c}: {r['output_throughput']:.0f} tok/s, TTFT "
-              f"{r['median_ttft_ms']:.2f} ms, TPOT {r['median_tpot_ms']:.3f} ms", flush=True)
+              f"{r['median_ttft_ms']:.2f} ms, TPOT {r['median_tpot_ms']:.3f} ms; steps "
+              f"{r['steps_by_kind']}", flush=True)
     out = {"benchmark": "serve_offline", **run_header(str(engine.device)),
            "model": engine.config.model, "model_shape": model_shape(engine.model_config),
            "num_prompts": args.num_prompts, "input_len": args.input_len,

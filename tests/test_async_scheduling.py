@@ -120,3 +120,23 @@ def test_async_scheduling_falls_back_when_kv_runs_short(hf):
     ref = _run(_engine(hf, False, kv_tokens=90), prompts, params)
     got = _run(_engine(hf, True, kv_tokens=90), prompts, params)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
+
+
+def test_each_step_says_what_it_ran(hf):
+    """engine.step_kind (the loops' per-kind step accounts): the prefill step "extend", the
+    first decode step "decode", the steps read while the next runs "ahead", a late arrival's
+    prefill "extend" again, a step with nothing to run ""."""
+    engine = _engine(hf, True)
+    engine.add_request(_prompts(1)[0], SamplingParams(max_tokens=8, temperature=0,
+                                                     ignore_eos=True))
+    kinds = []
+    while engine.has_unfinished():
+        engine.step()
+        kinds.append(engine.step_kind)
+        if len(kinds) == 4:
+            engine.add_request(_prompts(2)[1], SamplingParams(max_tokens=2, temperature=0,
+                                                             ignore_eos=True))
+    assert kinds[:4] == ["extend", "decode", "ahead", "ahead"]
+    assert "extend" in kinds[4:] and kinds.count("extend") == 2
+    engine.step()
+    assert engine.step_kind == ""

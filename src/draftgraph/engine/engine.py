@@ -151,6 +151,10 @@ class LLMEngine:
         self._inflight: list[Request] | None = None
         self._inflight_graphs = None  # the graph set of that replay
         self._inflight_draft: list[int] | None = None  # its max_draft per request
+        # what the last step() ran: "decode" / "spec" (a graph replay), "ahead" (the async
+        # path: the next replay launched, the one in flight read), "extend" (prefill chunks,
+        # with any decode rows), "" (nothing schedulable); read by the loops' step accounts
+        self.step_kind = ""
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
@@ -233,7 +237,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
+        self.step_kind = ""  # what this step ran (set below; "": nothing was schedulable)
         if self._inflight is not None:
+            self.step_kind = "ahead"
             outputs += self._step_ahead()
         else:
             self._step_now(outputs)
@@ -311,6 +317,7 @@ class LLMEngine:
         # a step with prefill chunks: one eager forward, decode rows draft nothing (in
         # deterministic mode a decode-only eager step takes the decode phase, as replays do)
         phase = Phase.DECODE if self.config.deterministic and all(decoding) else Phase.EXTEND
+        self.step_kind = "extend"
         sb = StepBatch(phase, [], [], [], [], [], [])
         rows: list[tuple[ScheduledRequest, int]] = []  # (request, number of logit rows)
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, rows)
@@ -374,6 +381,7 @@ class LLMEngine:
                 graphs = self.spec_graphs
         if any(r.needs_extras for r in reqs):
             graphs = self.extras_graphs[graphs]
+        self.step_kind = "spec" if graphs.body.k else "decode"
         self._stage(graphs, reqs, [r.token_slice(r.num_tokens - 1, r.num_tokens)[0]
                                    for r in reqs], [r.num_tokens for r in reqs],
                     [sr.slots for sr in scheduled], max_draft)
