@@ -251,7 +251,9 @@ AUTO_TREE_MAX_BS = 4
 # it (accept length 3.59 / 4.98), against 1.98x / 2.63x with 4x7:16+g16 and 1.69x / 2.20x
 # with the branch alone (1x7:7+g16: 2.92 / 3.94); at batch 4 (MT-Bench) 1.78x against 1.65x,
 # sampled (T = 0.7) 1.36x against 1.11x. Its round costs 1.15x the branch's (1.274 against
-# 1.104 ms, random weights). benchmarks/NOTES.md, stop 49.
+# 1.104 ms, random weights). benchmarks/NOTES.md, stop 49. Wider trees break even (stop 50,
+# same setting): 8x7:27+g16 and 8x7:40+g16 accept 3.72 / 5.02 and 3.80 / 5.15 but run
+# 3122 / 4049 and 3116 / 4058 tokens/s against 3101 / 4124 (their rounds 3-5 % dearer).
 AUTO_BLOCK_TREE = (4, 27, 16)  # width, verified nodes, n-gram drafts
 
 
