@@ -32,7 +32,8 @@
 #           chain of D (verifying 1 + D rows a request), at or below it its tree.
 #   blockr: ms per round of the shipped block head (random-weight target of the default
 #           model's shape, bf16) alone and with the trees BTREES (its n-gram branch, wider
-#           trees of its rows) at BATCHES (1 4), plain decode in the same run.
+#           trees of its rows) at BATCHES (1 4), plain decode in the same run; BARMS: other
+#           arms (e.g. "block|$B|in_graph/chain3": chain steps verifying 3 of the block).
 #   kernels: GPU time per kernel name over graph-replayed rounds (`bench_block.py --kernels`),
 #           chain k = 4 and the trees TREES, plain decode in the same run.
 #   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
@@ -131,7 +132,7 @@ case "${1:-}" in
   blockr)
     arms="block|$B|in_graph"
     for t in ${BTREES:-1x7:7+g16 4x7:27+g16 8x7:27+g16}; do arms="$arms;block|$B|$t"; done
-    batch_rounds block_rounds "$arms" "1 4" ;;
+    batch_rounds block_rounds "${BARMS:-$arms}" "1 4" ;;
   kernels)
     arms="chain|$H|4"
     for t in $TREES; do arms="$arms;chain|$H|$t"; done

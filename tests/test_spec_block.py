@@ -154,12 +154,18 @@ def _max_kv_error(engine, drafter, steps: int = 12, prompt: list[int] = KV_PROMP
     return worst
 
 
-@pytest.mark.parametrize("spec", ["block_size=5,window=8", "block_size=4,layers=2"])
-def test_the_context_kv_after_every_step_equals_a_from_scratch_injection(hf, spec):
-    engine, drafter = _kv_engine(hf, _Accepting, spec)
+@pytest.mark.parametrize("spec,chain", [("block_size=5,window=8", None),
+                                        ("block_size=4,layers=2", None),
+                                        ("block_size=5,window=8", 2)])
+def test_the_context_kv_after_every_step_equals_a_from_scratch_injection(hf, spec, chain):
+    """(chain 2: steps verify the block's first 2 drafts; its other 2 rows are never
+    accepted, their K/V left for the next block to overwrite.)"""
+    engine, drafter = _kv_engine(hf, _Accepting, spec, chain=chain)
     assert _max_kv_error(engine, drafter) < 1e-4
     s = engine.stats
-    assert s["num_accepted_tokens"] == s["num_draft_tokens"] > 30  # several per step
+    assert s["num_accepted_tokens"] == s["num_draft_tokens"] > 20  # several per step
+    if chain:
+        assert s["num_draft_tokens"] == 2 * s["num_drafts"]
 
 
 def test_a_drafter_that_skips_the_injection_keeps_block_entries(hf):
@@ -399,9 +405,12 @@ def test_block_trees_are_lossless_and_a_branch_reaches_past_the_block(hf, tree):
         [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, hot)]
 
 
-def test_steps_over_the_cap_verify_the_block_alone(hf, plain):
-    engine, drafter = _tree_engine(hf, WIDE)
-    drafter.tree_max_bs = 1  # steps of 2 or 3 requests: the block alone, 1 + 4 rows each
+@pytest.mark.parametrize("chain", [None, 2, 1])
+def test_steps_over_the_cap_verify_the_block_alone(hf, plain, chain):
+    """Steps of more requests than tree_max_bs verify the block (1 + 4 rows a request), or its
+    first `chain` drafts; the output stays plain decoding's."""
+    engine, drafter = _tree_engine(hf, WIDE, chain=chain)
+    drafter.tree_max_bs = 1  # steps of 2 or 3 requests: the block alone
     body, rows = engine.spec_graphs.body, []
     fb = body._fb
 
@@ -412,7 +421,7 @@ def test_steps_over_the_cap_verify_the_block_alone(hf, plain):
 
     body._fb = spied
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain
-    assert {(bs, n) for bs, tree, n in rows if not tree} >= {(3, 15)}, rows
+    assert {(bs, n) for bs, tree, n in rows if not tree} >= {(3, 3 * (1 + (chain or 4)))}, rows
 
 
 class _NoCopy(BlockHeadDrafter):
@@ -476,6 +485,9 @@ def test_a_blocks_tree_shape_is_checked(hf):
     assert SpecConfig(method="block", tree=WIDE_NO_BRANCH).tree == WIDE_NO_BRANCH
     with pytest.raises(ValueError, match=r"12 beam rows need .* <= verified drafts \(10\)"):
         SpecConfig(method="chain", tree=WIDE_NO_BRANCH)
+    for chain in (0, 5):  # a chain step verifies 1 .. 4 of a block of 4
+        with pytest.raises(ValueError, match="verifies 1..4 of them"):
+            BlockHeadDrafter(_head(hf), chain=chain)
 
 
 # ---- head directories and flags -----------------------------------------------------------

@@ -76,7 +76,7 @@ class BlockHeadDrafter(StagedDrafter):
     def __init__(self, head: BlockHead, block_size: int | None = None,
                  confidence_threshold: float | None = None, inject: bool = True,
                  tree: TreeShape | None = None, ngram_n: tuple[int, int] = (1, 4),
-                 max_bs: int = TREE_MAX_BS) -> None:
+                 max_bs: int = TREE_MAX_BS, chain: int | None = None) -> None:
         cfg = head.head_config
         self.block_size = block_size or cfg.block_size
         if not 2 <= self.block_size <= 17:
@@ -95,6 +95,11 @@ class BlockHeadDrafter(StagedDrafter):
         self.branch = NgramProposer(*ngram_n, g) if g else None
         self.drafts_trees = tree is not None
         self.tree_max_bs = max_bs  # larger steps draft the block alone
+        # the drafts a step without a tree verifies: the block's first `chain` (default all)
+        self.chain = nb if chain is None else chain
+        if not 1 <= self.chain <= nb:
+            raise ValueError(f"a block of {nb} drafts verifies 1..{nb} of them in a chain "
+                             f"step, got {chain}")
         self.head = head
         self.threshold = (cfg.confidence_threshold if confidence_threshold is None
                           else confidence_threshold)
@@ -107,7 +112,7 @@ class BlockHeadDrafter(StagedDrafter):
 
     @property
     def chain_k(self) -> int:
-        return self.nb  # a step without the branch verifies the block
+        return self.chain  # a step without a tree verifies the block's first `chain`
 
     @property
     def reach(self) -> int:
@@ -214,7 +219,7 @@ class BlockHeadDrafter(StagedDrafter):
                 self.drafts[:bs, j].copy_(tok)
                 prev = tok
         self._probs = torch.stack(probs, dim=1) if probs else None
-        count = torch.clamp(ctx.max_draft, max=k)
+        count = torch.clamp(ctx.max_draft, max=k if ctx.tree else self.chain)
         if head.confidence is not None:  # cut at the first draft the head doubts
             before = torch.cat([ctx.last_tokens[:, None], self.drafts[:bs, : k - 1]], dim=1)
             conf = head.accept_prob(rows.reshape(bs * k, -1),
