@@ -84,10 +84,10 @@ def test_random_head_trees_in_graphs_fallback_and_eager_agree(loaded, monkeypatc
             monkeypatch.setattr(TritonBackend, "draft_step_update", False)
         drafter = TreeHeadDrafter(head, tree)
         engine = _engine(loaded, drafter, use_graphs=arm != "eager", tree=tree)
-        ptrs = [t.data_ptr() for t in (drafter.node_tok, drafter.tree_meta.positions,
+        ptrs = [t.data_ptr() for t in (drafter.bufs.node_tok, drafter.tree_meta.positions,
                                         engine.spec_graphs.body.tv.path)]
         runs[arm] = _drafts_and_outputs(engine, prompts)
-        assert ptrs == [t.data_ptr() for t in (drafter.node_tok, drafter.tree_meta.positions,
+        assert ptrs == [t.data_ptr() for t in (drafter.bufs.node_tok, drafter.tree_meta.positions,
                                                 engine.spec_graphs.body.tv.path)]
         assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
         assert engine.stats["num_draft_tokens"] > 0
