@@ -65,7 +65,9 @@ def main() -> int:
                     "the set's first num-prompts (the runs before 2026-12-03)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=4,
+                    help="chain / n-gram drafts a step; a block with a tree: the drafts its "
+                    "steps without one verify (flags.AUTO_BLOCK_CHAIN is the CLI's)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--arms", default="plain,chain,ngram")
     ap.add_argument("--device", default=None)
@@ -111,7 +113,8 @@ def main() -> int:
                 "chain": dict(method="chain", draft_head=head or a.head, num_draft_tokens=a.k,
                               adaptive=adaptive, tree=tree),
                 "block": dict(method="block", draft_head=head or a.block_head,
-                              block_size=a.block_size, adaptive=adaptive, tree=tree),
+                              block_size=a.block_size, adaptive=adaptive, tree=tree,
+                              num_draft_tokens=a.k),  # with a tree: its chain steps' drafts
                 "ngram": dict(method="ngram", num_draft_tokens=a.k, adaptive=adaptive)}[kind])
             engine = LLMEngine(EngineConfig(
                 model=a.model, device=a.device, dtype=a.dtype, quantization=a.quantization,

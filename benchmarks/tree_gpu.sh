@@ -41,7 +41,8 @@
 #           `bash benchmarks/tree_gpu.sh real` with carry [".modeli8", ".whl_gguf"]): greedy
 #           MT-Bench and HumanEval at batch BS (1), plain / chain / trees, accept length,
 #           tokens/s and equality with plain (`bench_accept.py`); TEMP=0.7 for sampled steps;
-#           SETS=mtbench (or humaneval): one set a process, N prompts (20).
+#           SETS=mtbench (or humaneval): one set a process, N prompts (20); K: --k (a block
+#           tree's chain steps verify K of the block).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks
@@ -150,7 +151,7 @@ case "${1:-}" in
     timeout ${LIMIT:-520} python3 benchmarks/bench_accept.py --model "$M" --device cuda \
       --dtype bfloat16 --sets benchmarks/data/accept_sets_smollm2_ids.json \
       --only ${SETS:-mtbench,humaneval} --num-prompts ${N:-20} --batch ${BS:-1} \
-      --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --arms "$arms" \
+      --max-tokens ${MAXTOK:-256} --temperature ${TEMP:-0} --k ${K:-4} --arms "$arms" \
       --out "$OUT/tree_accept_real_bs${BS:-1}_t${TEMP:-0}${SETS:+_${SETS/,/_}}.json" 2>&1 | grep -v Warning | tail -12
     ;;
   *) echo "usage: $0 tests | tests2 | sites | rounds | dot | fma | epi | dotab | batch | blockr | kernels | stage N | real"; exit 2 ;;

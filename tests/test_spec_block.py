@@ -485,6 +485,11 @@ def test_a_blocks_tree_shape_is_checked(hf):
     assert SpecConfig(method="block", tree=WIDE_NO_BRANCH).tree == WIDE_NO_BRANCH
     with pytest.raises(ValueError, match=r"12 beam rows need .* <= verified drafts \(10\)"):
         SpecConfig(method="chain", tree=WIDE_NO_BRANCH)
+    # with a tree, its steps without one verify num_draft_tokens of the block (at most all);
+    # without a tree every step verifies the whole block
+    for k, tree, chain in ((2, WIDE, 2), (9, WIDE, 4), (2, None, 4)):
+        spec = dataclasses.replace(ok, tree=tree, num_draft_tokens=k)
+        assert make_drafter(spec, target_config=cfg).chain_k == chain
     for chain in (0, 5):  # a chain step verifies 1 .. 4 of a block of 4
         with pytest.raises(ValueError, match="verifies 1..4 of them"):
             BlockHeadDrafter(_head(hf), chain=chain)

@@ -84,7 +84,12 @@ def test_the_cli_gives_the_block_a_tree_of_its_rows_on_one_gpu(tmp_path):
     from --block-size or the head's directory (the shipped head's 8 for the default model);
     none on a CPU or for a random head."""
     from draftgraph.cli import parse_args
-    from draftgraph.flags import AUTO_BLOCK_TREE, AUTO_TREE_MAX_BS, spec_config_from_args
+    from draftgraph.flags import (
+        AUTO_BLOCK_CHAIN,
+        AUTO_BLOCK_TREE,
+        AUTO_TREE_MAX_BS,
+        spec_config_from_args,
+    )
 
     def spec(model, *flags):
         return spec_config_from_args(parse_args(["generate", model, "hi", "--speculative",
@@ -93,6 +98,9 @@ def test_the_cli_gives_the_block_a_tree_of_its_rows_on_one_gpu(tmp_path):
     w, n, g = AUTO_BLOCK_TREE
     on = spec("default", "--device", "cuda")
     assert (on.tree, on.tree_max_bs) == (TreeShape(w, 7, n, g), AUTO_TREE_MAX_BS)
+    # its steps without a tree verify the block's first AUTO_BLOCK_CHAIN drafts, or as asked
+    assert on.num_draft_tokens == AUTO_BLOCK_CHAIN
+    assert spec("default", "--device", "cuda", "--num-draft-tokens", "5").num_draft_tokens == 5
     assert spec("default", "--device", "cuda", "--block-size", "5").tree == TreeShape(w, 4, n, g)
     # a block of 2 grows w + w * w nodes, fewer than n: all of them are verified
     assert spec("default", "--device", "cuda", "--block-size", "3").tree == \

@@ -91,5 +91,9 @@ def make_drafter(cfg: SpecConfig, device="cpu", dtype=None, target_config=None,
         return ChainHeadDrafter(head, cfg.num_draft_tokens)
     from draftgraph.spec.block import BlockHeadDrafter
 
+    # with a tree, steps without one (batches above tree_max_bs, top-N, penalties) verify the
+    # block's first num_draft_tokens drafts, as a chain head's tree drafter drafts that chain
+    nb = (cfg.block_size or head.head_config.block_size) - 1
     return BlockHeadDrafter(head, cfg.block_size, cfg.confidence_threshold, tree=cfg.tree,
-                            ngram_n=(cfg.ngram_min, cfg.ngram_max), max_bs=cfg.tree_max_bs)
+                            ngram_n=(cfg.ngram_min, cfg.ngram_max), max_bs=cfg.tree_max_bs,
+                            chain=min(cfg.num_draft_tokens, nb) if cfg.tree else None)
