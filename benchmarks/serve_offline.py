@@ -25,15 +25,15 @@ from _meta import model_shape, run_header
 from draftgraph.bench.datasets import random_requests
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
+from draftgraph.engine.stats import step_accounts
 from draftgraph.flags import add_engine_args, add_model_args, engine_config_from_args
-from draftgraph.server.async_engine import LoopTimes
 
 
 def drive(engine: LLMEngine, requests, concurrency: int) -> dict:
     """Keep `concurrency` requests in the engine until all have run; bench serve's summary."""
     pending = list(requests)
     added, first, last, count = {}, {}, {}, {}
-    times = LoopTimes()  # steps by kind, as the server's engine loop logs them
+    before = dict(engine.stats)  # steps by kind, as the server's /metrics count them
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and len(added) - len(last) < concurrency:
@@ -41,10 +41,7 @@ def drive(engine: LLMEngine, requests, concurrency: int) -> dict:
             rid = engine.add_request(r.prompt, SamplingParams(
                 max_tokens=r.output_len, temperature=0, ignore_eos=True))
             added[rid] = time.perf_counter()
-        s0 = time.perf_counter()
-        outputs = engine.step()
-        times.add_step(engine.step_kind, time.perf_counter() - s0)
-        for out in outputs:
+        for out in engine.step():
             now = time.perf_counter()
             if out.new_token_ids:
                 first.setdefault(out.request_id, now)
@@ -63,7 +60,7 @@ def drive(engine: LLMEngine, requests, concurrency: int) -> dict:
     return {"max_concurrency": concurrency, "completed": len(last), "duration_s": duration,
             "total_output_tokens": sum(count.values()),
             "output_throughput": sum(count.values()) / duration,
-            "steps_by_kind": times.by_kind(),
+            "steps_by_kind": step_accounts(engine.stats, before),
             **ms(ttft, "ttft"), **ms(tpot, "tpot"), **ms(e2e, "e2e")}
 
 

@@ -13,6 +13,7 @@ import torch
 from _tiny import tiny_engine, tiny_hf_model
 
 from draftgraph.engine.sampling import SamplingParams
+from draftgraph.engine.stats import step_accounts
 
 
 def count_refs(graphs) -> None:
@@ -140,3 +141,7 @@ def test_each_step_says_what_it_ran(hf):
     assert "extend" in kinds[4:] and kinds.count("extend") == 2
     engine.step()
     assert engine.step_kind == ""
+    # engine.stats counts them (the server's /metrics, bench serve, serve_offline.py)
+    got = step_accounts(engine.stats)
+    assert {k: v["steps"] for k, v in got.items()} == {k: kinds.count(k) for k in set(kinds)}
+    assert all(v["ms_each"] > 0 for v in got.values())

@@ -72,6 +72,12 @@ def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
         # a later position is accepted only after every earlier one
         per_pos = spec["acceptance_rate_per_pos"]
         assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+        # the server's steps in this run, by kind (/metrics before and after): the prompts'
+        # prefills, the n-gram server's speculative steps
+        steps = run["engine_steps"]
+        assert set(steps) <= {"decode", "spec", "ahead", "extend"} and "spec" in steps
+        assert 2 <= steps["extend"]["steps"] <= 8 * 24 and steps["spec"]["steps"] >= 8
+        assert all(v["ms_each"] > 0 for v in steps.values())
     assert os.path.getsize(tmp_path / "out.png") > 1000
 
 
@@ -217,6 +223,26 @@ def test_spec_summary_from_prometheus_counters():
     assert s["acceptance_length"] == pytest.approx(2.5)
     assert s["acceptance_rate"] == pytest.approx(30 / 80)
     assert s["acceptance_rate_per_pos"] == pytest.approx([0.9, 0.4, 0.15, 0.05])
+
+
+def test_engine_step_accounts_from_prometheus_counters():
+    from draftgraph.engine.stats import step_accounts
+
+    def text(ahead, ahead_s, extend, extend_s):
+        return "\n".join([
+            f'draftgraph:engine_steps_total{{model_name="m",kind="ahead"}} {ahead}',
+            f'draftgraph:engine_steps_total{{model_name="m",kind="extend"}} {extend}',
+            'draftgraph:engine_steps_total{model_name="m",kind="spec"} 0.0',
+            f'draftgraph:engine_step_seconds_total{{model_name="m",kind="ahead"}} {ahead_s}',
+            f'draftgraph:engine_step_seconds_total{{model_name="m",kind="extend"}} {extend_s}',
+            'draftgraph:engine_step_seconds_total{model_name="m",kind="spec"} 0.0']) + "\n"
+
+    before = parse_metrics(text(100, 0.1, 4, 0.02))
+    after = parse_metrics(text(300, 0.34, 6, 0.05))
+    got = step_accounts(after, before)
+    assert set(got) == {"ahead", "extend"}  # spec ran no step in between
+    assert got["ahead"]["steps"] == 200 and got["ahead"]["ms_each"] == pytest.approx(1.2)
+    assert got["extend"]["steps"] == 2 and got["extend"]["ms_each"] == pytest.approx(15.0)
 
 
 def test_bench_load_is_sized_by_the_servers_device_and_results_leave_the_checkout(

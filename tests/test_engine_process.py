@@ -235,14 +235,12 @@ def test_engine_loop_accounts_its_steps():
     class Fake:
         def __init__(self):
             self.left = 3
-            self.step_kind = ""
 
         def has_unfinished(self):
             return self.left > 0
 
         def step(self):
             self.left -= 1
-            self.step_kind = "extend" if self.left == 2 else "decode"
             time.sleep(0.01)
             return [RequestOutput(request_id="r", prompt_token_ids=[], token_ids=[],
                                   new_token_ids=[1], text="", delta_text="", finished=False,
@@ -259,7 +257,4 @@ def test_engine_loop_accounts_its_steps():
     times = run_steps(Fake(), stop, wake, emit, lambda message: None)
     assert times.steps == 3 and len(emitted) == 3
     assert 0.03 <= times.step_s < 1.0 and 0.015 <= times.emit_s < 1.0
-    assert "3 steps" in times.summary() and "decode 2 x" in times.summary()
-    kinds = times.by_kind()
-    assert [kinds["extend"]["steps"], kinds["decode"]["steps"]] == [1, 2]
-    assert 10 <= kinds["decode"]["ms_each"] < 500
+    assert "3 steps" in times.summary()

@@ -160,6 +160,8 @@ def test_health_metrics_and_models_are_served(server):
                  "vllm:spec_decode_num_accepted_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
         assert name in text, name
+    for kind in ("decode", "spec", "ahead", "extend"):  # the engine's steps by kind
+        assert f'vllm:engine_steps_total{{kind="{kind}",model_name="{MODEL}"}}' in text
 
 
 def test_token_id_completion_counts_tokens_and_logprobs(server):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from draftgraph.bench.datasets import BenchRequest
+from draftgraph.engine.stats import step_accounts
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,13 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
 
 
 def parse_metrics(text: str) -> dict:
-    """Speculative counters (any metric-name prefix, e.g. `vllm:`) from Prometheus text."""
+    """Speculative counters (any metric-name prefix, e.g. `vllm:`) from Prometheus text, and
+    draftgraph's engine step counters by kind (as engine stats: steps_<kind>, ...)."""
     out: dict = {name: 0.0 for name in SPEC_COUNTERS}
+    for m in re.finditer(r'^(?:[\w]+:)?engine_(steps|step_seconds)(?:_total)?\{[^}]*kind="(\w+)"'
+                         r"[^}]*\} (\S+)$", text, re.M):
+        key = f"{m.group(1)}_{m.group(2)}"
+        out[key] = out.get(key, 0.0) + float(m.group(3))
     per_pos: dict[int, float] = {}
     for m in re.finditer(r"^(?:[\w]+:)?(spec_decode_\w+?)(?:_total)?(\{[^}]*\})? (\S+)$", text,
                          re.M):
@@ -322,6 +328,8 @@ async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
                "client_start_spread_s": spread if num > 1 else 0.0}
     summary.update(summarize(results, end - start))
     summary["speculative"] = spec_summary(before, after)
+    if before is not None and after is not None:  # the server's steps by kind in this run
+        summary["engine_steps"] = step_accounts(after, before)
     return summary
 
 

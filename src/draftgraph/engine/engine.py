@@ -22,6 +22,7 @@ from draftgraph.engine.request import Request, RequestOutput, Status
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
 from draftgraph.engine.speculation import SpecPolicy
+from draftgraph.engine.stats import STEP_KINDS
 from draftgraph.models import row_pack
 from draftgraph.runtime import host_memory
 from draftgraph.runtime.controls import StepControls
@@ -117,7 +118,9 @@ class LLMEngine:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                       "accepted_per_pos": [0] * max(k, 1), "prompt_tokens": 0,
-                      "generation_tokens": 0}
+                      "generation_tokens": 0,
+                      **{f"steps_{kind}": 0 for kind in STEP_KINDS},
+                      **{f"step_seconds_{kind}": 0.0 for kind in STEP_KINDS}}
         self.policy = (SpecPolicy(config.spec, k, keeps_kv=self.drafter.keeps_kv)
                        if self.drafter is not None else None)
         if self.policy is not None:
@@ -151,10 +154,7 @@ class LLMEngine:
         self._inflight: list[Request] | None = None
         self._inflight_graphs = None  # the graph set of that replay
         self._inflight_draft: list[int] | None = None  # its max_draft per request
-        # what the last step() ran: "decode" / "spec" (a graph replay), "ahead" (the async
-        # path: the next replay launched, the one in flight read), "extend" (prefill chunks,
-        # with any decode rows), "" (nothing schedulable); read by the loops' step accounts
-        self.step_kind = ""
+        self.step_kind = ""  # what the last step() ran: one of STEP_KINDS, "" nothing
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
@@ -235,6 +235,7 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
         self.step_kind = ""  # what this step ran (set below; "": nothing was schedulable)
@@ -247,6 +248,9 @@ class LLMEngine:
             # every row of the step in flight ended before it was read (a speculative step
             # may emit a request's last tokens early): nothing left to read from it
             self._inflight = None
+        if self.step_kind:
+            self.stats[f"steps_{self.step_kind}"] += 1
+            self.stats[f"step_seconds_{self.step_kind}"] += time.perf_counter() - t0
         return outputs
 
     def _step_now(self, outputs: list[RequestOutput]) -> None:

@@ -56,32 +56,18 @@ def merge_outputs(first: RequestOutput, later: list[RequestOutput]) -> RequestOu
 
 class LoopTimes:
     """Where the engine loop's time went: steps, seconds in `engine.step()` and in `emit`
-    (handing the outputs on), and seconds asleep with nothing to do; steps and their seconds
-    by what they ran (`engine.step_kind`)."""
+    (handing the outputs on), and seconds asleep with nothing to do."""
 
     def __init__(self) -> None:
         self.steps = 0
         self.step_s = 0.0
         self.emit_s = 0.0
         self.idle_s = 0.0
-        self.kinds: dict[str, list] = {}  # step kind -> [steps, seconds]
-
-    def add_step(self, kind: str, seconds: float) -> None:
-        self.steps += 1
-        self.step_s += seconds
-        k = self.kinds.setdefault(kind or "none", [0, 0.0])
-        k[0] += 1
-        k[1] += seconds
-
-    def by_kind(self) -> dict[str, dict]:
-        return {k: {"steps": n, "ms_each": 1e3 * s / n} for k, (n, s) in self.kinds.items()}
 
     def summary(self) -> str:
         per = 1e3 / max(self.steps, 1)
-        kinds = ", ".join(f"{k} {v['steps']} x {v['ms_each']:.3f} ms"
-                          for k, v in self.by_kind().items())
         return (f"engine loop: {self.steps} steps, {self.step_s:.2f} s in steps "
-                f"({self.step_s * per:.3f} ms each; {kinds}), {self.emit_s:.2f} s emitting "
+                f"({self.step_s * per:.3f} ms each), {self.emit_s:.2f} s emitting "
                 f"({self.emit_s * per:.3f} ms each), {self.idle_s:.1f} s idle")
 
 
@@ -110,7 +96,8 @@ def run_steps(engine, stop: threading.Event, wake: threading.Event,
             time.sleep(0.01)
             continue
         t1 = clock()
-        times.add_step(engine.step_kind, t1 - t0)
+        times.steps += 1
+        times.step_s += t1 - t0
         outputs = [o for o in outputs if o.new_token_ids or o.finished or o.delta_text]
         if outputs:
             emit(outputs)

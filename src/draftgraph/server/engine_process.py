@@ -199,6 +199,7 @@ def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
     from multiprocessing.connection import wait
 
     from draftgraph.engine.engine import LLMEngine
+    from draftgraph.engine.stats import step_accounts
 
     torch.set_num_threads(num_threads)  # the server process's (--threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when to stop
@@ -268,8 +269,8 @@ def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
                       lambda outputs: sender.put(("out", outputs, _snapshot(engine))),
                       lambda message: sender.put(("failed", message)))
     sender.close()
-    logger.info("%s; CPU s: sender thread %.2f, receiver %.2f", times.summary(), sender.cpu_s,
-                receiver_cpu_s[0])
+    logger.info("%s; by kind %s; CPU s: sender thread %.2f, receiver %.2f", times.summary(),
+                step_accounts(engine.stats), sender.cpu_s, receiver_cpu_s[0])
     engine.shutdown()
 
 

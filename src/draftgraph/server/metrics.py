@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from draftgraph.engine.request import RequestOutput
+from draftgraph.engine.stats import STEP_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,18 @@ class _EngineCollector:
         for pos, n in enumerate(stats.get("accepted_per_pos", [])):
             per_pos.add_metric([self.model_name, str(pos)], n)
         yield per_pos
+        steps = CounterMetricFamily(PREFIX + "engine_steps", "Engine steps by what they ran "
+                                    "(decode / spec replays, ahead: launched before the last "
+                                    "was read, extend: prefill chunks).",
+                                    labels=["model_name", "kind"])
+        seconds = CounterMetricFamily(PREFIX + "engine_step_seconds",
+                                      "Seconds in engine steps, by kind.",
+                                      labels=["model_name", "kind"])
+        for kind in STEP_KINDS:
+            steps.add_metric([self.model_name, kind], stats.get(f"steps_{kind}", 0))
+            seconds.add_metric([self.model_name, kind], stats.get(f"step_seconds_{kind}", 0.0))
+        yield steps
+        yield seconds
 
 
 class ServerMetrics:

@@ -1,0 +1,26 @@
+"""The engine's step accounts: what each step ran (`LLMEngine.step_kind`) and how long.
+
+A step is a graph replay of decode or speculative rows ("decode", "spec"), the async path
+("ahead": the next replay launched, the one in flight read) or prefill chunks with any decode
+rows ("extend"). `engine.stats` counts each as "steps_<kind>" and "step_seconds_<kind>"; the
+server exports them (`/metrics`: engine_steps, engine_step_seconds by kind), `bench serve`
+and benchmarks/serve_offline.py report their difference over a run. No torch here: the
+benchmark client imports it.
+"""
+
+from __future__ import annotations
+
+STEP_KINDS = ("decode", "spec", "ahead", "extend")
+
+
+def step_accounts(stats: dict, before: dict | None = None) -> dict[str, dict]:
+    """Steps and ms each by kind from engine stats (since `before`, an earlier snapshot of
+    them), the kinds that ran only."""
+    before = before or {}
+    out = {}
+    for kind in STEP_KINDS:
+        n = stats.get(f"steps_{kind}", 0) - before.get(f"steps_{kind}", 0)
+        if n:
+            s = stats[f"step_seconds_{kind}"] - before.get(f"step_seconds_{kind}", 0.0)
+            out[kind] = {"steps": n, "ms_each": 1e3 * s / n}
+    return out
