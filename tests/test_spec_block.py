@@ -408,7 +408,15 @@ def test_block_trees_are_lossless_and_a_branch_reaches_past_the_block(hf, tree):
 @pytest.mark.parametrize("chain", [None, 2, 1])
 def test_steps_over_the_cap_verify_the_block_alone(hf, plain, chain):
     """Steps of more requests than tree_max_bs verify the block (1 + 4 rows a request), or its
-    first `chain` drafts; the output stays plain decoding's."""
+    first `chain` drafts (sampled: drawn left to right through the Markov head, as many as
+    verified); the greedy output stays plain decoding's."""
+    hot = SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
+    engine, drafter = _tree_engine(hf, WIDE, chain=chain)
+    drafter.tree_max_bs = 0  # every step the block alone
+    assert all(len(o.token_ids) == 30 for o in engine.generate(PROMPTS, hot))
+    assert drafter._probs.shape[1] == (chain or 4)  # the last sampled step's draws
+    s = engine.stats
+    assert 0 < s["num_draft_tokens"] <= (chain or 4) * s["num_drafts"]
     engine, drafter = _tree_engine(hf, WIDE, chain=chain)
     drafter.tree_max_bs = 1  # steps of 2 or 3 requests: the block alone
     body, rows = engine.spec_graphs.body, []

@@ -205,10 +205,11 @@ class BlockHeadDrafter(StagedDrafter):
         markov = head.markov_in is not None
         probs, prev = [], ctx.last_tokens
         greedy = ctx.greedy or ctx.tree  # a tree step's drafts are argmaxes (module note)
+        n = k if ctx.tree else self.chain  # the drafts this step verifies at most
         if greedy and not markov:  # every draft at once
             self.drafts[:bs, :k].copy_(self.draft_argmax(logits))
         else:
-            for j in range(k):  # left to right: the Markov head reads the draft before
+            for j in range(n):  # left to right: the Markov head reads the draft before
                 lj = logits[:, j] + head.markov(prev, self.markov_w) if markov \
                     else logits[:, j]  # [bs, V']
                 if greedy:
@@ -219,7 +220,7 @@ class BlockHeadDrafter(StagedDrafter):
                 self.drafts[:bs, j].copy_(tok)
                 prev = tok
         self._probs = torch.stack(probs, dim=1) if probs else None
-        count = torch.clamp(ctx.max_draft, max=k if ctx.tree else self.chain)
+        count = torch.clamp(ctx.max_draft, max=n)
         if head.confidence is not None:  # cut at the first draft the head doubts
             before = torch.cat([ctx.last_tokens[:, None], self.drafts[:bs, : k - 1]], dim=1)
             conf = head.accept_prob(rows.reshape(bs * k, -1),
