@@ -198,16 +198,19 @@ class BlockHeadDrafter(StagedDrafter):
         head, bs, k = self.head, fb.bs, self.nb
         hidden = head(self.target_model.embed_tokens(fb.input_ids), fb, self.executor.backend)
         rows = hidden.view(bs, self.block_size, -1)[:, 1:]  # [bs, k, H]: drafts 1..k
-        logits = head.logits(rows.reshape(bs * k, -1), self.lm_head).view(bs, k, -1)
+        # the drafts this step verifies at most: a step without a tree, the first `chain`
+        # (their logits, draws and doubts alone)
+        n = k if ctx.tree else self.chain
+        rows = rows[:, :n].reshape(bs * n, -1)
+        logits = head.logits(rows, self.lm_head).view(bs, n, -1)
         if ctx.tree and self.tree.width > 1:
             self._grow(ctx, logits)
             return
         markov = head.markov_in is not None
         probs, prev = [], ctx.last_tokens
         greedy = ctx.greedy or ctx.tree  # a tree step's drafts are argmaxes (module note)
-        n = k if ctx.tree else self.chain  # the drafts this step verifies at most
         if greedy and not markov:  # every draft at once
-            self.drafts[:bs, :k].copy_(self.draft_argmax(logits))
+            self.drafts[:bs, :n].copy_(self.draft_argmax(logits))
         else:
             for j in range(n):  # left to right: the Markov head reads the draft before
                 lj = logits[:, j] + head.markov(prev, self.markov_w) if markov \
@@ -222,9 +225,8 @@ class BlockHeadDrafter(StagedDrafter):
         self._probs = torch.stack(probs, dim=1) if probs else None
         count = torch.clamp(ctx.max_draft, max=n)
         if head.confidence is not None:  # cut at the first draft the head doubts
-            before = torch.cat([ctx.last_tokens[:, None], self.drafts[:bs, : k - 1]], dim=1)
-            conf = head.accept_prob(rows.reshape(bs * k, -1),
-                                    before.flatten()).view(bs, k)  # [bs, k] fp32
+            before = torch.cat([ctx.last_tokens[:, None], self.drafts[:bs, : n - 1]], dim=1)
+            conf = head.accept_prob(rows, before.flatten()).view(bs, n)  # [bs, n] fp32
             sure = (conf >= self.threshold).to(torch.int64).cumprod(dim=1).sum(dim=1)
             count = torch.minimum(count, sure)
         self.num_drafts[:bs].copy_(count)
