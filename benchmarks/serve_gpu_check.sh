@@ -34,6 +34,8 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
       --device-label "$GPU ($arm${TAG:+ $TAG})" \
       --result-file "serve-$m-$arm${TAG:+-$TAG}-$(date +%H%M%S).json" \
       2>&1 | tail -8
+    # each level's engine steps by kind (the server's /metrics before and after the level)
+    python3 -c "import json, sys; [print('c', r['max_concurrency'], 'steps', r.get('engine_steps')) for r in json.load(open(sys.argv[1]))['results']]" "$(ls -t "$OUT"/serve-$m-$arm*.json | head -1)"
     kill $pid; wait $pid 2>/dev/null
     grep -E "captured|KV cache|engine loop" "/tmp/server_${m}_$arm.log" | tail -5
   done
