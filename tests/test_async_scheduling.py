@@ -124,7 +124,7 @@ def test_async_scheduling_falls_back_when_kv_runs_short(hf):
 
 
 def test_each_step_says_what_it_ran(hf):
-    """engine.step_kind (the loops' per-kind step accounts): the prefill step "extend", the
+    """engine.step_kind (counted in engine.stats by kind): the prefill step "extend", the
     first decode step "decode", the steps read while the next runs "ahead", a late arrival's
     prefill "extend" again, a step with nothing to run ""."""
     engine = _engine(hf, True)
