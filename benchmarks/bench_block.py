@@ -16,8 +16,9 @@ run over one target: the plain decode step, then per arm the speculative round (
     <arm>/fma                 the arm with the target's o and (SwiGLU +) down projections of 2 ..
                               8 rows on the fused single-row kernels (programmatic dependent
                               launch, SwiGLU folded into down) instead of cuBLAS: `fma_rows`
-    <arm>/chain<N>            a block head's steps without a tree verifying its block's first N
-                              drafts (`BlockHeadDrafter.chain`; batches above tree_max_bs)
+    <arm>/chain<N>            steps without a tree verifying N drafts: a block head's first N
+                              (`BlockHeadDrafter.chain`), a chain head's tree drafter's chain
+                              of N (`TreeHeadDrafter.chain`); batches above tree_max_bs
     <arm>/twins               the arm with a step's packing, acceptance and catch-up staging as
                               the torch ops they were before their kernels (`glue_twins`: the A
                               arm of kernels/tree.py's pack / accept, kernels/tokens.py's
@@ -174,8 +175,9 @@ def main() -> int:
         spec = SpecConfig(method=method, draft_head=head, tree=tree,
                           num_draft_tokens=int(mode) if mode.isdigit() else 4)
         d = make_drafter(spec, "cuda", dtype, target.config)
-        if variant.startswith("chain"):  # a block head's chain steps verify its first N drafts
-            d.chain = int(variant[len("chain"):])
+        if variant.startswith("chain"):  # chain steps verify N drafts (a block's first N, a
+            assert hasattr(d, "chain"), f"{arm}: {type(d).__name__} has no chain steps"
+            d.chain = int(variant[len("chain"):])  # tree drafter's chain of N)
         patched = method == "block" and mode == "eager"
         if patched:  # what a backend without in-graph block metadata gets
             saved = BlockHeadDrafter.in_graph
