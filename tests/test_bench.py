@@ -78,6 +78,14 @@ def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
         assert set(steps) <= {"decode", "spec", "ahead", "extend"} and "spec" in steps
         assert 2 <= steps["extend"]["steps"] <= 8 * 24 and steps["spec"]["steps"] >= 8
         assert all(v["ms_each"] > 0 for v in steps.values())
+        # the engine's side of each request's latency (its /metrics histograms): a part of
+        # what the client timed, TTFT = time queued + prefill
+        lat = run["engine_latency"]
+        assert set(lat) == {"mean_ttft_ms", "mean_queue_ms", "mean_prefill_ms", "mean_e2e_ms"}
+        assert lat["mean_ttft_ms"] == pytest.approx(lat["mean_queue_ms"]
+                                                   + lat["mean_prefill_ms"], rel=1e-6)
+        assert 0 < lat["mean_prefill_ms"] and 0 <= lat["mean_queue_ms"]
+        assert lat["mean_ttft_ms"] < run["mean_ttft_ms"] and lat["mean_e2e_ms"] < run["mean_e2e_ms"]
     assert os.path.getsize(tmp_path / "out.png") > 1000
 
 
@@ -243,6 +251,25 @@ def test_engine_step_accounts_from_prometheus_counters():
     assert set(got) == {"ahead", "extend"}  # spec ran no step in between
     assert got["ahead"]["steps"] == 200 and got["ahead"]["ms_each"] == pytest.approx(1.2)
     assert got["extend"]["steps"] == 2 and got["extend"]["ms_each"] == pytest.approx(15.0)
+
+
+def test_engine_latencies_from_prometheus_histograms():
+    from draftgraph.bench.serve import engine_latencies
+
+    def text(n, ttft, queue):
+        return "\n".join([
+            f'vllm:time_to_first_token_seconds_bucket{{le="0.01",model_name="m"}} {n}',
+            f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {n}',
+            f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft}',
+            f'vllm:request_queue_time_seconds_count{{model_name="m"}} {n}',
+            f'vllm:request_queue_time_seconds_sum{{model_name="m"}} {queue}',
+            'vllm:inter_token_latency_seconds_count{model_name="m"} 7',
+            'vllm:inter_token_latency_seconds_sum{model_name="m"} 9.0']) + "\n"
+
+    got = engine_latencies(parse_metrics(text(14, 0.5, 0.1)), parse_metrics(text(4, 0.1, 0.02)))
+    # means over the 10 requests in between; histograms not asked for, or without requests
+    # in between, are left out
+    assert got == pytest.approx({"mean_ttft_ms": 40.0, "mean_queue_ms": 8.0})
 
 
 def test_bench_load_is_sized_by_the_servers_device_and_results_leave_the_checkout(

@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                  "spec_decode_num_accepted_tokens")
 
+# the server's request histograms (`vllm:<name>_seconds`), timed in the engine from a request's
+# arrival there: what of the client's TTFT and E2E the engine spent (the rest is HTTP, the API
+# server and the pipes between it and the engine process)
+ENGINE_LATENCIES = {"ttft": "time_to_first_token", "queue": "request_queue_time",
+                    "prefill": "request_prefill_time", "e2e": "e2e_request_latency"}
+
 
 @dataclass
 class RequestResult:
@@ -115,6 +121,11 @@ def parse_metrics(text: str) -> dict:
                          r"[^}]*\} (\S+)$", text, re.M):
         key = f"{m.group(1)}_{m.group(2)}"
         out[key] = out.get(key, 0.0) + float(m.group(3))
+    for m in re.finditer(r"^(?:[\w]+:)?(\w+?)_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", text,
+                         re.M):
+        if m.group(1) in ENGINE_LATENCIES.values():
+            key = f"{m.group(1)}_{m.group(2)}"
+            out[key] = out.get(key, 0.0) + float(m.group(3))
     per_pos: dict[int, float] = {}
     for m in re.finditer(r"^(?:[\w]+:)?(spec_decode_\w+?)(?:_total)?(\{[^}]*\})? (\S+)$", text,
                          re.M):
@@ -156,6 +167,17 @@ def spec_summary(before: dict | None, after: dict | None) -> dict:
                             / max(d["spec_decode_num_draft_tokens"], 1)),
         "acceptance_rate_per_pos": [n / drafts for n in per_pos],
     }
+
+
+def engine_latencies(after: dict, before: dict) -> dict:
+    """Mean ms of each engine-side latency over the requests between two /metrics reads."""
+    out = {}
+    for key, name in ENGINE_LATENCIES.items():
+        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        if n > 0:
+            s = after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)
+            out[f"mean_{key}_ms"] = 1e3 * s / n
+    return out
 
 
 def _stats_ms(values: list[float], name: str) -> dict:
@@ -330,6 +352,7 @@ async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
     summary["speculative"] = spec_summary(before, after)
     if before is not None and after is not None:  # the server's steps by kind in this run
         summary["engine_steps"] = step_accounts(after, before)
+        summary["engine_latency"] = engine_latencies(after, before)
     return summary
 
 

@@ -95,6 +95,7 @@ class Request:
         self.accepted_per_pos: list[int] = []
         # timing
         self.arrival_time = time.perf_counter()
+        self.scheduled_time: float | None = None  # first admitted to a step (queue time's end)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
@@ -139,6 +140,11 @@ class Request:
             "completion_tokens": len(self.output_token_ids),
             "seconds": end - self.arrival_time,
             "ttft": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
+            # waiting for a step, then until the first token: ttft's two parts (vLLM's
+            # request_queue_time / request_prefill_time)
+            "queue": (self.scheduled_time - self.arrival_time) if self.scheduled_time else None,
+            "prefill": (self.first_token_time - self.scheduled_time)
+            if self.first_token_time and self.scheduled_time else None,
         }
         if self.verify_steps:
             out.update(

@@ -16,6 +16,7 @@ growth. Steps without decoding requests keep the whole token budget (throughput)
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -152,6 +153,8 @@ class Scheduler:
             self.waiting.popleft()
             req.req_pool_idx = self.req_pool.alloc()
             req.status = Status.RUNNING
+            if req.scheduled_time is None:  # a preempted request keeps its first admission
+                req.scheduled_time = time.perf_counter()
             self.running.append(req)
             sr = self._prefill_chunk(req, budget, scheduled)
             if sr is None:

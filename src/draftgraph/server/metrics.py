@@ -178,6 +178,11 @@ class ServerMetrics:
         reg = self.registry
         self.ttft = LoopHistogram(PREFIX + "time_to_first_token_seconds",
                                   "Time from request arrival to its first token.", TTFT_BUCKETS)
+        self.queue = LoopHistogram(PREFIX + "request_queue_time_seconds",
+                                   "Time from request arrival to its first step.", TTFT_BUCKETS)
+        self.prefill = LoopHistogram(PREFIX + "request_prefill_time_seconds",
+                                     "Time from a request's first step to its first token.",
+                                     TTFT_BUCKETS)
         self.itl = LoopHistogram(PREFIX + "inter_token_latency_seconds",
                                  "Time between consecutive outputs of a request (one output may "
                                  "carry several tokens under speculation).", ITL_BUCKETS)
@@ -190,8 +195,9 @@ class ServerMetrics:
                                         "Prompt tokens per request.", TOKEN_BUCKETS)
         self.gen_len = LoopHistogram(PREFIX + "request_generation_tokens",
                                      "Generated tokens per request.", TOKEN_BUCKETS)
-        self.histograms = {h.name: h for h in (self.ttft, self.itl, self.tpot, self.e2e,
-                                                self.prompt_len, self.gen_len)}
+        self.histograms = {h.name: h for h in (self.ttft, self.queue, self.prefill, self.itl,
+                                                self.tpot, self.e2e, self.prompt_len,
+                                                self.gen_len)}
         self.success = LoopCounter(PREFIX + "request_success", "Finished requests by reason.",
                                    "finished_reason")
         self.http_errors = LoopCounter(PREFIX + "http_request_errors",
@@ -207,9 +213,11 @@ class ServerMetrics:
         if out.new_token_ids:
             last = self._last_output_time.get(rid)
             if last is None:
-                ttft = out.metrics.get("ttft")
-                if ttft is not None:
-                    self.ttft.observe(ttft)
+                m = out.metrics
+                for h, key in ((self.ttft, "ttft"), (self.queue, "queue"),
+                               (self.prefill, "prefill")):
+                    if m.get(key) is not None:
+                        h.observe(m[key])
             else:
                 self.itl.observe(now - last)
             self._last_output_time[rid] = now
