@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                  "spec_decode_num_accepted_tokens")
 
-# the server's request histograms (`vllm:<name>_seconds`), timed in the engine from a request's
-# arrival there: what of the client's TTFT and E2E the engine spent (the rest is HTTP, the API
-# server and the pipes between it and the engine process)
+# the server's request histograms (`vllm:<name>_seconds`), timed from the HTTP request's
+# arrival at the API server (ttft, e2e) and in the engine's queue (queue, then prefill to the
+# first token): the client's TTFT less the server's is the HTTP connection's and the client's
+# own share
 ENGINE_LATENCIES = {"ttft": "time_to_first_token", "queue": "request_queue_time",
                     "prefill": "request_prefill_time", "e2e": "e2e_request_latency"}
 
@@ -177,6 +178,10 @@ def engine_latencies(after: dict, before: dict) -> dict:
         if n > 0:
             s = after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)
             out[f"mean_{key}_ms"] = 1e3 * s / n
+    if {"mean_ttft_ms", "mean_queue_ms", "mean_prefill_ms"} <= out.keys():
+        # the API server's part of TTFT: tokenizing, admission, the trip to the engine's queue
+        out["mean_to_engine_ms"] = (out["mean_ttft_ms"] - out["mean_queue_ms"]
+                                    - out["mean_prefill_ms"])
     return out
 
 

@@ -168,9 +168,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | list[dict],
                     params: SamplingParams | None = None, request_id: str | None = None,
-                    use_chat_template: bool = True) -> str:
+                    use_chat_template: bool = True, arrival_time: float | None = None) -> str:
         """Queue a request (thread-safe). Raises EngineError on bad input, or when it could
-        never run (see engine/admission.py)."""
+        never run (see engine/admission.py). arrival_time: when it came in (a
+        time.perf_counter() of the caller's, e.g. the API server's receipt; default now),
+        what its TTFT and latency are timed from."""
         from draftgraph.engine import admission
 
         ids, params = admission.admit(self, prompt, params or SamplingParams(),
@@ -190,7 +192,7 @@ class LLMEngine:
             from draftgraph.engine.detokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, ids)
-        req = Request(request_id, ids, params, seed, self.eos_token_ids, detok)
+        req = Request(request_id, ids, params, seed, self.eos_token_ids, detok, arrival_time)
         with self._lock:
             self._inbox.append(("add", req))
         return request_id

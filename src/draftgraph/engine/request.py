@@ -57,7 +57,8 @@ class RequestOutput:
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 seed: int, eos_token_ids: set[int], detokenizer=None) -> None:
+                 seed: int, eos_token_ids: set[int], detokenizer=None,
+                 arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -94,7 +95,11 @@ class Request:
         self.proposed_draft_tokens = 0
         self.accepted_per_pos: list[int] = []
         # timing
-        self.arrival_time = time.perf_counter()
+        # arrival: where the request came in (the API server's receipt: its tokenizing and
+        # the trip to this engine's queue count), else here; queued: here, the queue's start
+        self.queued_time = time.perf_counter()
+        # (never after the queueing: a caller's clock that is not this one's, e.g.)
+        self.arrival_time = min(self.queued_time, arrival_time or self.queued_time)
         self.scheduled_time: float | None = None  # first admitted to a step (queue time's end)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -140,9 +145,9 @@ class Request:
             "completion_tokens": len(self.output_token_ids),
             "seconds": end - self.arrival_time,
             "ttft": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
-            # waiting for a step, then until the first token: ttft's two parts (vLLM's
-            # request_queue_time / request_prefill_time)
-            "queue": (self.scheduled_time - self.arrival_time) if self.scheduled_time else None,
+            # waiting in this engine's queue for a step, then until the first token: ttft's
+            # parts past the API server (vLLM's request_queue_time / request_prefill_time)
+            "queue": (self.scheduled_time - self.queued_time) if self.scheduled_time else None,
             "prefill": (self.first_token_time - self.scheduled_time)
             if self.first_token_time and self.scheduled_time else None,
         }

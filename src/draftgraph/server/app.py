@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -222,15 +223,17 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def add(self, prompts: list[list[int]], params: list, request_id: str,
+    def add(self, prompts: list[list[int]], params: list, request_id: str, raw_request: Request,
             ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
-        """Queue every sub-request or none: on a refusal the ones already queued are aborted."""
+        """Queue every sub-request or none: on a refusal the ones already queued are aborted.
+        Each is timed from the HTTP request's arrival (the body-limit middleware's stamp)."""
+        arrival = getattr(raw_request.state, "arrival_time", None)
         rids: list[str] = []
         streams = []
         try:
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                queue = self.ae.add_request(ids, sp, rid)
+                queue = self.ae.add_request(ids, sp, rid, arrival_time=arrival)
                 rids.append(rid)
                 streams.append(self.ae.stream(rid, queue))
         except QueueFullError as e:
@@ -320,7 +323,7 @@ class OpenAIServer:
                   for i, (text, ids) in enumerate(zip(texts, encoded, strict=True))]
         self.check_admitting()  # tokenising took a while: still admitting?
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        rids, streams = self.add(encoded, params, request_id)
+        rids, streams = self.add(encoded, params, request_id, raw_request)
         if body.prompt_only:
             streams = [_prompt_only(s) for s in streams]
         created = serving.now()
@@ -378,7 +381,8 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         self.check_admitting()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        rids, streams = self.add([ids] * body.n, choice_params(params, body.n), request_id)
+        rids, streams = self.add([ids] * body.n, choice_params(params, body.n), request_id,
+                                 raw_request)
         created = serving.now()
         prompt_tokens = len(ids)  # the prompt once, not once per choice
 
@@ -518,6 +522,9 @@ class _BodyGuardMiddleware:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        # the request's arrival, before its body is read (`Request.state.arrival_time`): what
+        # the engine times its TTFT and latency from, as vLLM does from its front end's
+        scope.setdefault("state", {})["arrival_time"] = time.perf_counter()
         declared = dict(scope.get("headers") or []).get(b"content-length")
         declared = int(declared) if declared is not None and declared.isdigit() else None
         chunks: list[bytes] = []

@@ -205,9 +205,11 @@ class AsyncEngine:
         self._wake.set()
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str) -> asyncio.Queue[RequestOutput]:
+                    request_id: str,
+                    arrival_time: float | None = None) -> asyncio.Queue[RequestOutput]:
         """Queue a request; raises EngineError (bad input) or QueueFullError synchronously.
-        Must be called on the event loop."""
+        Must be called on the event loop. arrival_time: the HTTP request's receipt
+        (time.perf_counter()), what the engine times its latencies from."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         if request_id in self._streams:
@@ -216,7 +218,7 @@ class AsyncEngine:
         self._streams[request_id] = queue  # registered first: no output can be missed
         try:
             self.engine.add_request(prompt_token_ids, params, request_id=request_id,
-                                    use_chat_template=False)
+                                    use_chat_template=False, arrival_time=arrival_time)
         except BaseException:
             del self._streams[request_id]
             raise

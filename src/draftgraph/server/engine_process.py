@@ -238,12 +238,12 @@ def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
                 except (EOFError, OSError):  # that API server's process is gone
                     msg = ("detach",)
                 if msg[0] == "add":
-                    _, ids, params, request_id = msg
+                    _, ids, params, request_id, arrival = msg
                     if i:
                         owner[request_id] = i
                     try:
                         engine.add_request(ids, params, request_id=request_id,
-                                           use_chat_template=False)
+                                           use_chat_template=False, arrival_time=arrival)
                     except Exception as e:  # noqa: BLE001 - the client checked; end this one
                         sender.put(("out", [RequestOutput.failed(request_id, str(e))],
                                     _snapshot(engine)))
@@ -388,10 +388,12 @@ class EngineClient:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, use_chat_template: bool = True) -> str:
-        """As LLMEngine.add_request: checked here, then sent; QueueFullError when the
-        requests in flight fill --max-num-seqs + --max-waiting (what the engine's own
-        check amounts to)."""
+                    request_id: str | None = None, use_chat_template: bool = True,
+                    arrival_time: float | None = None) -> str:
+        """As LLMEngine.add_request (arrival_time: a time.perf_counter() of this process,
+        the system's monotonic clock, which the engine process reads too): checked here,
+        then sent; QueueFullError when the requests in flight fill --max-num-seqs +
+        --max-waiting (what the engine's own check amounts to)."""
         import uuid
 
         from draftgraph.engine import admission
@@ -407,7 +409,7 @@ class EngineClient:
         request_id = request_id or uuid.uuid4().hex
         self._prompts[request_id] = ids
         try:
-            self._send(("add", ids, params, request_id))
+            self._send(("add", ids, params, request_id, arrival_time))
         except BaseException:
             self._prompts.pop(request_id, None)
             raise
