@@ -258,33 +258,3 @@ def test_engine_loop_accounts_its_steps():
     assert times.steps == 3 and len(emitted) == 3
     assert 0.03 <= times.step_s < 1.0 and 0.015 <= times.emit_s < 1.0
     assert "3 steps" in times.summary()
-
-
-def test_the_engine_loop_takes_in_arrivals_before_each_step():
-    """run_steps' poll runs before every step, so what it queues (the engine process's
-    commands, read off its pipes) is in the very next step."""
-    from draftgraph.server.async_engine import run_steps
-
-    order, stop, wake = [], threading.Event(), threading.Event()
-
-    class Fake:
-        waiting = 0
-
-        def has_unfinished(self):
-            return self.waiting > 0
-
-        def step(self):
-            order.append(("step", self.waiting))
-            self.waiting -= 1
-            if len(order) >= 8:
-                stop.set()
-            return []
-
-    fake = Fake()
-
-    def poll():
-        fake.waiting += 1  # an arrival before every step
-        order.append(("poll", fake.waiting))
-
-    run_steps(fake, stop, wake, lambda outputs: None, lambda message: None, poll=poll)
-    assert order == [("poll", 1), ("step", 1)] * 4

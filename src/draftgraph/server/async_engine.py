@@ -73,20 +73,16 @@ class LoopTimes:
 
 def run_steps(engine, stop: threading.Event, wake: threading.Event,
               emit: Callable[[list[RequestOutput]], None],
-              failed: Callable[[str], None], times: LoopTimes | None = None,
-              poll: Callable[[], None] | None = None) -> LoopTimes:
+              failed: Callable[[str], None], times: LoopTimes | None = None) -> LoopTimes:
     """The engine loop: `engine.step()` while requests are unfinished, each step's outputs
     that carry anything handed to `emit`; asleep on `wake` when idle (whoever queues a
-    request or an abort sets it after queueing, so nothing is missed) until `stop`. `poll`,
-    before each step: take in what arrived (the engine process's command pipes). A step
+    request or an abort sets it after queueing, so nothing is missed) until `stop`. A step
     that raises is logged and reported to `failed`, and the loop goes on. Returns `times`
     (or a new LoopTimes), filled in as it went."""
     times = times or LoopTimes()
     clock = time.perf_counter
     while not stop.is_set():
         wake.clear()
-        if poll is not None:
-            poll()
         t0 = clock()
         if not engine.has_unfinished():
             wake.wait(1.0)

@@ -87,10 +87,6 @@ def from_wire(t: tuple, prompt_token_ids: list[int]) -> RequestOutput:
 
 _FINISHED_AT = WIRE_HEAD.index("finished")
 
-# The engine loop reads the command pipes before each step (`run_steps`' poll), besides the
-# receiver thread that reads them while it sleeps; False: the thread alone (the A arm).
-POLL_COMMANDS = True
-
 
 # ---- engine process ------------------------------------------------------------------------
 
@@ -231,66 +227,45 @@ def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
         for rid in [rid for rid, j in list(owner.items()) if j == i]:
             engine.abort(rid)
 
-    index = {id(commands): i for i, (commands, _) in enumerate(links)}
-    open_ = [commands for commands, _ in links]
-    reading = threading.Lock()  # one reader of the command pipes at a time
-    # adds handled, by the engine loop, and their seconds from the API server's send to
-    # this engine's queue (the pipe, and the wait for a reader)
-    adds = {"n": 0, "by_loop": 0, "wait_s": 0.0}
-
-    def handle(commands, by_loop: bool) -> None:
-        """Read and act on one command from `commands` (the caller holds `reading`)."""
-        i = index[id(commands)]
-        try:
-            msg = commands.recv()
-        except (EOFError, OSError):  # that API server's process is gone
-            msg = ("detach",)
-        if msg[0] == "add":
-            _, ids, params, request_id, arrival, sent = msg
-            if i:
-                owner[request_id] = i
-            try:
-                engine.add_request(ids, params, request_id=request_id,
-                                   use_chat_template=False, arrival_time=arrival)
-            except Exception as e:  # noqa: BLE001 - the client checked; end this one
-                sender.put(("out", [RequestOutput.failed(request_id, str(e))],
-                            _snapshot(engine)))
-            adds["n"] += 1
-            adds["by_loop"] += by_loop
-            adds["wait_s"] += time.perf_counter() - sent
-        elif msg[0] == "abort":
-            engine.abort(msg[1])
-        elif msg[0] == "metrics":
-            sender.put(("metrics", i, msg[1]))
-            return
-        elif msg[0] == "detach" and i:
-            open_.remove(commands)
-            detach(i)
-            sender.put(("bye", i))
-        else:  # "shutdown", or the primary gone
-            stop.set()
-        wake.set()
-
-    def poll() -> None:
-        """The engine loop reads what the pipes hold before each step: a command waits for a
-        step boundary, not for this process's GIL to pass to the receiver thread."""
-        if POLL_COMMANDS and reading.acquire(blocking=False):
-            try:
-                for commands in list(open_):
-                    while not stop.is_set() and commands in open_ and commands.poll():
-                        handle(commands, True)
-            finally:
-                reading.release()
+    # adds read and their seconds from the API server's send to this engine's queue (the
+    # pipe, and the receiver thread's wait for the GIL the step loop holds)
+    adds = {"n": 0, "wait_s": 0.0}
 
     def receive() -> None:
-        """Commands while the engine loop sleeps (and any it has not read yet)."""
+        index = {id(commands): i for i, (commands, _) in enumerate(links)}
+        open_ = [commands for commands, _ in links]
         while open_ and not stop.is_set():
             for commands in wait(open_):
-                with reading:
-                    if commands in open_ and commands.poll():  # else the loop took it
-                        handle(commands, False)
-                if stop.is_set():
+                i = index[id(commands)]
+                try:
+                    msg = commands.recv()
+                except (EOFError, OSError):  # that API server's process is gone
+                    msg = ("detach",)
+                if msg[0] == "add":
+                    _, ids, params, request_id, arrival, sent = msg
+                    if i:
+                        owner[request_id] = i
+                    try:
+                        engine.add_request(ids, params, request_id=request_id,
+                                           use_chat_template=False, arrival_time=arrival)
+                    except Exception as e:  # noqa: BLE001 - the client checked; end this one
+                        sender.put(("out", [RequestOutput.failed(request_id, str(e))],
+                                    _snapshot(engine)))
+                    adds["n"] += 1
+                    adds["wait_s"] += time.perf_counter() - sent
+                elif msg[0] == "abort":
+                    engine.abort(msg[1])
+                elif msg[0] == "metrics":
+                    sender.put(("metrics", i, msg[1]))
+                    continue
+                elif msg[0] == "detach" and i:
+                    open_.remove(commands)
+                    detach(i)
+                    sender.put(("bye", i))
+                else:  # "shutdown", or the primary gone
+                    stop.set()
                     break
+                wake.set()
         receiver_cpu_s[0] = time.thread_time()
         stop.set()
         wake.set()
@@ -298,13 +273,12 @@ def _engine_main(config, links: list, log_level: int, num_threads: int) -> None:
     threading.Thread(target=receive, name="draftgraph-commands", daemon=True).start()
     times = run_steps(engine, stop, wake,
                       lambda outputs: sender.put(("out", outputs, _snapshot(engine))),
-                      lambda message: sender.put(("failed", message)), poll=poll)
+                      lambda message: sender.put(("failed", message)))
     sender.close()
-    logger.info("%s; by kind %s; CPU s: sender thread %.2f, receiver %.2f; %d requests, %d "
-                "read by the engine loop, %.2f ms each from the API server's send to the "
-                "engine's queue", times.summary(), step_accounts(engine.stats), sender.cpu_s,
-                receiver_cpu_s[0], adds["n"], adds["by_loop"],
-                1e3 * adds["wait_s"] / max(adds["n"], 1))
+    logger.info("%s; by kind %s; CPU s: sender thread %.2f, receiver %.2f; %d requests, "
+                "%.2f ms each from the API server's send to the engine's queue",
+                times.summary(), step_accounts(engine.stats), sender.cpu_s,
+                receiver_cpu_s[0], adds["n"], 1e3 * adds["wait_s"] / max(adds["n"], 1))
     engine.shutdown()
 
 
