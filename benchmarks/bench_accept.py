@@ -66,8 +66,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--k", type=int, default=4,
-                    help="chain / n-gram drafts a step; a block with a tree: the drafts its "
-                    "steps without one verify (flags.AUTO_BLOCK_CHAIN is the CLI's)")
+                    help="chain / n-gram drafts a step; an arm with a tree: the drafts its "
+                    "steps without one verify (flags.AUTO_TREE_CHAIN is the CLI's)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--arms", default="plain,chain,ngram")
     ap.add_argument("--device", default=None)

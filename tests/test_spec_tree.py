@@ -57,24 +57,36 @@ def test_tree_shapes_are_checked_and_named_by_the_flag():
 
 def test_the_cli_drafts_trees_by_default_on_one_gpu_only():
     """--speculative-tree auto: a chain head drafts AUTO_TREE trees in steps of up to
-    AUTO_TREE_MAX_BS requests on one GPU; the chain on a CPU, under tensor parallelism, with
-    an explicit --num-draft-tokens, or with --speculative-tree off; a shape given is drafted
-    on any device."""
+    AUTO_TREE_MAX_BS requests on one GPU, its chain of AUTO_TREE_CHAIN in the others; the
+    chain (of SpecConfig's 4) on a CPU, under tensor parallelism, with an explicit
+    --num-draft-tokens, or with --speculative-tree off; a shape given is drafted on any
+    device."""
     from draftgraph.cli import parse_args
-    from draftgraph.flags import AUTO_TREE, AUTO_TREE_MAX_BS, spec_config_from_args
+    from draftgraph.flags import (
+        AUTO_TREE,
+        AUTO_TREE_CHAIN,
+        AUTO_TREE_MAX_BS,
+        spec_config_from_args,
+    )
 
     def spec(*flags, method="chain"):
         return spec_config_from_args(parse_args(["generate", "random:tiny", "hi",
                                                  "--speculative", method, *flags]))
 
     on = spec("--device", "cuda")
-    assert (on.tree, on.tree_max_bs, on.num_draft_tokens) == (AUTO_TREE, AUTO_TREE_MAX_BS, 4)
+    assert (on.tree, on.tree_max_bs, on.num_draft_tokens) == (AUTO_TREE, AUTO_TREE_MAX_BS,
+                                                              AUTO_TREE_CHAIN)
+    assert AUTO_TREE_CHAIN == 3 < SpecConfig().num_draft_tokens
     for flags in (("--device", "cpu"), ("--device", "cuda", "--num-draft-tokens", "4"),
                   ("--device", "cuda", "--speculative-tree", "off"),
                   ("--device", "cuda", "--tensor-parallel-size", "2")):
-        assert spec(*flags).tree is None, flags
+        got = spec(*flags)
+        assert got.tree is None and got.num_draft_tokens == 4, flags
     given = spec("--device", "cpu", "--speculative-tree", "2x4:8")
     assert (given.tree, given.tree_max_bs) == (TreeShape(2, 4, 8), TREE_MAX_BS)
+    assert given.num_draft_tokens == AUTO_TREE_CHAIN
+    assert spec("--device", "cpu", "--speculative-tree", "2x4:8", "--num-draft-tokens",
+                "2").num_draft_tokens == 2
     assert spec("--device", "cuda", method="ngram").tree is None
 
 
@@ -85,8 +97,8 @@ def test_the_cli_gives_the_block_a_tree_of_its_rows_on_one_gpu(tmp_path):
     none on a CPU or for a random head."""
     from draftgraph.cli import parse_args
     from draftgraph.flags import (
-        AUTO_BLOCK_CHAIN,
         AUTO_BLOCK_TREE,
+        AUTO_TREE_CHAIN,
         AUTO_TREE_MAX_BS,
         spec_config_from_args,
     )
@@ -98,8 +110,8 @@ def test_the_cli_gives_the_block_a_tree_of_its_rows_on_one_gpu(tmp_path):
     w, n, g = AUTO_BLOCK_TREE
     on = spec("default", "--device", "cuda")
     assert (on.tree, on.tree_max_bs) == (TreeShape(w, 7, n, g), AUTO_TREE_MAX_BS)
-    # its steps without a tree verify the block's first AUTO_BLOCK_CHAIN drafts, or as asked
-    assert on.num_draft_tokens == AUTO_BLOCK_CHAIN
+    # its steps without a tree verify the block's first AUTO_TREE_CHAIN drafts, or as asked
+    assert on.num_draft_tokens == AUTO_TREE_CHAIN
     assert spec("default", "--device", "cuda", "--num-draft-tokens", "5").num_draft_tokens == 5
     assert spec("default", "--device", "cuda", "--block-size", "5").tree == TreeShape(w, 4, n, g)
     # a block of 2 grows w + w * w nodes, fewer than n: all of them are verified

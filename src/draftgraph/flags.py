@@ -192,8 +192,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "train-drafter writes one), or random[:layers=N,draft_vocab=V]")
     s.add_argument("--num-draft-tokens", type=int, default=None,
                    help=f"draft tokens proposed per step (default {SpecConfig.num_draft_tokens}"
-                   "); --speculative block with a tree: the block's drafts its steps without "
-                   f"one verify (default {AUTO_BLOCK_CHAIN}; the block's size is --block-size)")
+                   "); with a draft tree (--speculative-tree): the drafts its steps without "
+                   f"one verify, a chain of the head's or of the block's first drafts (default "
+                   f"{AUTO_TREE_CHAIN}; the block's size is --block-size)")
     s.add_argument("--speculative-tree", default="auto", metavar="WxD:N[+gG]|auto|off",
                    help="--speculative chain: in steps of up to 8 requests (greedy or "
                    "sampled), draft a tree (width W: beam and children per node, depth D, "
@@ -257,14 +258,21 @@ AUTO_TREE_MAX_BS = 4
 # same setting): 8x7:27+g16 and 8x7:40+g16 accept 3.72 / 5.02 and 3.80 / 5.15 but run
 # 3122 / 4049 and 3116 / 4058 tokens/s against 3101 / 4124 (their rounds 3-5 % dearer).
 AUTO_BLOCK_TREE = (4, 27, 16)  # width, verified nodes, n-gram drafts
-# Its steps above AUTO_TREE_MAX_BS requests draft the block alone and verify its first
-# AUTO_BLOCK_CHAIN drafts (--num-draft-tokens overrides): on an H100 (random weights of the
-# default model's shape, bf16) such a round of the shipped head costs 1.589 against 2.034 ms
+# A tree drafter's steps without a tree (above AUTO_TREE_MAX_BS requests, top-N, penalties)
+# verify a chain of its first AUTO_TREE_CHAIN drafts (--num-draft-tokens overrides): the
+# block's first 3 or the chain head's chain of 3. On an H100 (random weights of the default
+# model's shape, bf16) such a round of the shipped block head costs 1.589 against 2.034 ms
 # for the whole block of 7 at batch 32 (128 verify rows against 256), 1.356 against 1.560 at
 # 16, 1.189 against 1.296 at 8, while the real model's drafts past the third were accepted
 # in 0.25 of 2.44 tokens a round (HumanEval, batch 32): ~1.32x plain at batch 32 instead of
-# 1.15x, 1.47x instead of 1.42x at 16, 2 % below the whole block at 8 (stop 50).
-AUTO_BLOCK_CHAIN = 3
+# 1.15x, 1.47x instead of 1.42x at 16, 2 % below the whole block at 8 (stop 50). The chain
+# head's chain of 3 against 4 (stop 51): 1.581 against 1.867 ms a round at batch 32, 1.326
+# against 1.500 at 16, the real model's 4th draft accepted in 0.11-0.13 of 2.12-2.26 tokens
+# a round (batch 32, MT-Bench / HumanEval): ~1.22x / 1.29x plain at batch 32 instead of
+# 1.09x / 1.16x, 1.38x / 1.46x instead of 1.29x / 1.37x at 16 (the chain of 2: within 1 %
+# of 3 at 32, 1-3 % below it at 16). Estimates from rounds and acceptance, not yet run end
+# to end on the real model.
+AUTO_TREE_CHAIN = 3
 
 
 def auto_block_tree(k: int) -> TreeShape:
@@ -313,9 +321,8 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
     """The one mapping of the speculative flags to a SpecConfig."""
     tree, tree_max_bs = _tree(args)
     k = args.num_draft_tokens
-    if k is None:
-        k = AUTO_BLOCK_CHAIN if args.speculative == "block" and tree is not None else \
-            SpecConfig.num_draft_tokens
+    if k is None:  # a tree drafter's chain steps, else the chain (n-gram's, a draft model's)
+        k = AUTO_TREE_CHAIN if tree is not None else SpecConfig.num_draft_tokens
     return SpecConfig(method=args.speculative, num_draft_tokens=k,
                       ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                       adaptive=not args.no_adaptive_draft, draft_model=args.draft_model,
