@@ -80,7 +80,7 @@ def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
         assert all(v["ms_each"] > 0 for v in steps.values())
         # the engine's side of each request's latency (its /metrics histograms): a part of
         # what the client timed, TTFT = time queued + prefill
-        lat = run["engine_latency"]
+        lat = run["server_latency"]
         assert set(lat) == {"mean_ttft_ms", "mean_queue_ms", "mean_prefill_ms", "mean_e2e_ms",
                             "mean_to_engine_ms"}
         assert 0 < lat["mean_prefill_ms"] and 0 <= lat["mean_queue_ms"]
@@ -255,8 +255,8 @@ def test_engine_step_accounts_from_prometheus_counters():
     assert got["extend"]["steps"] == 2 and got["extend"]["ms_each"] == pytest.approx(15.0)
 
 
-def test_engine_latencies_from_prometheus_histograms():
-    from draftgraph.bench.serve import engine_latencies
+def test_server_latencies_from_prometheus_histograms():
+    from draftgraph.bench.serve import server_latencies
 
     def text(n, ttft, queue):
         return "\n".join([
@@ -268,7 +268,7 @@ def test_engine_latencies_from_prometheus_histograms():
             'vllm:inter_token_latency_seconds_count{model_name="m"} 7',
             'vllm:inter_token_latency_seconds_sum{model_name="m"} 9.0']) + "\n"
 
-    got = engine_latencies(parse_metrics(text(14, 0.5, 0.1)), parse_metrics(text(4, 0.1, 0.02)))
+    got = server_latencies(parse_metrics(text(14, 0.5, 0.1)), parse_metrics(text(4, 0.1, 0.02)))
     # means over the 10 requests in between; histograms not asked for, or without requests
     # in between, are left out
     assert got == pytest.approx({"mean_ttft_ms": 40.0, "mean_queue_ms": 8.0})

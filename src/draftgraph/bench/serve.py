@@ -36,7 +36,7 @@ SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
 # arrival at the API server (ttft, e2e) and in the engine's queue (queue, then prefill to the
 # first token): the client's TTFT less the server's is the HTTP connection's and the client's
 # own share
-ENGINE_LATENCIES = {"ttft": "time_to_first_token", "queue": "request_queue_time",
+SERVER_LATENCIES = {"ttft": "time_to_first_token", "queue": "request_queue_time",
                     "prefill": "request_prefill_time", "e2e": "e2e_request_latency"}
 
 
@@ -124,7 +124,7 @@ def parse_metrics(text: str) -> dict:
         out[key] = out.get(key, 0.0) + float(m.group(3))
     for m in re.finditer(r"^(?:[\w]+:)?(\w+?)_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", text,
                          re.M):
-        if m.group(1) in ENGINE_LATENCIES.values():
+        if m.group(1) in SERVER_LATENCIES.values():
             key = f"{m.group(1)}_{m.group(2)}"
             out[key] = out.get(key, 0.0) + float(m.group(3))
     per_pos: dict[int, float] = {}
@@ -170,10 +170,10 @@ def spec_summary(before: dict | None, after: dict | None) -> dict:
     }
 
 
-def engine_latencies(after: dict, before: dict) -> dict:
-    """Mean ms of each engine-side latency over the requests between two /metrics reads."""
+def server_latencies(after: dict, before: dict) -> dict:
+    """Mean ms of each server-side latency over the requests between two /metrics reads."""
     out = {}
-    for key, name in ENGINE_LATENCIES.items():
+    for key, name in SERVER_LATENCIES.items():
         n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         if n > 0:
             s = after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)
@@ -357,7 +357,7 @@ async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
     summary["speculative"] = spec_summary(before, after)
     if before is not None and after is not None:  # the server's steps by kind in this run
         summary["engine_steps"] = step_accounts(after, before)
-        summary["engine_latency"] = engine_latencies(after, before)
+        summary["server_latency"] = server_latencies(after, before)
     return summary
 
 

@@ -98,7 +98,7 @@ class Request:
         # arrival: where the request came in (the API server's receipt: its tokenizing and
         # the trip to this engine's queue count), else here; queued: here, the queue's start
         self.queued_time = time.perf_counter()
-        # (never after the queueing: a caller's clock that is not this one's, e.g.)
+        # (never later than the queueing: a caller's clock might not be this one's)
         self.arrival_time = min(self.queued_time, arrival_time or self.queued_time)
         self.scheduled_time: float | None = None  # first admitted to a step (queue time's end)
         self.first_token_time: float | None = None
