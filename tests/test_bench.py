@@ -88,6 +88,10 @@ def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
         # queue is positive, and the whole is within what the client saw
         assert 0.01 < lat["mean_to_engine_ms"] < lat["mean_ttft_ms"] < run["mean_ttft_ms"]
         assert lat["mean_e2e_ms"] < run["mean_e2e_ms"]
+    # the API server's own count of that part, by stage (logged at its shutdown): every
+    # request of both levels and the warm-ups counted, both stages timed
+    stages = server.app.state.server.stages
+    assert stages["n"] >= 16 and 0 <= stages["to_handler"] and 0 < stages["to_engine"]
     assert os.path.getsize(tmp_path / "out.png") > 1000
 
 

@@ -150,6 +150,10 @@ class OpenAIServer:
         self.draining = False
         self.num_open_responses = 0  # admitted HTTP requests whose response is not done
         self._drained: asyncio.Event | None = None
+        # requests queued, and their seconds from the HTTP arrival to the handler (the body,
+        # its validation) and from there to the engine (tokenizing, admission, the send):
+        # logged at shutdown, the API server's part of a TTFT by stage
+        self.stages = {"n": 0, "to_handler": 0.0, "to_engine": 0.0}
 
     # ---- checks --------------------------------------------------------------------------
     def check_admitting(self) -> None:
@@ -224,9 +228,10 @@ class OpenAIServer:
             raise APIError(400, str(e)) from None
 
     def add(self, prompts: list[list[int]], params: list, request_id: str, raw_request: Request,
-            ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
+            handler_time: float) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
         """Queue every sub-request or none: on a refusal the ones already queued are aborted.
-        Each is timed from the HTTP request's arrival (the body-limit middleware's stamp)."""
+        Each is timed from the HTTP request's arrival (the body-limit middleware's stamp);
+        handler_time: when the handler began (`stages`)."""
         arrival = getattr(raw_request.state, "arrival_time", None)
         rids: list[str] = []
         streams = []
@@ -249,6 +254,10 @@ class OpenAIServer:
         except (EngineError, ValueError) as e:
             self._abort(rids)
             raise APIError(400, str(e)) from None
+        if arrival is not None:
+            self.stages["n"] += 1
+            self.stages["to_handler"] += handler_time - arrival
+            self.stages["to_engine"] += time.perf_counter() - handler_time
         return rids, streams
 
     def _abort(self, rids: list[str]) -> None:
@@ -291,6 +300,7 @@ class OpenAIServer:
 
     # ---- endpoints -----------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw_request: Request):
+        handler_time = time.perf_counter()
         self.check_admitting()
         self.check_supported(body)
         model = self.check_model(body.model)
@@ -323,7 +333,7 @@ class OpenAIServer:
                   for i, (text, ids) in enumerate(zip(texts, encoded, strict=True))]
         self.check_admitting()  # tokenising took a while: still admitting?
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        rids, streams = self.add(encoded, params, request_id, raw_request)
+        rids, streams = self.add(encoded, params, request_id, raw_request, handler_time)
         if body.prompt_only:
             streams = [_prompt_only(s) for s in streams]
         created = serving.now()
@@ -370,6 +380,7 @@ class OpenAIServer:
             yield serving.sse("[DONE]")
 
     async def chat(self, body: ChatCompletionRequest, raw_request: Request):
+        handler_time = time.perf_counter()
         self.check_admitting()
         self.check_supported(body)
         model = self.check_model(body.model)
@@ -382,7 +393,7 @@ class OpenAIServer:
         self.check_admitting()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         rids, streams = self.add([ids] * body.n, choice_params(params, body.n), request_id,
-                                 raw_request)
+                                 raw_request, handler_time)
         created = serving.now()
         prompt_tokens = len(ids)  # the prompt once, not once per choice
 
@@ -665,6 +676,11 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
                 _send_metrics(async_engine.engine, metrics.state())  # the last counts
             async_engine.shutdown()
             server.executor.shutdown(wait=False, cancel_futures=True)
+            st = server.stages
+            if st["n"]:
+                logger.info("API server: %d requests, %.2f ms each from the HTTP arrival to "
+                            "the handler, %.2f ms from there to the engine", st["n"],
+                            1e3 * st["to_handler"] / st["n"], 1e3 * st["to_engine"] / st["n"])
 
     docs = {} if config.api_key is None else {"docs_url": None, "redoc_url": None,
                                               "openapi_url": None}
