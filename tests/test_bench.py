@@ -78,8 +78,8 @@ def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
         assert set(steps) <= {"decode", "spec", "ahead", "extend"} and "spec" in steps
         assert 2 <= steps["extend"]["steps"] <= 8 * 24 and steps["spec"]["steps"] >= 8
         assert all(v["ms_each"] > 0 for v in steps.values())
-        # the engine's side of each request's latency (its /metrics histograms): a part of
-        # what the client timed, TTFT = time queued + prefill
+        # the server's side of each request's latency (its /metrics histograms): a part of
+        # what the client timed, TTFT = to the engine's queue + queued + prefill
         lat = run["server_latency"]
         assert set(lat) == {"mean_ttft_ms", "mean_queue_ms", "mean_prefill_ms", "mean_e2e_ms",
                             "mean_to_engine_ms"}
