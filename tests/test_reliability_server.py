@@ -278,36 +278,42 @@ def test_a_body_that_never_arrives_gets_408(tiny):
 
 
 def test_tokenising_runs_off_the_event_loop(server, monkeypatch):
-    """While a text prompt is being tokenised (held here), /health and other requests are
-    served. (Token-id prompts are only checked, on the loop itself: tens of microseconds.)"""
+    """While text prompts are being tokenised (held here, on both of the tokenizer's worker
+    threads), /health and other requests are served; a token-id prompt needs no tokenizer and
+    is checked on the loop itself, so it does not wait for a worker either."""
     engine = server.app.state.server.engine
-    started, release = threading.Event(), threading.Event()
+    texts = ("nine nine nine", "ten ten ten")
+    started, release = threading.Semaphore(0), threading.Event()
     real = engine.encode_prompt
-    text = "nine nine nine"
 
     def slow_encode(prompt, use_chat_template=True, **kw):
-        if prompt == text:  # a slow tokenizer (the tiny model has none): these ids, late
-            started.set()
+        if prompt in texts:  # a slow tokenizer (the tiny model has none): these ids, late
+            started.release()
             assert release.wait(60)
             prompt = [9, 9, 9]
         return real(prompt, use_chat_template, **kw)
 
     monkeypatch.setattr(engine, "encode_prompt", slow_encode)
-    result = {}
-    held = threading.Thread(target=lambda: result.update(r=_post(
-        server, "/v1/completions", {**INNOCENT, "prompt": text, "max_tokens": 3})))
-    held.start()
+    results = {}
+    held = [threading.Thread(target=lambda t=t: results.update({t: _post(
+        server, "/v1/completions", {**INNOCENT, "prompt": t, "max_tokens": 3})}))
+        for t in texts]
+    for h in held:
+        h.start()
     try:
-        assert started.wait(60)
+        assert all(started.acquire(timeout=60) for _ in texts)  # both workers held
         assert httpx.get(server.base_url + "/health", timeout=30).json() == {"status": "ok"}
-        r = _post(server, "/v1/completions", {**INNOCENT, "max_tokens": 2})
+        r = httpx.post(server.base_url + "/v1/completions", timeout=15,
+                       json={**INNOCENT, "max_tokens": 2})  # token ids: PROMPT
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert held.is_alive()  # still held in the tokenizer
+        assert all(h.is_alive() for h in held)  # still held in the tokenizer
     finally:
         release.set()
-        held.join(60)
-    assert result["r"].status_code == 200
-    assert result["r"].json()["usage"]["completion_tokens"] == 3
+        for h in held:
+            h.join(60)
+    for t in texts:
+        assert results[t].status_code == 200
+        assert results[t].json()["usage"]["completion_tokens"] == 3
 
 
 # ---- 4. bad text, and an error handler that cannot fail -------------------------------------
