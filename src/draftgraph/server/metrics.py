@@ -179,7 +179,8 @@ class ServerMetrics:
         self.ttft = LoopHistogram(PREFIX + "time_to_first_token_seconds",
                                   "Time from request arrival to its first token.", TTFT_BUCKETS)
         self.queue = LoopHistogram(PREFIX + "request_queue_time_seconds",
-                                   "Time from request arrival to its first step.", TTFT_BUCKETS)
+                                   "Time in the engine's queue before a request's first "
+                                   "step.", TTFT_BUCKETS)
         self.prefill = LoopHistogram(PREFIX + "request_prefill_time_seconds",
                                      "Time from a request's first step to its first token.",
                                      TTFT_BUCKETS)
