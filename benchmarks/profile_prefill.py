@@ -10,6 +10,11 @@ time inside that step, kernel launches from the host, and the top kernels by GPU
 (`--arms`, one engine each over one loaded model, measured in turn per prompt length):
 `graphs` replays the captured prefill (`--prefill-graph-tokens`, the default), `eager` launches
 every kernel from the host (`--prefill-graph-tokens 0`).
+
+`--mixed P,N`: instead, the step a server runs when P prompts of each length arrive while N
+requests decode (512-token contexts): its wall time with the GPU synchronised (median of
+--repeats; the P requests end after their first token, the N keep decoding), then one such
+step profiled, beside the decode step of the N alone.
 """
 
 from __future__ import annotations
@@ -28,14 +33,20 @@ from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.loader import load_model
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+MIXED_DECODE_TOKENS = 1024  # a --mixed decoding request's budget: the run's steps stay below it
 LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
 def ttft(engine: LLMEngine, prompt: list[int]) -> float:
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -45,14 +56,74 @@ def profile(engine: LLMEngine, prompt: list[int], top: int) -> dict:
 
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
     engine._drain_inbox([])
-    torch.cuda.synchronize()
+    sync()
     with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         engine.step()  # the prefill step (its sampled token ends the request)
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - t0) * 1e3
     while engine.has_unfinished():
         engine.step()
+    return {"step_wall_ms_profiled": wall, **kernel_table(prof, top)}
+
+
+def mixed(engine: LLMEngine, n: int, prompts: int, decoding: int, repeats: int, top: int,
+          g: torch.Generator) -> dict:
+    """The extend step of `prompts` new prompts of n tokens beside `decoding` decoding requests,
+    and the decode step of those alone, both timed with the GPU synchronised."""
+    vocab = engine.model_config.vocab_size
+    if not engine.has_unfinished():
+        for _ in range(decoding):
+            engine.add_request(torch.randint(0, vocab, (512,), generator=g).tolist(),
+                               SamplingParams(max_tokens=MIXED_DECODE_TOKENS, temperature=0,
+                                              ignore_eos=True))
+        for _ in range(8):
+            engine.step()
+
+    def add_prompts() -> None:
+        for _ in range(prompts):
+            engine.add_request(torch.randint(0, vocab, (n,), generator=g).tolist(),
+                               SamplingParams(max_tokens=1, temperature=0))
+
+    def timed_step() -> float:
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    def timed_extend() -> float:
+        add_prompts()
+        for _ in range(4):  # a launched-ahead decode step is read first
+            ms = timed_step()
+            if engine.step_kind == "extend":
+                return ms
+        raise RuntimeError("no extend step after the prompts arrived")
+
+    for _ in range(2):
+        timed_extend()  # warm-up: Triton compiles for this length
+    ext = [timed_extend() for _ in range(repeats)]
+    dec = [timed_step() for _ in range(repeats)]
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof_ctx
+    add_prompts()
+    for _ in range(4):  # up to the step that runs the extend, outside the profile
+        engine._drain_inbox([])
+        if engine._inflight is None:
+            break
+        engine.step()
+    sync()
+    with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        sync()
+    assert engine.step_kind == "extend", engine.step_kind
+    return {"prompts": prompts, "decoding": decoding, "prompt_tokens": n,
+            "extend_ms_median": statistics.median(ext), "extend_ms": ext,
+            "decode_ms_median": statistics.median(dec), "decode_ms": dec,
+            **kernel_table(prof, top)}
+
+
+def kernel_table(prof, top: int) -> dict:
     launches = sum(e.count for e in prof.key_averages() if e.key in LAUNCH)
     kernels, gpu_us = {}, 0.0
     for e in prof.events():
@@ -62,7 +133,7 @@ def profile(engine: LLMEngine, prompt: list[int], top: int) -> dict:
             r["count"] += 1
             gpu_us += e.time_range.elapsed_us()
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:top]
-    return {"step_wall_ms_profiled": wall, "gpu_ms": gpu_us / 1e3, "kernel_launches": launches,
+    return {"gpu_ms": gpu_us / 1e3, "kernel_launches": launches,
             "top_kernels": [{"kernel": k, **v} for k, v in ranked]}
 
 
@@ -75,18 +146,26 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--arms", default="graphs,eager",
                     help="graphs, eager; a _det suffix runs the arm with --deterministic")
+    ap.add_argument("--mixed", default="", metavar="P,N",
+                    help="P prompts of each length arriving while N requests decode")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     lens = [int(x) for x in args.tokens.split(",")]
     arms = args.arms.split(",")
-    loaded = load_model(args.model, device="cuda", dtype=getattr(torch, args.dtype))
+    prompts, decoding = (int(x) for x in args.mixed.split(",")) if args.mixed else (1, 0)
+    step_tokens = max(max(lens) * prompts + decoding, 512 + 8)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run of the script
+    loaded = load_model(args.model, device=dev, dtype=getattr(torch, args.dtype))
     engines = {arm: LLMEngine(EngineConfig(
-        model=args.model, device="cuda", dtype=args.dtype,
-        prefill_graph_tokens=max(lens) if arm.startswith("graphs") else 0,
+        model=args.model, device=dev, dtype=args.dtype,
+        prefill_graph_tokens=min(step_tokens, 4096) if arm.startswith("graphs") else 0,
         deterministic=arm.endswith("_det"),
-        cache=CacheConfig(kv_cache_tokens=max(lens) * 2 + 1024),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max(lens),
-                                  max_model_len=max(lens) + 64)), loaded=loaded)
+        cache=CacheConfig(kv_cache_tokens=max(lens) * (prompts + 1)
+                          + decoding * (512 + MIXED_DECODE_TOKENS + 64) + 1024),
+        scheduler=SchedulerConfig(max_num_seqs=max(8, prompts + decoding),
+                                  max_num_batched_tokens=step_tokens,
+                                  max_model_len=max(max(lens), 512 + MIXED_DECODE_TOKENS) + 64)),
+        loaded=loaded)
         for arm in arms}
     engine = engines[arms[0]]
     vocab = engine.model_config.vocab_size
@@ -95,6 +174,17 @@ def main() -> int:
     for n in lens:
         prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
         for arm, engine in engines.items():
+            if args.mixed:
+                r = {"arm": arm, **mixed(engine, n, prompts, decoding, args.repeats, args.top, g)}
+                results.append(r)
+                print(f"{args.model} {arm} {prompts} x {n} tokens beside {decoding} decoding: "
+                      f"extend step {r['extend_ms_median']:.2f} ms (decode step "
+                      f"{r['decode_ms_median']:.2f}), GPU {r['gpu_ms']:.2f} ms, "
+                      f"{r['kernel_launches']} launches", flush=True)
+                for k in r["top_kernels"][:8]:
+                    print(f"    {k['us'] / 1e3:8.3f} ms x{k['count']:4d} {k['kernel'][:90]}",
+                          flush=True)
+                continue
             for _ in range(2):
                 ttft(engine, prompt)  # warm-up: Triton compiles for this length
             times = [ttft(engine, prompt) for _ in range(args.repeats)]

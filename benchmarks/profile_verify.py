@@ -80,17 +80,20 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tensor-core-rows", choices=("auto", "on", "off"), default="auto",
+                    help="the whole run's setting (plain decode too)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     target = load_model(a.target, device="cuda", dtype=getattr(torch, a.dtype))
     out = {"benchmark": "profile_verify", **run_header(), "target": a.target,
            "target_shape": model_shape(target.config), "batch_size": a.batch_size,
-           "context": a.context, "k": a.k, "dtype": a.dtype, "arms": {}}
+           "context": a.context, "k": a.k, "dtype": a.dtype,
+           "tensor_core_rows": a.tensor_core_rows, "arms": {}}
     for name, spec in (("plain", SpecConfig()),
                        (f"ngram_k{a.k}", SpecConfig(method="ngram", num_draft_tokens=a.k,
                                                     adaptive=False))):
         e = LLMEngine(EngineConfig(
-            model=a.target, device="cuda", dtype=a.dtype,
+            model=a.target, device="cuda", dtype=a.dtype, tensor_core_rows=a.tensor_core_rows,
             cache=CacheConfig(kv_cache_tokens=a.batch_size * (a.context + 20 * a.steps + 512)),
             scheduler=SchedulerConfig(max_num_seqs=a.batch_size, max_num_batched_tokens=4096,
                                       max_model_len=a.context + 20 * a.steps + 256),
