@@ -33,6 +33,7 @@ from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.models.loader import load_model
 
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -77,7 +78,10 @@ def mixed(engine: LLMEngine, n: int, prompts: int, decoding: int, repeats: int, 
             engine.add_request(torch.randint(0, vocab, (512,), generator=g).tolist(),
                                SamplingParams(max_tokens=MIXED_DECODE_TOKENS, temperature=0,
                                               ignore_eos=True))
-        for _ in range(8):
+        engine._drain_inbox([])
+        while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
+            engine.step()
+        for _ in range(4):
             engine.step()
 
     def add_prompts() -> None:
@@ -117,10 +121,36 @@ def mixed(engine: LLMEngine, n: int, prompts: int, decoding: int, repeats: int, 
         engine.step()
         sync()
     assert engine.step_kind == "extend", engine.step_kind
+    host = sorted(({"op": e.key[:100], "count": e.count, "self_cpu_us": e.self_cpu_time_total}
+                   for e in prof.key_averages()), key=lambda r: -r["self_cpu_us"])[:top]
     return {"prompts": prompts, "decoding": decoding, "prompt_tokens": n,
             "extend_ms_median": statistics.median(ext), "extend_ms": ext,
             "decode_ms_median": statistics.median(dec), "decode_ms": dec,
-            **kernel_table(prof, top)}
+            **kernel_table(prof, top), "host_top": host, "python_top": python_profile(
+                engine, add_prompts, top)}
+
+
+def python_profile(engine: LLMEngine, add_prompts, top: int) -> list[dict]:
+    """The Python functions of one more such extend step, by their own time (cProfile)."""
+    import cProfile
+    import pstats
+    add_prompts()
+    for _ in range(4):
+        engine._drain_inbox([])
+        if engine._inflight is None:
+            break
+        engine.step()
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    engine.step()
+    sync()
+    pr.disable()
+    st = pstats.Stats(pr).stats
+    rows = sorted(({"function": f"{k[0].rsplit('/', 2)[-1]}:{k[1]}:{k[2]}", "calls": v[1],
+                    "own_us": v[2] * 1e6, "cumulative_us": v[3] * 1e6}
+                   for k, v in st.items()), key=lambda r: -r["own_us"])
+    return rows[:top]
 
 
 def kernel_table(prof, top: int) -> dict:
@@ -146,6 +176,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--arms", default="graphs,eager",
                     help="graphs, eager; a _det suffix runs the arm with --deterministic")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=4096,
+                    help="the graphs arms' captured prefill (the engine's default: 4096)")
     ap.add_argument("--mixed", default="", metavar="P,N",
                     help="P prompts of each length arriving while N requests decode")
     ap.add_argument("--out", required=True)
@@ -158,7 +190,8 @@ def main() -> int:
     loaded = load_model(args.model, device=dev, dtype=getattr(torch, args.dtype))
     engines = {arm: LLMEngine(EngineConfig(
         model=args.model, device=dev, dtype=args.dtype,
-        prefill_graph_tokens=min(step_tokens, 4096) if arm.startswith("graphs") else 0,
+        prefill_graph_tokens=(min(step_tokens, args.prefill_graph_tokens)
+                              if arm.startswith("graphs") else 0),
         deterministic=arm.endswith("_det"),
         cache=CacheConfig(kv_cache_tokens=max(lens) * (prompts + 1)
                           + decoding * (512 + MIXED_DECODE_TOKENS + 64) + 1024),
@@ -184,6 +217,9 @@ def main() -> int:
                 for k in r["top_kernels"][:8]:
                     print(f"    {k['us'] / 1e3:8.3f} ms x{k['count']:4d} {k['kernel'][:90]}",
                           flush=True)
+                for k in r["python_top"][:12]:
+                    print(f"    {k['own_us'] / 1e3:8.3f} ms own, {k['cumulative_us'] / 1e3:8.3f} "
+                          f"cum x{k['calls']:5d} {k['function'][:80]}", flush=True)
                 continue
             for _ in range(2):
                 ttft(engine, prompt)  # warm-up: Triton compiles for this length

@@ -79,8 +79,10 @@ class PagedAllocator:
                 f"need {need_pages * ps} KV slots, "
                 f"{self.num_free_slots} free (raise --kv-cache-tokens)"
             )
-        for _ in range(need_pages):
-            pages.append(self._free_pages.pop())
+        if need_pages:  # the pages pop() would give, in that order, in one slice
+            free = self._free_pages
+            pages.extend(free[:-need_pages - 1:-1])
+            del free[-need_pages:]
         if ps == 1:  # a page is a slot
             return pages[cur_len : cur_len + n]
         return [pages[p // ps] * ps + p % ps for p in range(cur_len, cur_len + n)]
