@@ -19,10 +19,11 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   for arm in ${ARMS:-plain}; do
     # arms: plain (the defaults: on a GPU the engine in its own process), thread (the engine
     # on a thread of the server process), ngram, api<N> (plain with N API-server
-    # processes: --api-server-count N)
+    # processes: --api-server-count N), pg<N> (plain with --prefill-graph-tokens N)
     extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
     [ $arm = thread ] && extra="--engine-process off"
-    case $arm in api*) extra="--api-server-count ${arm#api}" ;; esac
+    case $arm in api*) extra="--api-server-count ${arm#api}" ;;
+      pg*) extra="--prefill-graph-tokens ${arm#pg}" ;; esac
     python3 -m draftgraph.cli serve random:$m --port 8123 $extra \
       > "/tmp/server_${m}_$arm.log" 2>&1 &
     pid=$!
@@ -43,7 +44,8 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   [ -n "${NO_OFFLINE:-}" ] && continue
   timeout ${OFFLINE_TIMEOUT:-200} python3 benchmarks/serve_offline.py --model random:$m \
     --num-prompts ${NUM_PROMPTS:-512} --input-len 512 --output-len 128 \
-    --concurrency "$(echo $CONC | tr ' ' ',')" --out "$OUT/serve_offline_${m}_${GTAG:-gpu}.json" \
+    --concurrency "$(echo $CONC | tr ' ' ',')" ${OFFLINE_FLAGS:-} \
+    --out "$OUT/serve_offline_${m}_${GTAG:-gpu}${OFFLINE_TAG:-}.json" \
     2>&1 | grep -v -i warn | grep -v "^capturing"
 done
 ls "$OUT"
