@@ -197,7 +197,9 @@ def main() -> int:
                           + decoding * (512 + MIXED_DECODE_TOKENS + 64) + 1024),
         scheduler=SchedulerConfig(max_num_seqs=max(8, prompts + decoding),
                                   max_num_batched_tokens=step_tokens,
-                                  max_model_len=max(max(lens), 512 + MIXED_DECODE_TOKENS) + 64)),
+                                  # --mixed: the model's (as a server's), so the captured
+                                  # prefill's padding row is as wide
+                                  max_model_len=None if args.mixed else max(lens) + 64)),
         loaded=loaded)
         for arm in arms}
     engine = engines[arms[0]]

@@ -214,8 +214,11 @@ class EngineConfig:
     async_scheduling: bool = True
     # captured prefill: extend steps (prefill chunks, mixed steps) of at most this many tokens
     # replay CUDA graphs of bucketed token counts instead of launching every kernel from the
-    # host (GPU, with graphs, one rank); 0: every extend step eager
-    prefill_graph_tokens: int = 4096
+    # host (GPU, with graphs, one rank); 0: every extend step eager. The GPU's default token
+    # budget (SchedulerConfig.GPU_DEFAULTS): offline SmolLM2 at 64 streams ran its steps of
+    # ~6k prompt tokens eagerly under 4096, 13.7 ms each against 7.6 replayed (36.1k -> 43.2k
+    # tok/s, H100, benchmarks/NOTES.md stop 52)
+    prefill_graph_tokens: int = 8192
     attention_backend: str | None = None  # None: triton on GPU, torch on CPU
     # "on": every verify row computed exactly as the decode row at its position (GPU: every
     # multi-row step of up to 16 rows through the fused single-row kernels; CPU: verify

@@ -117,7 +117,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly instead of replaying CUDA graphs (GPU only)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next")
-    e.add_argument("--prefill-graph-tokens", type=int, default=4096,
+    e.add_argument("--prefill-graph-tokens", type=int, default=8192,
                    help="extend steps (prefill chunks, mixed steps) of at most this many "
                         "tokens replay CUDA graphs of bucketed token counts (GPU; 0: eager)")
     e.add_argument("--exact-rows", choices=["auto", "on", "off"], default=None,
