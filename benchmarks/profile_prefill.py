@@ -176,8 +176,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--arms", default="graphs,eager",
                     help="graphs, eager; a _det suffix runs the arm with --deterministic")
-    ap.add_argument("--prefill-graph-tokens", type=int, default=4096,
-                    help="the graphs arms' captured prefill (the engine's default: 4096)")
+    ap.add_argument("--prefill-graph-tokens", type=int,
+                    default=EngineConfig.prefill_graph_tokens,
+                    help="the graphs arms' captured prefill (default: the engine's)")
     ap.add_argument("--mixed", default="", metavar="P,N",
                     help="P prompts of each length arriving while N requests decode")
     ap.add_argument("--out", required=True)

@@ -212,6 +212,11 @@ class EngineConfig:
     use_graphs: bool = True  # CUDA graphs on GPU; ignored on CPU
     # launch step N + 1 (decode or speculative) before reading step N's tokens (graphs)
     async_scheduling: bool = True
+    # with async scheduling: prompts that arrive while every running request decodes get a
+    # prefill-only forward queued behind the launched step N + 1 (it needs none of step N's
+    # tokens) instead of stopping the launches for a step mixing them with the decode rows;
+    # the step after takes their first tokens as literal inputs. Off until timed on a GPU
+    overlap_prefill: bool = False
     # captured prefill: extend steps (prefill chunks, mixed steps) of at most this many tokens
     # replay CUDA graphs of bucketed token counts instead of launching every kernel from the
     # host (GPU, with graphs, one rank); 0: every extend step eager. The GPU's default token

@@ -117,6 +117,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly instead of replaying CUDA graphs (GPU only)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next")
+    e.add_argument("--overlap-prefill", action="store_true",
+                   help="async scheduling: run arriving prompts' prefill behind the decode step "
+                        "in flight instead of in a step that mixes them with the decode rows")
     e.add_argument("--prefill-graph-tokens", type=int, default=8192,
                    help="extend steps (prefill chunks, mixed steps) of at most this many "
                         "tokens replay CUDA graphs of bucketed token counts (GPU; 0: eager)")
@@ -345,6 +348,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         use_graphs=not args.no_graphs,
         async_scheduling=not args.no_async_scheduling,
+        overlap_prefill=args.overlap_prefill,
         prefill_graph_tokens=args.prefill_graph_tokens,
         attention_backend=args.attention_backend,
         exact_rows=args.exact_rows,

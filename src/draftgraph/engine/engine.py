@@ -266,16 +266,22 @@ class LLMEngine:
         timed = self.config.scheduler.max_step_seconds > 0  # else nothing reads the timings
         decode_rows = sum(1 for sr in scheduled
                           if sr.num_new_tokens == 1 and not sr.req.is_prefilling) if timed else 0
+        self._run_scheduled(scheduled, outputs)
+        if timed:
+            self.scheduler.observe(sum(sr.num_new_tokens for sr in scheduled) - decode_rows,
+                                   decode_rows, time.perf_counter() - t0)
+
+    def _run_scheduled(self, scheduled: list[ScheduledRequest],
+                       outputs: list[RequestOutput]) -> None:
+        """Run the scheduled work and record each request's result (or the error of the
+        rows that made the step raise, for them alone)."""
         for sr, result in zip(scheduled, self._run_isolated(scheduled), strict=True):
-            if isinstance(result, Exception):  # this request's rows made the step raise
+            if isinstance(result, Exception):
                 sr.req.error = f"internal error: {result}"
                 self._finish(sr.req, "error")
                 outputs.append(self._output(sr.req, []))
             else:
                 outputs.append(self._append(sr.req, *result, num_fed=sr.num_new_tokens))
-        if timed:
-            self.scheduler.observe(sum(sr.num_new_tokens for sr in scheduled) - decode_rows,
-                                   decode_rows, time.perf_counter() - t0)
 
     def _admit_controls(self, reqs: list[Request]) -> None:
         """A request with sampling controls that starts its prefill (first scheduled, or
@@ -455,36 +461,51 @@ class LLMEngine:
         a step that should switch between decode and speculative takes the normal path."""
         for r in reqs:
             r.ahead = 0
-        if not self.async_scheduling or self.scheduler.waiting:
+        overlap = self.config.overlap_prefill
+        if not self.async_scheduling or (self.scheduler.waiting and not overlap):
             return False
         alive = [(j, r) for j, r in enumerate(reqs) if not r.finished]
-        if len(alive) != len(self.scheduler.running):
+        # fresh: requests that started decoding after step N was launched (their prefill ran
+        # behind it): in step N + 1 with their last token given, not referenced
+        in_step = {id(r) for _, r in alive}
+        fresh = [r for r in self.scheduler.running if id(r) not in in_step]
+        if len(alive) + len(fresh) != len(self.scheduler.running) or fresh and not (
+                overlap and not any(r.is_prefilling for r in fresh)):
             return False  # another request (prefilling, preempted) needs the normal path
+        if fresh and graphs in self.extras_graphs and any(r.needs_extras for r in fresh):
+            return False  # the step after needs the extras twin: the normal path
         # rows that surely end with step N's tokens need no next step
         rows = [(j, r) for j, r in alive
                 if len(r.output_token_ids) + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.max_model_len]
-        if not rows:
+        if not rows and not fresh:
             return False
         k = graphs.body.k
         max_draft = None
         if self.spec_graphs is not None:
             # NOTE: when this returns False below, the normal path asks the policy again (a
             # request at draft length 0 counts one idle step twice)
-            max_draft = [self.policy.max_draft(r) for _, r in rows]
+            max_draft = [self.policy.max_draft(r) for _, r in rows] + \
+                [self.policy.max_draft(r) for r in fresh]
             if bool(k) != (any(max_draft) or self.drafter.keeps_kv):
                 return False
-        try:  # step N + 1 writes from step N's last token on: positions num_tokens .. + 2k
+        try:  # step N + 1 writes from step N's last token on: positions num_tokens .. + 2k;
+            # a fresh request's from its last token on, as the normal path's
             slots = [self.slots.allocator.extend(r.pages, r.num_tokens, 1 + 2 * k)
-                     for _, r in rows]
+                     for _, r in rows] + \
+                [self.slots.allocator.extend(r.pages, r.num_computed_tokens, 1 + k)
+                 for r in fresh]
         except OutOfKVSlots:
             # the normal path preempts; slots already taken go back when step N's tokens are
             # appended (truncation to the computed tokens, `ahead` being 0)
             return False
-        ahead = [r for _, r in rows]
+        ahead = [r for _, r in rows] + fresh
         # NOTE: the row references -(j + 1) read the previous replay of the same graph set
-        self._stage(graphs, ahead, [-(j + 1) for j, _ in rows],
-                    [r.num_tokens + 1 for r in ahead], slots, max_draft)
+        self._stage(graphs, ahead,
+                    [-(j + 1) for j, _ in rows]
+                    + [r.token_slice(r.num_tokens - 1, r.num_tokens)[0] for r in fresh],
+                    [r.num_tokens + 1 for _, r in rows] + [r.num_tokens for r in fresh],
+                    slots, max_draft)
         for r in ahead:
             r.ahead = 1 + k  # the positions step N + 1 may write past step N's last token
         self._inflight = ahead
@@ -509,9 +530,24 @@ class LLMEngine:
                     self._finish(r, "error")
                     outputs.append(self._output(r, []))
             return outputs
-        return [self._append(r, tokens, logprobs, top, num_fed=1)
-                for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True)
-                if not r.finished]  # finished or aborted while its step ran: token dropped
+        outputs = [self._append(r, tokens, logprobs, top, num_fed=1)
+                   for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True)
+                   if not r.finished]  # finished or aborted while its step ran: token dropped
+        if ahead and self.scheduler.waiting and self.config.overlap_prefill:
+            self._prefill_behind(outputs)
+        return outputs
+
+    def _prefill_behind(self, outputs: list[RequestOutput]) -> None:
+        """The waiting prompts' chunks as one prefill-only forward, queued on the device
+        behind the step just launched (which holds every running request; nobody is
+        preempted for them). Their first tokens are read here; the next launch takes them
+        as literal inputs (`_launch_ahead`'s fresh rows)."""
+        scheduled = self.scheduler.schedule(self.spec_k, decode=False)
+        if not scheduled:
+            return
+        self._admit_controls([sr.req for sr in scheduled])
+        self._run_scheduled(scheduled, outputs)
+        self.step_kind = "behind"
 
     def _sample(self, rows, logits: torch.Tensor) -> list[tuple[list[int], list[float], list]]:
         """Tokens of the requests whose last prompt token was fed (one logit row each), by the

@@ -100,8 +100,10 @@ class Scheduler:
         self.running.remove(victim)
         self.waiting.appendleft(victim)
 
-    def _alloc(self, sr: ScheduledRequest, scheduled: list[ScheduledRequest]) -> bool:
-        """KV slots for sr; preempts the newest other running request when out of slots."""
+    def _alloc(self, sr: ScheduledRequest, scheduled: list[ScheduledRequest],
+               preempt: bool = True) -> bool:
+        """KV slots for sr; preempts the newest other running request when out of slots
+        (unless not `preempt`: then False)."""
         req = sr.req
         while True:
             try:
@@ -109,19 +111,21 @@ class Scheduler:
                                                  sr.num_slots)
                 return True
             except OutOfKVSlots:
-                victims = [r for r in reversed(self.running)
-                           if r is not req and all(s.req is not r for s in scheduled)]
+                victims = [r for r in reversed(self.running) if preempt
+                           and r is not req and all(s.req is not r for s in scheduled)]
                 if not victims:
                     return False
                 self._preempt(victims[0])
 
-    def schedule(self, reserve: int = 0) -> list[ScheduledRequest]:
+    def schedule(self, reserve: int = 0, decode: bool = True) -> list[ScheduledRequest]:
         """Pick this step's work; `reserve` extra KV slots go to each decoding request (the
-        drafts of a speculative step, made on the device)."""
+        drafts of a speculative step, made on the device). Not `decode`: the waiting
+        requests' prompt chunks alone, preempting nobody (a prefill run behind a step in
+        flight, whose requests hold their slots)."""
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         # 1. decoding requests: one token each (plus slots for drafts)
-        for req in list(self.running):
+        for req in list(self.running) if decode else []:
             if req.status is not Status.RUNNING or req.is_prefilling:  # preempted this step
                 continue
             sr = ScheduledRequest(req, 1, reserve)
@@ -140,7 +144,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted by an earlier chunk of this step
                 continue
-            sr = self._prefill_chunk(req, budget, scheduled)
+            sr = self._prefill_chunk(req, budget, scheduled, decode)
             if sr:
                 budget -= sr.num_new_tokens
                 scheduled.append(sr)
@@ -156,18 +160,18 @@ class Scheduler:
             if req.scheduled_time is None:  # a preempted request keeps its first admission
                 req.scheduled_time = time.perf_counter()
             self.running.append(req)
-            sr = self._prefill_chunk(req, budget, scheduled)
+            sr = self._prefill_chunk(req, budget, scheduled, decode)
             if sr is None:
                 break
             budget -= sr.num_new_tokens
             scheduled.append(sr)
         return scheduled
 
-    def _prefill_chunk(self, req: Request, budget: int,
-                       scheduled: list[ScheduledRequest]) -> ScheduledRequest | None:
+    def _prefill_chunk(self, req: Request, budget: int, scheduled: list[ScheduledRequest],
+                       preempt: bool = True) -> ScheduledRequest | None:
         target = req.num_tokens - (1 if req.output_token_ids else 0)
         n = min(target - req.num_computed_tokens, budget)
         sr = ScheduledRequest(req, n)
-        if n <= 0 or not self._alloc(sr, scheduled):
+        if n <= 0 or not self._alloc(sr, scheduled, preempt):
             return None
         return sr

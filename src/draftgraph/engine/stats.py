@@ -1,16 +1,17 @@
 """The engine's step accounts: what each step ran (`LLMEngine.step_kind`) and how long.
 
 A step is a graph replay of decode or speculative rows ("decode", "spec"), the async path
-("ahead": the next replay launched, the one in flight read) or prefill chunks with any decode
-rows ("extend"). `engine.stats` counts each as "steps_<kind>" and "step_seconds_<kind>"; the
-server exports them (`/metrics`: engine_steps, engine_step_seconds by kind), `bench serve`
-and benchmarks/serve_offline.py report their difference over a run. No torch here: the
-benchmark client imports it.
+("ahead": the next replay launched, the one in flight read; "behind": the same with the
+arriving prompts' prefill queued behind that replay, `--overlap-prefill`) or prefill chunks
+with any decode rows ("extend"). `engine.stats` counts each as "steps_<kind>" and
+"step_seconds_<kind>"; the server exports them (`/metrics`: engine_steps, engine_step_seconds
+by kind), `bench serve` and benchmarks/serve_offline.py report their difference over a run.
+No torch here: the benchmark client imports it.
 """
 
 from __future__ import annotations
 
-STEP_KINDS = ("decode", "spec", "ahead", "extend")
+STEP_KINDS = ("decode", "spec", "ahead", "behind", "extend")
 
 
 def step_accounts(stats: dict, before: dict | None = None) -> dict[str, dict]:
