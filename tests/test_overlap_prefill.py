@@ -125,11 +125,45 @@ def test_overlapped_prefill_with_a_chain_head_keeps_its_kv(hf):
     assert engines["overlap"].spec_graphs.mixed >= 3
 
 
-def test_overlapped_prefill_admits_nobody_it_cannot_hold(hf):
-    """A pool too small for every arrival: the prefill behind takes only what fits without
-    preempting a request in flight; the rest wait, and outputs still equal the sync run."""
+def test_overlapped_prefill_waits_for_room_while_the_launches_go_on(hf):
+    """A pool too small for every arrival: a prefill behind admits what fits beside the
+    decoding requests' headroom, the rest wait while launches ahead go on, and outputs still
+    equal the sync run."""
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 7
     arrivals = arrivals_of(params)
+    engine = engine_for(hf, "overlap", kv_tokens=140)
+    waited = []  # steps launched ahead with requests still waiting
+
+    def launch(reqs, graphs, launch=engine._launch_ahead):
+        ahead = launch(reqs, graphs)
+        waited.append(ahead and bool(engine.scheduler.waiting))
+        return ahead
+
+    engine._launch_ahead = launch
     ref = drive(engine_for(hf, "sync", kv_tokens=140), arrivals)
-    got = drive(engine_for(hf, "overlap", kv_tokens=140), arrivals)
+    got = drive(engine, arrivals)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
+    assert engine.stats["steps_behind"] >= 2 and sum(waited) >= 5
+
+
+def test_a_prefill_only_schedule_preempts_nobody():
+    """schedule(decode=False) runs beside a step in flight: a chunk that finds no KV slots is
+    left for later instead of preempting a running request (whose slots that step writes)."""
+    from draftgraph.config import SchedulerConfig
+    from draftgraph.engine.request import Request, Status
+    from draftgraph.engine.scheduler import Scheduler
+    from draftgraph.runtime.kv_cache import PagedAllocator, ReqToTokenPool
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                      PagedAllocator(21), ReqToTokenPool(4, 64, "cpu"))
+    sp = SamplingParams(max_tokens=8)
+    a = Request("a", list(range(12)), sp, 0, set())
+    sched.add(a)
+    sched.schedule()  # a takes 12 of the 20 slots, then decodes
+    a.num_computed_tokens = 12
+    a.output_token_ids.append(5)
+    b = Request("b", list(range(15)), sp, 0, set())  # admitted, its prompt not yet fed
+    b.req_pool_idx, b.status = sched.req_pool.alloc(), Status.RUNNING
+    sched.running.append(b)
+    assert sched.schedule(decode=False) == []
+    assert a.status is Status.RUNNING and len(a.pages) == 12 and a in sched.running

@@ -115,8 +115,9 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
 
 
 def parse_metrics(text: str) -> dict:
-    """Speculative counters (any metric-name prefix, e.g. `vllm:`) from Prometheus text, and
-    draftgraph's engine step counters by kind (as engine stats: steps_<kind>, ...)."""
+    """Speculative counters (any metric-name prefix, e.g. `vllm:`) from Prometheus text,
+    draftgraph's engine step counters by kind (as engine stats: steps_<kind>, ...) and the
+    sums and counts of the SERVER_LATENCIES histograms (<name>_sum, <name>_count)."""
     out: dict = {name: 0.0 for name in SPEC_COUNTERS}
     for m in re.finditer(r'^(?:[\w]+:)?engine_(steps|step_seconds)(?:_total)?\{[^}]*kind="(\w+)"'
                          r"[^}]*\} (\S+)$", text, re.M):

@@ -465,13 +465,17 @@ class LLMEngine:
         if not self.async_scheduling or (self.scheduler.waiting and not overlap):
             return False
         alive = [(j, r) for j, r in enumerate(reqs) if not r.finished]
-        # fresh: requests that started decoding after step N was launched (their prefill ran
-        # behind it): in step N + 1 with their last token given, not referenced
-        in_step = {id(r) for _, r in alive}
-        fresh = [r for r in self.scheduler.running if id(r) not in in_step]
-        if len(alive) + len(fresh) != len(self.scheduler.running) or fresh and not (
-                overlap and not any(r.is_prefilling for r in fresh)):
-            return False  # another request (prefilling, preempted) needs the normal path
+        running = self.scheduler.running
+        fresh = []
+        if len(running) != len(alive):
+            if not overlap:
+                return False  # another request (prefilling, preempted) needs the normal path
+            # fresh: requests that started decoding after step N was launched (their prefill
+            # ran behind it): in step N + 1 with their last token given, not referenced
+            in_step = {id(r) for _, r in alive}
+            fresh = [r for r in running if id(r) not in in_step]
+            if len(alive) + len(fresh) != len(running) or any(r.is_prefilling for r in fresh):
+                return False
         if fresh and graphs in self.extras_graphs and any(r.needs_extras for r in fresh):
             return False  # the step after needs the extras twin: the normal path
         # rows that surely end with step N's tokens need no next step
