@@ -186,6 +186,8 @@ def main() -> int:
     lens = [int(x) for x in args.tokens.split(",")]
     arms = args.arms.split(",")
     prompts, decoding = (int(x) for x in args.mixed.split(",")) if args.mixed else (1, 0)
+    # a step's budget: the arriving prompts and the decode rows (at least one --mixed
+    # decoder's 512-token prompt, so they prefill before the timing)
     step_tokens = max(max(lens) * prompts + decoding, 512 + 8)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run of the script
     loaded = load_model(args.model, device=dev, dtype=getattr(torch, args.dtype))

@@ -46,8 +46,7 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
   [ -n "${NO_OFFLINE:-}" ] && continue
   timeout ${OFFLINE_TIMEOUT:-200} python3 benchmarks/serve_offline.py --model random:$m \
     --num-prompts ${NUM_PROMPTS:-512} --input-len 512 --output-len 128 \
-    --concurrency "$(echo $CONC | tr ' ' ',')" ${OFFLINE_FLAGS:-} \
-    --out "$OUT/serve_offline_${m}_${GTAG:-gpu}${OFFLINE_TAG:-}.json" \
+    --concurrency "$(echo $CONC | tr ' ' ',')" --out "$OUT/serve_offline_${m}_${GTAG:-gpu}.json" \
     2>&1 | grep -v -i warn | grep -v "^capturing"
 done
 ls "$OUT"
