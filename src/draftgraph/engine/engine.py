@@ -39,6 +39,20 @@ _RUNNING = Status.RUNNING  # identity tests in the per-request loops (see reques
 __all__ = ["EngineError", "LLMEngine", "QueueFullError"]
 
 
+def _lanes_to(dev: torch.device, ints: list[list[int]], floats: list[list[float]]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-request lanes ([bs] each) on `dev` in one transfer from pinned memory (no
+    synchronising pageable copies): int64 rows [len(ints), bs], fp32 rows [len(floats), bs]."""
+    bs = len(ints[0])
+    n = len(ints) * bs
+    host = torch.empty(2 * n + len(floats) * bs, dtype=torch.int32,
+                       pin_memory=dev.type == "cuda")
+    host[:2 * n].view(torch.int64).copy_(torch.tensor(ints, dtype=torch.int64).view(-1))
+    host[2 * n:].view(torch.float32).copy_(torch.tensor(floats, dtype=torch.float32).view(-1))
+    d = host.to(dev, non_blocking=True)
+    return d[:2 * n].view(torch.int64).view(-1, bs), d[2 * n:].view(torch.float32).view(-1, bs)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None, drafter: Drafter | None = None) -> None:
         """`drafter`: a Drafter object instead of the one `config.spec` names (tests, custom
@@ -561,29 +575,29 @@ class LLMEngine:
         if not reqs:
             return [([], [], []) for _ in rows]
         dev = logits.device
-
-        def t(x: list, dtype=torch.int64) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, device=dev)
-
         p = [r.params for r in reqs]
         bs = len(reqs)
-        extras = {}
-        if any(r.needs_extras for r in reqs):
+        ints = [[0] * bs, [x.top_k for x in p], [r.seed for r in reqs],
+                [r.num_tokens for r in reqs]]
+        floats = [[x.temperature for x in p], [x.top_p for x in p]]
+        with_extras = any(r.needs_extras for r in reqs)
+        if with_extras:
             lanes = self._control_lanes(reqs)
+            ints += [[r.req_pool_idx for r in reqs], lanes["min_tokens"], lanes["prompt_lens"],
+                     lanes["num_logit_bias"]]
+            floats += [lanes[f"{n}_penalty"] for n in ("presence", "frequency", "repetition")]
+        i64, f32 = _lanes_to(dev, ints, floats)
+        extras = {}
+        if with_extras:
             extras = dict(
                 out_top_ids=torch.empty(bs, TOP_N_MAX, dtype=torch.int64, device=dev),
                 out_top_logprobs=torch.empty(bs, TOP_N_MAX, dtype=torch.float32, device=dev),
-                controls=StepControls(
-                    self.controls, t([r.req_pool_idx for r in reqs]),
-                    *(t(lanes[f"{n}_penalty"], torch.float32)
-                      for n in ("presence", "frequency", "repetition")),
-                    t(lanes["min_tokens"]), t(lanes["prompt_lens"]), t(lanes["num_logit_bias"])))
+                controls=StepControls(self.controls, i64[4], f32[2], f32[3], f32[4],
+                                      i64[5], i64[6], i64[7]))
         tokens, _, lps = emit(
-            logits, torch.zeros(bs, 0, dtype=torch.int64, device=dev),
-            t([0] * bs), None, t([x.temperature for x in p], torch.float32),
-            t([x.top_p for x in p], torch.float32), t([x.top_k for x in p]),
-            t([r.seed for r in reqs]), t([r.num_tokens for r in reqs]),
-            all(x.temperature == 0 for x in p), **extras)
+            logits, torch.zeros(bs, 0, dtype=torch.int64, device=dev), i64[0], None,
+            f32[0], f32[1], i64[1], i64[2], i64[3], all(x.temperature == 0 for x in p),
+            **extras)
         tokens, lps = tokens[:, 0].tolist(), lps[:, 0].tolist()
         tops = ([(a, b) for a, b in zip(extras["out_top_ids"].tolist(),
                                         extras["out_top_logprobs"].tolist(), strict=True)]
