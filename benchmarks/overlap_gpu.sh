@@ -2,7 +2,7 @@
 # One device call with the `.whl` carry (benchmarks/serve_gpu_prepare.sh): `--overlap-prefill`
 # against the default on the GPU. Its GPU test first (outputs equal the synchronous engine's
 # with arrivals mid-run, decode and a chain head), then served smollm2-135m at concurrency 64
-# (plain / overlap / plain / overlap, serve_gpu_check.sh) and offline with and without it
+# (ARMS, default plain / overlap / plain / overlap, serve_gpu_check.sh) and offline with and without it
 # (serve_offline.py at 64), all in one call so the arms share the machine.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py -k overlapped \
   > "$OUT/gpu_tests_overlap.log" 2>&1
 tail -3 "$OUT/gpu_tests_overlap.log"
-CONCURRENCY=64 MODELS=smollm2-135m ARMS="plain overlap plain overlap" NO_OFFLINE=1 \
+CONCURRENCY=64 MODELS=smollm2-135m ARMS="${ARMS:-plain overlap plain overlap}" NO_OFFLINE=1 \
   BENCH_TIMEOUT=150 OUT=$OUT bash benchmarks/serve_gpu_check.sh 2>&1 | grep -v "png$"
 export PYTHONPATH=/tmp/site:$PYTHONPATH
 for flags in "" "--overlap-prefill"; do
