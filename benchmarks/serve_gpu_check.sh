@@ -20,10 +20,11 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
     # arms: plain (the defaults: on a GPU the engine in its own process), thread (the engine
     # on a thread of the server process), ngram, api<N> (plain with N API-server
     # processes: --api-server-count N), pg<N> (plain with --prefill-graph-tokens N),
-    # overlap (--overlap-prefill)
+    # mixed (--no-overlap-prefill: arrivals' prompts in a step with the decode rows, the
+    # default until stop 53)
     extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
     [ $arm = thread ] && extra="--engine-process off"
-    [ $arm = overlap ] && extra="--overlap-prefill"
+    [ $arm = mixed ] && extra="--no-overlap-prefill"
     case $arm in api*) extra="--api-server-count ${arm#api}" ;;
       pg*) extra="--prefill-graph-tokens ${arm#pg}" ;; esac
     python3 -m draftgraph.cli serve random:$m --port 8123 $extra \

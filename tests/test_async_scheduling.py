@@ -123,11 +123,15 @@ def test_async_scheduling_falls_back_when_kv_runs_short(hf):
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
 
 
-def test_each_step_says_what_it_ran(hf):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_step_says_what_it_ran(hf, overlap):
     """engine.step_kind (counted in engine.stats by kind): the prefill step "extend", the
     first decode step "decode", the steps read while the next runs "ahead", a late arrival's
-    prefill "extend" again, a step with nothing to run ""."""
+    prefill "behind" (run behind the step in flight: --overlap-prefill, the default) or
+    "extend" again (mixed with the decode row), a step with nothing to run ""."""
     engine = _engine(hf, True)
+    engine.config.overlap_prefill = overlap
+    late = "behind" if overlap else "extend"
     engine.add_request(_prompts(1)[0], SamplingParams(max_tokens=8, temperature=0,
                                                      ignore_eos=True))
     kinds = []
@@ -138,7 +142,8 @@ def test_each_step_says_what_it_ran(hf):
             engine.add_request(_prompts(2)[1], SamplingParams(max_tokens=2, temperature=0,
                                                              ignore_eos=True))
     assert kinds[:4] == ["extend", "decode", "ahead", "ahead"]
-    assert "extend" in kinds[4:] and kinds.count("extend") == 2
+    assert late in kinds[4:] and kinds.count(late) == 1 + (late == "extend")
+    assert kinds.count("behind") == overlap
     engine.step()
     assert engine.step_kind == ""
     # engine.stats counts them (the server's /metrics, bench serve, serve_offline.py)

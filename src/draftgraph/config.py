@@ -215,8 +215,9 @@ class EngineConfig:
     # with async scheduling: prompts that arrive while every running request decodes get a
     # prefill-only forward queued behind the launched step N + 1 (it needs none of step N's
     # tokens) instead of stopping the launches for a step mixing them with the decode rows;
-    # the step after takes their first tokens as literal inputs. Off until timed on a GPU
-    overlap_prefill: bool = False
+    # the step after takes their first tokens as literal inputs. Served SmolLM2 at 64 streams
+    # 33.3k -> 37.2k tok/s, TTFT p99 125 -> 66 ms (H100, benchmarks/NOTES.md stop 53)
+    overlap_prefill: bool = True
     # captured prefill: extend steps (prefill chunks, mixed steps) of at most this many tokens
     # replay CUDA graphs of bucketed token counts instead of launching every kernel from the
     # host (GPU, with graphs, one rank); 0: every extend step eager. The GPU's default token

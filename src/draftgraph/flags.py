@@ -117,9 +117,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly instead of replaying CUDA graphs (GPU only)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each decode step's tokens before launching the next")
-    e.add_argument("--overlap-prefill", action="store_true",
+    e.add_argument("--overlap-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="async scheduling: run arriving prompts' prefill behind the decode step "
-                        "in flight instead of in a step that mixes them with the decode rows")
+                        "in flight instead of in a step that mixes them with the decode rows "
+                        "(default on; --no-overlap-prefill: the mixed step)")
     e.add_argument("--prefill-graph-tokens", type=int, default=8192,
                    help="extend steps (prefill chunks, mixed steps) of at most this many "
                         "tokens replay CUDA graphs of bucketed token counts (GPU; 0: eager)")
