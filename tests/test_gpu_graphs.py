@@ -311,6 +311,31 @@ def test_prefill_graphs_equal_the_eager_prefill_and_keep_their_buffers():
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
+def run_arrivals(engine: LLMEngine, sampled: bool = True) -> dict:
+    """Six requests arriving at steps 0 .. 20 while others decode (two sampled ones, seeded,
+    unless `sampled` is off), run to the end: {request id: (tokens, logprobs)}; every KV slot
+    must be back (also benchmarks/overlap_diag.py's workload)."""
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    arrivals = {s: (torch.randint(0, vocab, (n,), generator=g).tolist(),
+                    SamplingParams(max_tokens=m, temperature=t, seed=m, ignore_eos=True,
+                                   logprobs=True))
+                for s, n, m, t in ((0, 40, 50, 0), (1, 300, 30, 0.8), (5, 17, 40, 0),
+                                   (9, 120, 25, 1.0), (10, 64, 35, 0), (20, 8, 12, 0))
+                if sampled or t == 0}
+    got, step = {}, 0
+    while engine.has_unfinished() or step <= max(arrivals):
+        if step in arrivals:
+            engine.add_request(*arrivals[step], request_id=f"r{step}")
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = (out.token_ids, torch.tensor(out.logprobs))
+        step += 1
+    assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
+    assert engine._inflight is None
+    return got
+
+
 @pytest.mark.parametrize("drafter", ["none", "chain"])
 def test_overlapped_prefill_gives_the_synchronous_tokens(drafter):
     """`--overlap-prefill` on the GPU: arrivals while requests decode are prefilled behind
@@ -329,25 +354,8 @@ def test_overlapped_prefill_gives_the_synchronous_tokens(drafter):
         engine = _engine(use_graphs=True, spec=spec)
         engine.async_scheduling = mode == "overlap"
         engine.config.overlap_prefill = mode == "overlap"
-        vocab = engine.model_config.vocab_size
-        g = torch.Generator().manual_seed(3)
-        arrivals = {s: (torch.randint(0, vocab, (n,), generator=g).tolist(),
-                        SamplingParams(max_tokens=m, temperature=t, seed=m, ignore_eos=True,
-                                       logprobs=True))
-                    for s, n, m, t in ((0, 40, 50, 0), (1, 300, 30, 0.8), (5, 17, 40, 0),
-                                       (9, 120, 25, 1.0), (10, 64, 35, 0), (20, 8, 12, 0))
-                    if spec is None or t == 0}
-        got, step = {}, 0
-        while engine.has_unfinished() or step <= max(arrivals):
-            if step in arrivals:
-                engine.add_request(*arrivals[step], request_id=f"r{step}")
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = (out.token_ids, torch.tensor(out.logprobs))
-            step += 1
-        assert engine.num_free_kv_slots() == engine.slots.allocator.usable_slots
-        assert engine._inflight is None
-        outs[mode], behind[mode] = got, engine.stats["steps_behind"]
+        outs[mode] = run_arrivals(engine, sampled=spec is None)
+        behind[mode] = engine.stats["steps_behind"]
     assert behind["sync"] == 0 and behind["overlap"] >= 2
     assert outs["sync"].keys() == outs["overlap"].keys()
     for rid, (ta, la) in outs["sync"].items():
