@@ -288,3 +288,10 @@ def test_server_flags_are_checked_before_the_model_loads(tmp_path, capsys, no_lo
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "usage: draftgraph serve" in err
+
+
+@pytest.mark.parametrize("argv, overlap", [([], True), (["--overlap-prefill"], True),
+                                           (["--no-overlap-prefill"], False)])
+def test_overlap_prefill_is_on_unless_turned_off(argv, overlap):
+    args = parse_args(["serve", "random:smollm2-135m", *argv])
+    assert flags.engine_config_from_args(args).overlap_prefill is overlap
