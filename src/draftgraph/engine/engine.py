@@ -496,15 +496,15 @@ class LLMEngine:
         rows = [(j, r) for j, r in alive
                 if len(r.output_token_ids) + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.max_model_len]
-        if not rows and not fresh:
+        ahead = [r for _, r in rows] + fresh
+        if not ahead:
             return False
         k = graphs.body.k
         max_draft = None
         if self.spec_graphs is not None:
             # NOTE: when this returns False below, the normal path asks the policy again (a
             # request at draft length 0 counts one idle step twice)
-            max_draft = [self.policy.max_draft(r) for _, r in rows] + \
-                [self.policy.max_draft(r) for r in fresh]
+            max_draft = [self.policy.max_draft(r) for r in ahead]
             if bool(k) != (any(max_draft) or self.drafter.keeps_kv):
                 return False
         try:  # step N + 1 writes from step N's last token on: positions num_tokens .. + 2k;
@@ -517,7 +517,6 @@ class LLMEngine:
             # the normal path preempts; slots already taken go back when step N's tokens are
             # appended (truncation to the computed tokens, `ahead` being 0)
             return False
-        ahead = [r for _, r in rows] + fresh
         # NOTE: the row references -(j + 1) read the previous replay of the same graph set
         self._stage(graphs, ahead,
                     [-(j + 1) for j, _ in rows]

@@ -111,8 +111,9 @@ class Scheduler:
                                                  sr.num_slots)
                 return True
             except OutOfKVSlots:
-                victims = [r for r in reversed(self.running) if preempt
-                           and r is not req and all(s.req is not r for s in scheduled)]
+                victims = [r for r in reversed(self.running)
+                           if r is not req and all(s.req is not r for s in scheduled)
+                           ] if preempt else []
                 if not victims:
                     return False
                 self._preempt(victims[0])
