@@ -11,8 +11,10 @@ time inside that step, kernel launches from the host, and the top kernels by GPU
 `graphs` replays the captured prefill (`--prefill-graph-tokens`, the default), `eager` launches
 every kernel from the host (`--prefill-graph-tokens 0`).
 
-`--mixed P,N`: instead, the step a server runs when P prompts of each length arrive while N
-requests decode (512-token contexts): its wall time with the GPU synchronised (median of
+`--mixed P,N`: instead, the step that mixes P arriving prompts of each length with N decoding
+requests (512-token contexts), as a server runs it under `--no-overlap-prefill` (the default
+runs the prompts as a prefill behind the launched decode step: `serve_offline.py` and `bench
+serve` time those by step kind): its wall time with the GPU synchronised (median of
 --repeats; the P requests end after their first token, the N keep decoding), then one such
 step profiled, beside the decode step of the N alone.
 """
@@ -196,6 +198,7 @@ def main() -> int:
         prefill_graph_tokens=(min(step_tokens, args.prefill_graph_tokens)
                               if arm.startswith("graphs") else 0),
         deterministic=arm.endswith("_det"),
+        overlap_prefill=False,  # --mixed profiles the mixed step
         cache=CacheConfig(kv_cache_tokens=max(lens) * (prompts + 1)
                           + decoding * (512 + MIXED_DECODE_TOKENS + 64) + 1024),
         scheduler=SchedulerConfig(max_num_seqs=max(8, prompts + decoding),
