@@ -1,10 +1,12 @@
 """`--overlap-prefill` on CPU: with async scheduling, prompts that arrive while every running
 request decodes are prefilled by a prefill-only forward run behind the launched step N + 1
-(`LLMEngine._prefill_behind`), and the step after takes their first tokens as literal inputs
-beside the other rows' references (`_launch_ahead`'s fresh rows). On CPU the graph sets run
-eagerly with the captured graphs' contract. Outputs must equal the synchronous engine's token
-for token (greedy with logprobs, seeded sampling, a drafter with its own KV), whatever arrives
-or is aborted mid-run; every KV slot comes back; and the steps really ran behind."""
+(`LLMEngine._prefill_behind`), which leaves their first tokens in the spare result rows of
+the launched step's graph set; the step after refers to those rows as to the other rows of
+the step before (engine/first_tokens.py), and the host appends the tokens after that launch.
+On CPU the graph sets run eagerly with the captured graphs' contract. Outputs must equal
+the synchronous engine's token for token (greedy with logprobs, seeded sampling, a drafter
+with its own KV), whatever arrives or is aborted mid-run; every KV slot comes back; and the
+steps really ran behind."""
 
 from __future__ import annotations
 
@@ -25,14 +27,16 @@ def hf():
 
 
 def count_rows(graphs) -> None:
-    """graphs.mixed: replays whose rows mix references to the previous replay with literal
-    last tokens (a launch ahead that took fresh requests)."""
-    graphs.mixed = 0
+    """graphs.spare: rows staged as references to a spare row (a first token that a prefill
+    behind the previous replay left on the device); graphs.literal: replays whose rows mix
+    references with literal last tokens (fresh requests whose first token was read)."""
+    graphs.spare = graphs.literal = 0
     replay = graphs.replay
 
     def counting(bs, greedy, fields):
         ids = fields["input_ids"]
-        graphs.mixed += any(t < 0 for t in ids) and any(t >= 0 for t in ids)
+        graphs.spare += sum(t < -graphs.max_bs for t in ids)
+        graphs.literal += any(t < 0 for t in ids) and any(t >= 0 for t in ids)
         return replay(bs, greedy, fields)
 
     graphs.replay = counting
@@ -97,14 +101,49 @@ def test_overlapped_prefill_equals_sync_greedy_and_seeded_sampling(hf):
         if ref[rid][1] is not None:  # asked for logprobs
             torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(ref[rid][1]))
     # the arrivals after the start ran behind a launched step, and the launches after them
-    # took their first tokens literally beside the others' references
+    # referred to their first tokens on the device (none was read first)
     assert engine.stats["steps_behind"] >= 3
-    assert engine.decode_graphs.mixed >= 3
+    assert engine.decode_graphs.spare >= 4 and engine.decode_graphs.literal == 0
     # without the flag the launches stop for each arrival: a mixed extend step instead
     plain_async = engine_for(hf, "async")
     assert drive(plain_async, arrivals, abort={13: "r0"}) == got
-    assert plain_async.stats["steps_behind"] == 0 and plain_async.decode_graphs.mixed == 0
+    assert plain_async.stats["steps_behind"] == 0 and plain_async.decode_graphs.spare == 0
     assert plain_async.stats["steps_extend"] > engine.stats["steps_extend"]
+
+
+def test_first_tokens_left_on_the_device_end_stop_abort_and_give_way(hf):
+    """Arrivals whose first token ends them (max_tokens 1, a stop token) ride in no later
+    step; one aborted while its first token waits on the device drops it and gives back its
+    slots; one that asks for top-N logprobs makes its prefill's tokens be read at once (the
+    extras tail), and everything still equals the synchronous engine."""
+    arrivals = arrivals_of([SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 7)
+    first = {rid: toks[0] for rid, (toks, _, _) in drive(engine_for(hf, "sync"),
+                                                         arrivals).items()}
+    sp = {rid: sp for rid, _, sp in sum(arrivals.values(), [])}
+    sp["r2"] = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    sp["r3"] = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[first["r3"]])
+    sp["r5"] = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                              top_logprobs=2)
+    arrivals = {s: [(rid, prompt, sp[rid]) for rid, prompt, _ in a]
+                for s, a in arrivals.items()}
+    abort = {7: "r4"}  # r4 arrives after step 6, is prefilled behind step 7's launch
+    ref = drive(engine_for(hf, "sync"), arrivals, abort)
+    engine = engine_for(hf, "overlap")
+    taken = []
+    take = engine._take_first_tokens
+
+    def counting_take(outputs):
+        taken.append([r.request_id for r in engine._pending.reqs] if engine._pending else [])
+        take(outputs)
+
+    engine._take_first_tokens = counting_take
+    got = drive(engine, arrivals, abort)
+    assert got["r4"] == ([], None, "abort") and ref["r4"][2] == "abort"
+    assert {k: v for k, v in got.items() if k != "r4"} == \
+        {k: v for k, v in ref.items() if k != "r4"}
+    assert got["r2"][0] == [first["r2"]] and got["r3"] == ([first["r3"]], None, "stop")
+    pending = sum(taken, [])
+    assert {"r2", "r3", "r4"} <= set(pending) and "r5" not in pending
 
 
 def test_overlapped_prefill_with_a_chain_head_keeps_its_kv(hf):
@@ -122,7 +161,7 @@ def test_overlapped_prefill_with_a_chain_head_keeps_its_kv(hf):
     assert outs["overlap"] == outs["sync"]
     assert {k: v[0] for k, v in outs["overlap"].items()} == {k: v[0] for k, v in plain.items()}
     assert engines["overlap"].stats["steps_behind"] >= 3
-    assert engines["overlap"].spec_graphs.mixed >= 3
+    assert engines["overlap"].spec_graphs.spare >= 4
 
 
 def test_overlapped_prefill_waits_for_room_while_the_launches_go_on(hf):

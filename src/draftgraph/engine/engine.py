@@ -18,6 +18,7 @@ import torch
 from draftgraph.attention.backend import Phase
 from draftgraph.config import EngineConfig
 from draftgraph.engine.errors import EngineError, QueueFullError
+from draftgraph.engine.first_tokens import FirstTokens
 from draftgraph.engine.request import Request, RequestOutput, Status
 from draftgraph.engine.sampling import SamplingParams
 from draftgraph.engine.scheduler import ScheduledRequest, Scheduler
@@ -168,6 +169,11 @@ class LLMEngine:
         self._inflight: list[Request] | None = None
         self._inflight_graphs = None  # the graph set of that replay
         self._inflight_draft: list[int] | None = None  # its max_draft per request
+        # --overlap-prefill: first tokens of a prefill run behind the step in flight, left on
+        # the device for the next launch (engine/first_tokens.py); one per graph set
+        self._first: dict = {}
+        self._into: FirstTokens | None = None  # where _sample puts them, during that prefill
+        self._pending: FirstTokens | None = None  # put there, not yet appended
         self.step_kind = ""  # what the last step() ran: one of STEP_KINDS, "" nothing
 
     # ---- requests ---------------------------------------------------------------------
@@ -259,6 +265,7 @@ class LLMEngine:
             self.step_kind = "ahead"
             outputs += self._step_ahead()
         else:
+            self._take_first_tokens(outputs)  # the normal path reads every token first
             self._step_now(outputs)
         if self._inflight is not None and all(r.finished for r in self._inflight):
             # every row of the step in flight ended before it was read (a speculative step
@@ -294,6 +301,8 @@ class LLMEngine:
                 sr.req.error = f"internal error: {result}"
                 self._finish(sr.req, "error")
                 outputs.append(self._output(sr.req, []))
+            elif result is None:  # its first token waits on the device: appended later
+                sr.req.num_computed_tokens += sr.num_new_tokens
             else:
                 outputs.append(self._append(sr.req, *result, num_fed=sr.num_new_tokens))
 
@@ -466,7 +475,8 @@ class LLMEngine:
     # max_draft as if step N emitted one token, shifted on the device by the accept lengths
     # it did emit (kernels/tokens.py). Rows are independent, so a request that finishes at
     # step N only wastes its row of step N + 1 (its tokens are dropped, its KV slots freed
-    # with the rest of its pages).
+    # with the rest of its pages). A request prefilled behind step N is staged the same way,
+    # its first token a reference to the spare row its prefill wrote (engine/first_tokens.py).
 
     def _launch_ahead(self, reqs: list[Request], graphs) -> bool:
         """Launch the step after the one just launched for `reqs` (its tokens unread) when
@@ -480,23 +490,35 @@ class LLMEngine:
             return False
         alive = [(j, r) for j, r in enumerate(reqs) if not r.finished]
         running = self.scheduler.running
-        fresh = []
+        # rows that refer to a replay's row for their last token: step N's row j, or the
+        # spare row where the prefill behind step N left a fresh request's first token
+        refs = [(-(j + 1), r) for j, r in alive]
+        known = []  # fresh requests whose last token is on the host
         if len(running) != len(alive):
             if not overlap:
                 return False  # another request (prefilling, preempted) needs the normal path
             # fresh: requests that started decoding after step N was launched (their prefill
-            # ran behind it): in step N + 1 with their last token given, not referenced
+            # ran behind it)
             in_step = {id(r) for _, r in alive}
             fresh = [r for r in running if id(r) not in in_step]
             if len(alive) + len(fresh) != len(running) or any(r.is_prefilling for r in fresh):
                 return False
-        if fresh and graphs in self.extras_graphs and any(r.needs_extras for r in fresh):
-            return False  # the step after needs the extras twin: the normal path
-        # rows that surely end with step N's tokens need no next step
-        rows = [(j, r) for j, r in alive
+            if graphs in self.extras_graphs and any(r.needs_extras for r in fresh):
+                return False  # the step after needs the extras twin: the normal path
+            pending = self._pending
+            for r in fresh:
+                ref = pending.ref(r) if pending is not None else None
+                if ref is None:
+                    known.append(r)
+                elif pending.graphs is not graphs:
+                    return False  # its token sits in another graph set's rows
+                else:
+                    refs.append((ref, r))
+        # rows that surely end with the tokens they refer to need no next step
+        rows = [(ref, r) for ref, r in refs
                 if len(r.output_token_ids) + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.max_model_len]
-        ahead = [r for _, r in rows] + fresh
+        ahead = [r for _, r in rows] + known
         if not ahead:
             return False
         k = graphs.body.k
@@ -508,20 +530,20 @@ class LLMEngine:
             if bool(k) != (any(max_draft) or self.drafter.keeps_kv):
                 return False
         try:  # step N + 1 writes from step N's last token on: positions num_tokens .. + 2k;
-            # a fresh request's from its last token on, as the normal path's
+            # a known fresh request's from its last token on, as the normal path's
             slots = [self.slots.allocator.extend(r.pages, r.num_tokens, 1 + 2 * k)
                      for _, r in rows] + \
                 [self.slots.allocator.extend(r.pages, r.num_computed_tokens, 1 + k)
-                 for r in fresh]
+                 for r in known]
         except OutOfKVSlots:
             # the normal path preempts; slots already taken go back when step N's tokens are
             # appended (truncation to the computed tokens, `ahead` being 0)
             return False
-        # NOTE: the row references -(j + 1) read the previous replay of the same graph set
+        # NOTE: the row references read the previous replay of the same graph set
         self._stage(graphs, ahead,
-                    [-(j + 1) for j, _ in rows]
-                    + [r.token_slice(r.num_tokens - 1, r.num_tokens)[0] for r in fresh],
-                    [r.num_tokens + 1 for _, r in rows] + [r.num_tokens for r in fresh],
+                    [ref for ref, _ in rows]
+                    + [r.token_slice(r.num_tokens - 1, r.num_tokens)[0] for r in known],
+                    [r.num_tokens + 1 for _, r in rows] + [r.num_tokens for r in known],
                     slots, max_draft)
         for r in ahead:
             r.ahead = 1 + k  # the positions step N + 1 may write past step N's last token
@@ -540,6 +562,9 @@ class LLMEngine:
         except Exception as e:  # a failing step must not kill the engine
             logger.exception("step failed for requests %s", [r.request_id for r in reqs])
             self._inflight = None
+            if self._pending is not None:  # its requests fail below with the running ones
+                self._pending.clear()
+                self._pending = None
             outputs = []
             for r in reqs + [r for r in list(self.scheduler.running) if r not in reqs]:
                 if not r.finished:
@@ -550,6 +575,7 @@ class LLMEngine:
         outputs = [self._append(r, tokens, logprobs, top, num_fed=1)
                    for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True)
                    if not r.finished]  # finished or aborted while its step ran: token dropped
+        self._take_first_tokens(outputs)
         if ahead and self.scheduler.waiting and self.config.overlap_prefill:
             self._prefill_behind(outputs)
         return outputs
@@ -557,19 +583,39 @@ class LLMEngine:
     def _prefill_behind(self, outputs: list[RequestOutput]) -> None:
         """The waiting prompts' chunks as one prefill-only forward, queued on the device
         behind the step just launched (which holds every running request; nobody is
-        preempted for them). Their first tokens are read here; the next launch takes them
-        as literal inputs (`_launch_ahead`'s fresh rows)."""
+        preempted for them). Their first tokens stay on the device, in the spare rows of
+        that step's graph set (engine/first_tokens.py), for the next launch to refer to;
+        they are appended after it. (Under tensor parallelism, or where a request needs
+        top-N or sampling controls, they are read here and staged as literal tokens.)"""
         scheduled = self.scheduler.schedule(self.spec_k, decode=False)
         if not scheduled:
             return
         self._admit_controls([sr.req for sr in scheduled])
-        self._run_scheduled(scheduled, outputs)
+        if self.config.tensor_parallel_size == 1:  # ranks > 0 would lack the rows
+            g = self._inflight_graphs
+            self._into = self._first.get(g) or self._first.setdefault(g, FirstTokens(g))
+        try:
+            self._run_scheduled(scheduled, outputs)
+        finally:
+            into, self._into = self._into, None
+        self._pending = into if into is not None and into.reqs else None
         self.step_kind = "behind"
+
+    def _take_first_tokens(self, outputs: list[RequestOutput]) -> None:
+        """Append the first tokens a prefill behind left on the device (requests aborted
+        meanwhile drop theirs)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        for req, tok, lp in pending.take():
+            if not req.finished:
+                outputs.append(self._append(req, [tok], [lp], [], num_fed=1))
 
     def _sample(self, rows, logits: torch.Tensor) -> list[tuple[list[int], list[float], list]]:
         """Tokens of the requests whose last prompt token was fed (one logit row each), by the
         same tail as the step bodies (spec.verify.emit with no drafts; top-N and controls
-        only when one of them asks)."""
+        only when one of them asks). In a prefill behind a launched step a sampled row's
+        result is None: its token stays on the device (`_prefill_behind`)."""
         reqs = [sr.req for sr, n in rows if n]
         if not reqs:
             return [([], [], []) for _ in rows]
@@ -597,6 +643,10 @@ class LLMEngine:
             logits, torch.zeros(bs, 0, dtype=torch.int64, device=dev), i64[0], None,
             f32[0], f32[1], i64[1], i64[2], i64[3], all(x.temperature == 0 for x in p),
             **extras)
+        into = self._into  # a prefill behind: the tokens stay on the device (None results)
+        if into is not None and not with_extras and into.room(bs):
+            into.put(reqs, tokens[:, 0], lps[:, 0])
+            return [None if n else ([], [], []) for _, n in rows]
         tokens, lps = tokens[:, 0].tolist(), lps[:, 0].tolist()
         tops = ([(a, b) for a, b in zip(extras["out_top_ids"].tolist(),
                                         extras["out_top_logprobs"].tolist(), strict=True)]

@@ -25,6 +25,7 @@ class Field:
     name: str
     width: int = 0  # 0: one value per request ([max_bs]); w: a [max_bs, w] grid
     dtype: torch.dtype = torch.int64  # int64 or float32
+    rows: int = 0  # 0: max_bs rows; more: a field with rows past the requests' (spare rows)
 
 
 class Lanes:
@@ -37,22 +38,25 @@ class Lanes:
         off = 0
         for f in (f for f in fields if f.dtype == torch.int64):
             self._offsets[f.name] = (off, f)
-            off += max_bs * max(f.width, 1)
+            off += self.rows(f) * max(f.width, 1)
         self._float_base = off
         foff = 0  # float32 elements after the int64 lanes
         for f in (f for f in fields if f.dtype == torch.float32):
             self._offsets[f.name] = (foff, f)
-            foff += max_bs * max(f.width, 1)
+            foff += self.rows(f) * max(f.width, 1)
         self.size = off + (foff + 1) // 2  # int64 lanes in all
+
+    def rows(self, f: Field) -> int:
+        return f.rows or self.max_bs
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of every field into `buf` ([size] int64, host or device)."""
         assert buf.dtype == torch.int64 and buf.numel() == self.size, (buf.shape, self.size)
-        m = self.max_bs
         floats = buf[self._float_base :].view(torch.float32)
         out = {}
         for name, (off, f) in self._offsets.items():
             src = floats if f.dtype == torch.float32 else buf
+            m = self.rows(f)
             n = m * max(f.width, 1)
             v = src[off : off + n]
             out[name] = v.view(m, f.width) if f.width else v

@@ -61,11 +61,16 @@ def step_inputs(max_bs: int, k: int, controls: bool = False) -> Lanes:
 
 
 def step_outputs(max_bs: int, k: int, top_n: int = 0) -> Lanes:
-    """top_n > 0: also the top_n alternatives of every emitted row (spec/extras.py)."""
+    """top_n > 0: also the top_n alternatives of every emitted row (spec/extras.py).
+    tokens and accept_lens have max_bs spare rows past the requests': a prefill run behind a
+    launched step writes its first tokens there (column 0; accept length left at 0 or 1,
+    read as 1), and the step after refers to them as to any row, -(max_bs + i + 1)
+    (engine/first_tokens.py)."""
     extra = [Field("top_ids", (1 + k) * top_n),
              Field("top_logprobs", (1 + k) * top_n, torch.float32)] if top_n else []
     return Lanes(max_bs, [
-        Field("tokens", 1 + k), Field("accept_lens"), Field("num_drafts"),
+        Field("tokens", 1 + k, rows=2 * max_bs), Field("accept_lens", rows=2 * max_bs),
+        Field("num_drafts"),
         Field("logprobs", 1 + k, torch.float32), *extra])
 
 

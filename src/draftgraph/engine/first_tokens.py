@@ -1,0 +1,72 @@
+"""First tokens left on the device: a prefill run behind a launched step (`--overlap-prefill`)
+samples its requests' first tokens into the spare result rows of that step's graph set
+(spec/step.py `step_outputs`: rows max_bs ..), and the next launch stages those requests as
+references to the rows, -(max_bs + i + 1), the way it stages every running request's last
+token (kernels/tokens.py `record_last_tokens`: accept length read as 1, no shift). Their
+seq_lens and KV slots are staged as if the token were there, as a running row's are.
+
+So the host never waits for a prefill behind before the next launch: the tokens cross to
+pinned memory behind the prefill (one copy, one event) and are appended one step later,
+after that launch, beside the in-flight step's results. A first token that stops its request
+wastes its row of the next step, as a row that finished at the step before does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.engine.request import Request
+
+
+class FirstTokens:
+    """The requests whose first token waits on the device, in spare-row order (one per graph
+    set, reused: its pinned buffers are allocated once)."""
+
+    def __init__(self, graphs) -> None:
+        self.graphs = graphs  # the graph set whose spare rows hold them (the step in flight)
+        dev = graphs.device
+        cuda = dev.type == "cuda"
+        m = graphs.max_bs
+        self.rows = graphs.body.out["tokens"][m:, 0]  # [max_bs] device view
+        self.base = m
+        self.host_tokens = torch.zeros(m, dtype=torch.int64, pin_memory=cuda)
+        self.host_logprobs = torch.zeros(m, dtype=torch.float32, pin_memory=cuda)
+        self.done = torch.cuda.Event() if cuda else None
+        self.reqs: list[Request] = []
+        self.row: dict[int, int] = {}  # id(request) -> its spare row
+
+    def clear(self) -> None:
+        self.reqs, self.row = [], {}
+
+    def room(self, n: int) -> bool:
+        return len(self.reqs) + n <= self.rows.shape[0]
+
+    def put(self, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """tokens, logprobs [n] on the device, sampled for `reqs` (each's first output token):
+        into the next spare rows, and on their way to the host."""
+        i, n = len(self.reqs), len(reqs)
+        self.rows[i : i + n].copy_(tokens)
+        self.host_tokens[i : i + n].copy_(tokens, non_blocking=True)
+        self.host_logprobs[i : i + n].copy_(logprobs, non_blocking=True)
+        if self.done is not None:
+            self.done.record()
+        for j, r in enumerate(reqs):
+            self.row[id(r)] = i + j
+        self.reqs += reqs
+
+    def ref(self, req: Request) -> int | None:
+        """The staged input of `req`'s last token in the next replay of `graphs`, or None when
+        its token is not here."""
+        j = self.row.get(id(req))
+        return None if j is None else -(self.base + j + 1)
+
+    def take(self) -> list[tuple[Request, int, float]]:
+        """Wait for the copy; (request, first token, its logprob) in row order; empties the
+        rows (the next prefill behind writes them again)."""
+        if self.done is not None:
+            self.done.synchronize()
+        n = len(self.reqs)
+        toks, lps = self.host_tokens[:n].tolist(), self.host_logprobs[:n].tolist()
+        out = list(zip(self.reqs, toks, lps, strict=True))
+        self.clear()
+        return out
