@@ -98,3 +98,26 @@ def test_seeded_sampling_with_speculation_reproduces_itself(hf, prompts):
     a = tiny_engine(hf, spec=NGRAM).generate([prompts[2]], sp)[0].token_ids
     b = tiny_engine(hf, spec=NGRAM, budget=16).generate(prompts, sp)[2].token_ids
     assert a == b and len(a) == 24
+
+
+def test_a_request_at_draft_length_0_probes_every_interval_of_launched_steps():
+    """The adaptive policy's idle count moves only with launched steps: asking `max_draft`
+    (as a launch ahead does before it may decline) counts nothing."""
+    from draftgraph.engine.request import Request
+    from draftgraph.engine.speculation import SpecPolicy
+
+    k = 4
+    policy = SpecPolicy(SpecConfig(method="ngram", num_draft_tokens=k), k)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1000), 0, set())
+    for _ in range(3):  # rejected at 4, 2, 1 drafts: length 0
+        policy.record(req, policy.max_draft(req), 0)
+    assert policy.max_draft(req) == 0
+    drafts = []
+    for _ in range(2 * SpecPolicy.PROBE_INTERVAL):
+        d = [policy.max_draft(req) for _ in range(3)]  # asked three times, launched once
+        assert d[0] == d[1] == d[2]
+        policy.launched([req])
+        drafts.append(d[0])
+    probes = [i for i, d in enumerate(drafts) if d]
+    assert probes == [SpecPolicy.PROBE_INTERVAL - 1, 2 * SpecPolicy.PROBE_INTERVAL - 1]
+    assert set(drafts) == {0, 1}

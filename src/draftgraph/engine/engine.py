@@ -420,6 +420,8 @@ class LLMEngine:
         self._stage(graphs, reqs, [r.token_slice(r.num_tokens - 1, r.num_tokens)[0]
                                    for r in reqs], [r.num_tokens for r in reqs],
                     [sr.slots for sr in scheduled], max_draft)
+        if self.policy is not None:
+            self.policy.launched(reqs)
         ahead = self._launch_ahead(reqs, graphs)
         results = self._read(reqs, graphs, max_draft, back=1 if ahead else 0)
         return [(tokens, logprobs, top) for tokens, logprobs, _, top in results]
@@ -524,8 +526,6 @@ class LLMEngine:
         k = graphs.body.k
         max_draft = None
         if self.spec_graphs is not None:
-            # NOTE: when this returns False below, the normal path asks the policy again (a
-            # request at draft length 0 counts one idle step twice)
             max_draft = [self.policy.max_draft(r) for r in ahead]
             if bool(k) != (any(max_draft) or self.drafter.keeps_kv):
                 return False
@@ -545,6 +545,8 @@ class LLMEngine:
                     + [r.token_slice(r.num_tokens - 1, r.num_tokens)[0] for r in known],
                     [r.num_tokens + 1 for _, r in rows] + [r.num_tokens for r in known],
                     slots, max_draft)
+        if self.policy is not None:
+            self.policy.launched(ahead)
         for r in ahead:
             r.ahead = 1 + k  # the positions step N + 1 may write past step N's last token
         self._inflight = ahead

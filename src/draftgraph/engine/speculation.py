@@ -32,19 +32,25 @@ class SpecPolicy:
     PROBE_INTERVAL = 16
 
     def max_draft(self, req: Request) -> int:
-        """Drafts this request may verify now: adaptive length, capped by max_tokens and the
-        context."""
+        """Drafts this request may verify in its next step: adaptive length, capped by
+        max_tokens and the context. Asking counts nothing: `launched` does, once the step
+        runs (a launch ahead may ask and then not launch)."""
         rid = req.request_id
         d = self.draft_len.setdefault(rid, self.k)
-        if d == 0:
-            idle = self.idle_steps.get(rid, 0) + 1
-            self.idle_steps[rid] = idle
-            if idle >= self.PROBE_INTERVAL:
-                self.idle_steps[rid] = 0
-                d = 1
+        if d == 0 and self.idle_steps.get(rid, 0) + 1 >= self.PROBE_INTERVAL:
+            d = 1
         room = min(req.params.max_tokens - len(req.output_token_ids) - 1,
                    self.max_model_len - req.num_tokens - 1)
         return max(0, min(d, room))
+
+    def launched(self, reqs: list[Request]) -> None:
+        """A step of `reqs` was launched with their `max_draft`: the ones at draft length 0
+        count an idle step (the PROBE_INTERVAL-th is the probe, and starts the count again)."""
+        for req in reqs:
+            rid = req.request_id
+            if self.draft_len.get(rid) == 0:
+                idle = self.idle_steps.get(rid, 0) + 1
+                self.idle_steps[rid] = 0 if idle >= self.PROBE_INTERVAL else idle
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
         if not proposed:
