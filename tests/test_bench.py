@@ -242,21 +242,25 @@ def test_spec_summary_from_prometheus_counters():
 def test_engine_step_accounts_from_prometheus_counters():
     from draftgraph.engine.stats import step_accounts
 
-    def text(ahead, ahead_s, extend, extend_s):
+    def text(ahead, ahead_s, extend, extend_s, ahead_wait):
         return "\n".join([
             f'draftgraph:engine_steps_total{{model_name="m",kind="ahead"}} {ahead}',
             f'draftgraph:engine_steps_total{{model_name="m",kind="extend"}} {extend}',
             'draftgraph:engine_steps_total{model_name="m",kind="spec"} 0.0',
             f'draftgraph:engine_step_seconds_total{{model_name="m",kind="ahead"}} {ahead_s}',
             f'draftgraph:engine_step_seconds_total{{model_name="m",kind="extend"}} {extend_s}',
-            'draftgraph:engine_step_seconds_total{model_name="m",kind="spec"} 0.0']) + "\n"
+            'draftgraph:engine_step_seconds_total{model_name="m",kind="spec"} 0.0',
+            f'draftgraph:engine_step_wait_seconds_total{{model_name="m",kind="ahead"}} '
+            f'{ahead_wait}']) + "\n"
 
-    before = parse_metrics(text(100, 0.1, 4, 0.02))
-    after = parse_metrics(text(300, 0.34, 6, 0.05))
+    before = parse_metrics(text(100, 0.1, 4, 0.02, 0.05))
+    after = parse_metrics(text(300, 0.34, 6, 0.05, 0.15))
     got = step_accounts(after, before)
     assert set(got) == {"ahead", "extend"}  # spec ran no step in between
     assert got["ahead"]["steps"] == 200 and got["ahead"]["ms_each"] == pytest.approx(1.2)
+    assert got["ahead"]["wait_ms_each"] == pytest.approx(0.5)
     assert got["extend"]["steps"] == 2 and got["extend"]["ms_each"] == pytest.approx(15.0)
+    assert got["extend"]["wait_ms_each"] == 0.0
 
 
 def test_server_latencies_from_prometheus_histograms():

@@ -114,14 +114,18 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
         chunk_tokens=chunk_tokens)
 
 
+_STEP_STATS = {"steps": "steps", "step_seconds": "step_seconds",
+               "step_wait_seconds": "wait_seconds"}  # metric -> engine stats' name
+
+
 def parse_metrics(text: str) -> dict:
     """Speculative counters (any metric-name prefix, e.g. `vllm:`) from Prometheus text,
     draftgraph's engine step counters by kind (as engine stats: steps_<kind>, ...) and the
     sums and counts of the SERVER_LATENCIES histograms (<name>_sum, <name>_count)."""
     out: dict = {name: 0.0 for name in SPEC_COUNTERS}
-    for m in re.finditer(r'^(?:[\w]+:)?engine_(steps|step_seconds)(?:_total)?\{[^}]*kind="(\w+)"'
-                         r"[^}]*\} (\S+)$", text, re.M):
-        key = f"{m.group(1)}_{m.group(2)}"
+    for m in re.finditer(r"^(?:[\w]+:)?engine_(steps|step_seconds|step_wait_seconds)(?:_total)?"
+                         r'\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        key = f"{_STEP_STATS[m.group(1)]}_{m.group(2)}"
         out[key] = out.get(key, 0.0) + float(m.group(3))
     for m in re.finditer(r"^(?:[\w]+:)?(\w+?)_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", text,
                          re.M):

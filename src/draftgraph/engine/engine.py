@@ -135,7 +135,8 @@ class LLMEngine:
                       "accepted_per_pos": [0] * max(k, 1), "prompt_tokens": 0,
                       "generation_tokens": 0,
                       **{f"steps_{kind}": 0 for kind in STEP_KINDS},
-                      **{f"step_seconds_{kind}": 0.0 for kind in STEP_KINDS}}
+                      **{f"step_seconds_{kind}": 0.0 for kind in STEP_KINDS},
+                      **{f"wait_seconds_{kind}": 0.0 for kind in STEP_KINDS}}
         self.policy = (SpecPolicy(config.spec, k, keeps_kv=self.drafter.keeps_kv)
                        if self.drafter is not None else None)
         if self.policy is not None:
@@ -175,6 +176,7 @@ class LLMEngine:
         self._into: FirstTokens | None = None  # where _sample puts them, during that prefill
         self._pending: FirstTokens | None = None  # put there, not yet appended
         self.step_kind = ""  # what the last step() ran: one of STEP_KINDS, "" nothing
+        self._waited = 0.0  # seconds this step() waited for the device's results
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
@@ -261,6 +263,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
         self.step_kind = ""  # what this step ran (set below; "": nothing was schedulable)
+        self._waited = 0.0
         if self._inflight is not None:
             self.step_kind = "ahead"
             outputs += self._step_ahead()
@@ -274,6 +277,7 @@ class LLMEngine:
         if self.step_kind:
             self.stats[f"steps_{self.step_kind}"] += 1
             self.stats[f"step_seconds_{self.step_kind}"] += time.perf_counter() - t0
+            self.stats[f"wait_seconds_{self.step_kind}"] += self._waited
         return outputs
 
     def _step_now(self, outputs: list[RequestOutput]) -> None:
@@ -429,7 +433,9 @@ class LLMEngine:
     def _read(self, reqs: list[Request], graphs, max_draft: list[int], back: int) -> list:
         """Wait for a replay's results (back=1: the one before the latest); a speculative
         step's acceptance goes to the policy (requests finished meanwhile are skipped)."""
+        t0 = time.perf_counter()
         results = graphs.result(back=back)
+        self._waited += time.perf_counter() - t0
         if graphs.body.k:
             for req, d, (tokens, _, num_drafts, _) in zip(reqs, max_draft, results,
                                                           strict=True):
@@ -609,7 +615,10 @@ class LLMEngine:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        for req, tok, lp in pending.take():
+        t0 = time.perf_counter()
+        first = pending.take()
+        self._waited += time.perf_counter() - t0
+        for req, tok, lp in first:
             if not req.finished:
                 outputs.append(self._append(req, [tok], [lp], [], num_fed=1))
 

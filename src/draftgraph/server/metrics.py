@@ -156,11 +156,17 @@ class _EngineCollector:
         seconds = CounterMetricFamily(PREFIX + "engine_step_seconds",
                                       "Seconds in engine steps, by kind.",
                                       labels=["model_name", "kind"])
+        waits = CounterMetricFamily(PREFIX + "engine_step_wait_seconds",
+                                    "Seconds of engine steps spent waiting for the device's "
+                                    "results, by kind (the rest: host work).",
+                                    labels=["model_name", "kind"])
         for kind in STEP_KINDS:
             steps.add_metric([self.model_name, kind], stats.get(f"steps_{kind}", 0))
             seconds.add_metric([self.model_name, kind], stats.get(f"step_seconds_{kind}", 0.0))
+            waits.add_metric([self.model_name, kind], stats.get(f"wait_seconds_{kind}", 0.0))
         yield steps
         yield seconds
+        yield waits
 
 
 class ServerMetrics:
