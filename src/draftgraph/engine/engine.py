@@ -601,7 +601,9 @@ class LLMEngine:
         self._admit_controls([sr.req for sr in scheduled])
         if self.config.tensor_parallel_size == 1:  # ranks > 0 would lack the rows
             g = self._inflight_graphs
-            self._into = self._first.get(g) or self._first.setdefault(g, FirstTokens(g))
+            if g not in self._first:
+                self._first[g] = FirstTokens(g)
+            self._into = self._first[g]
         try:
             self._run_scheduled(scheduled, outputs)
         finally:
@@ -658,7 +660,10 @@ class LLMEngine:
         if into is not None and not with_extras and into.room(bs):
             into.put(reqs, tokens[:, 0], lps[:, 0])
             return [None if n else ([], [], []) for _, n in rows]
-        tokens, lps = tokens[:, 0].tolist(), lps[:, 0].tolist()
+        t0 = time.perf_counter()
+        tokens = tokens[:, 0].tolist()  # waits for the forward
+        self._waited += time.perf_counter() - t0
+        lps = lps[:, 0].tolist()
         tops = ([(a, b) for a, b in zip(extras["out_top_ids"].tolist(),
                                         extras["out_top_logprobs"].tolist(), strict=True)]
                 if extras else None)

@@ -4,8 +4,8 @@ A step is a graph replay of decode or speculative rows ("decode", "spec"), the a
 ("ahead": the next replay launched, the one in flight read; "behind": the same with the
 arriving prompts' prefill queued behind that replay, `--overlap-prefill`) or prefill chunks
 with any decode rows ("extend"). `engine.stats` counts each as "steps_<kind>" and
-"step_seconds_<kind>", and "wait_seconds_<kind>": the part spent waiting for a replay's
-results (or a prefill behind's first tokens), the rest being the host's own work; the server
+"step_seconds_<kind>", and "wait_seconds_<kind>": the part spent waiting for the device (a
+replay's results, sampled first tokens), the rest being the host's own work; the server
 exports them (`/metrics`: engine_steps, engine_step_seconds
 by kind), `bench serve` and benchmarks/serve_offline.py report their difference over a run.
 No torch here: the benchmark client imports it.
