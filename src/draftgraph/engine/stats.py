@@ -6,8 +6,8 @@ arriving prompts' prefill queued behind that replay, `--overlap-prefill`) or pre
 with any decode rows ("extend"). `engine.stats` counts each as "steps_<kind>" and
 "step_seconds_<kind>", and "wait_seconds_<kind>": the part spent waiting for the device (a
 replay's results, sampled first tokens), the rest being the host's own work; the server
-exports them (`/metrics`: engine_steps, engine_step_seconds
-by kind), `bench serve` and benchmarks/serve_offline.py report their difference over a run.
+exports them (`/metrics`: engine_steps, engine_step_seconds, engine_step_wait_seconds by
+kind), `bench serve` and benchmarks/serve_offline.py report their difference over a run.
 No torch here: the benchmark client imports it.
 """
 
