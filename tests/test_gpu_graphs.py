@@ -339,24 +339,32 @@ def run_arrivals(engine: LLMEngine, sampled: bool = True) -> dict:
 @pytest.mark.parametrize("drafter", ["none", "chain"])
 def test_overlapped_prefill_gives_the_synchronous_tokens(drafter):
     """`--overlap-prefill` on the GPU: arrivals while requests decode are prefilled behind
-    the launched replay (in the same stream, its graph still running) and join the next
-    launch with literal tokens; outputs equal the synchronous engine's, greedy and seeded
-    (decode). The chain head runs greedy only: arrivals split a request's tokens into
-    speculative steps and plain rows differently in the two modes (a synchronous engine
-    takes an arrival one step earlier), and a sampled chain's drafts, drawn from the head's
-    distribution at each step's start, then differ, so its seeded tokens do too (valid
-    samples both; asynchronous steps without the overlap differ from synchronous ones so,
-    benchmarks/overlap_diag.py)."""
+    the launched replay (in the same stream, its graph still running), their first tokens
+    left in that replay's spare result rows, which the next launch refers to (captured
+    graphs reading rows a prefill wrote between replays); outputs equal the synchronous
+    engine's, greedy and seeded (decode). The chain head runs greedy only: arrivals split
+    a request's tokens into speculative steps and plain rows differently in the two modes
+    (a synchronous engine takes an arrival one step earlier), and a sampled chain's drafts,
+    drawn from the head's distribution at each step's start, then differ, so its seeded
+    tokens do too (valid samples both; asynchronous steps without the overlap differ from
+    synchronous ones so, benchmarks/overlap_diag.py)."""
     spec = (SpecConfig(method="chain", draft_head="random", num_draft_tokens=3,
                        adaptive=False) if drafter == "chain" else None)
-    outs, behind = {}, {}
+    from test_overlap_prefill import count_rows
+
+    outs, behind, spare = {}, {}, {}
     for mode in ("sync", "overlap"):
         engine = _engine(use_graphs=True, spec=spec)
         engine.async_scheduling = mode == "overlap"
         engine.config.overlap_prefill = mode == "overlap"
+        sets = [g for g in (engine.decode_graphs, engine.spec_graphs) if g is not None]
+        for g in sets:
+            count_rows(g)
         outs[mode] = run_arrivals(engine, sampled=spec is None)
         behind[mode] = engine.stats["steps_behind"]
+        spare[mode] = sum(g.spare for g in sets)
     assert behind["sync"] == 0 and behind["overlap"] >= 2
+    assert spare["sync"] == 0 and spare["overlap"] >= 2
     assert outs["sync"].keys() == outs["overlap"].keys()
     for rid, (ta, la) in outs["sync"].items():
         tb, lb = outs["overlap"][rid]
