@@ -100,8 +100,8 @@ def test_overlapped_prefill_equals_sync_greedy_and_seeded_sampling(hf):
         assert got[rid][0] == ref[rid][0] and got[rid][2] == ref[rid][2], rid
         if ref[rid][1] is not None:  # asked for logprobs
             torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(ref[rid][1]))
-    # the arrivals after the start ran behind a launched step, and the launches after them
-    # referred to their first tokens on the device (none was read first)
+    # the arrivals after the start ran behind the step in flight, and the launches after
+    # them referred to their first tokens on the device (none was read first)
     assert engine.stats["steps_behind"] >= 3
     assert engine.decode_graphs.spare >= 4 and engine.decode_graphs.literal == 0
     # without the flag the launches stop for each arrival: a mixed extend step instead
@@ -113,9 +113,10 @@ def test_overlapped_prefill_equals_sync_greedy_and_seeded_sampling(hf):
 
 def test_first_tokens_left_on_the_device_end_stop_abort_and_give_way(hf):
     """Arrivals whose first token ends them (max_tokens 1, a stop token) ride in no later
-    step; one aborted while its first token waits on the device drops it and gives back its
-    slots; one that asks for top-N logprobs makes its prefill's tokens be read at once (the
-    extras tail), and everything still equals the synchronous engine."""
+    step; one prefilled behind the step in flight has its first token out of that very
+    engine step (an abort right after it finds one token, and its slots come back); one
+    that asks for top-N logprobs makes its prefill's tokens be read at once (the extras
+    tail), and everything still equals the synchronous engine."""
     arrivals = arrivals_of([SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 7)
     first = {rid: toks[0] for rid, (toks, _, _) in drive(engine_for(hf, "sync"),
                                                          arrivals).items()}
@@ -126,19 +127,19 @@ def test_first_tokens_left_on_the_device_end_stop_abort_and_give_way(hf):
                               top_logprobs=2)
     arrivals = {s: [(rid, prompt, sp[rid]) for rid, prompt, _ in a]
                 for s, a in arrivals.items()}
-    abort = {7: "r4"}  # r4 arrives after step 6, is prefilled behind step 7's launch
+    abort = {7: "r4"}  # r4 arrives after step 6; step 7 prefills it behind the step in flight
     ref = drive(engine_for(hf, "sync"), arrivals, abort)
     engine = engine_for(hf, "overlap")
     taken = []
     take = engine._take_first_tokens
 
-    def counting_take(outputs):
-        taken.append([r.request_id for r in engine._pending.reqs] if engine._pending else [])
-        take(outputs)
+    def counting_take(first, outputs):
+        taken.append([r.request_id for r in first.reqs])
+        take(first, outputs)
 
     engine._take_first_tokens = counting_take
     got = drive(engine, arrivals, abort)
-    assert got["r4"] == ([], None, "abort") and ref["r4"][2] == "abort"
+    assert got["r4"] == ([first["r4"]], None, "abort") and ref["r4"][2] == "abort"
     assert {k: v for k, v in got.items() if k != "r4"} == \
         {k: v for k, v in ref.items() if k != "r4"}
     assert got["r2"][0] == [first["r2"]] and got["r3"] == ([first["r3"]], None, "stop")
@@ -173,8 +174,8 @@ def test_overlapped_prefill_waits_for_room_while_the_launches_go_on(hf):
     engine = engine_for(hf, "overlap", kv_tokens=140)
     waited = []  # steps launched ahead with requests still waiting
 
-    def launch(reqs, graphs, launch=engine._launch_ahead):
-        ahead = launch(reqs, graphs)
+    def launch(reqs, graphs, first=None, launch=engine._launch_ahead):
+        ahead = launch(reqs, graphs, first)
         waited.append(ahead and bool(engine.scheduler.waiting))
         return ahead
 

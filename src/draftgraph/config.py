@@ -213,10 +213,10 @@ class EngineConfig:
     # launch step N + 1 (decode or speculative) before reading step N's tokens (graphs)
     async_scheduling: bool = True
     # with async scheduling: prompts that arrive while every running request decodes get a
-    # prefill-only forward queued behind the launched step N + 1 (it needs none of step N's
-    # tokens) instead of stopping the launches for a step mixing them with the decode rows;
-    # the step after takes their first tokens as literal inputs. Served SmolLM2 at 64 streams
-    # 33.3k -> 37.2k tok/s, TTFT p99 125 -> 66 ms (H100, benchmarks/NOTES.md stop 53)
+    # prefill-only forward queued behind the step in flight instead of stopping the launches
+    # for a step mixing them with the decode rows, and join the next launch, which reads
+    # their first tokens on the device (engine/first_tokens.py). Served SmolLM2 at 64
+    # streams 33.3k -> 37.2k tok/s, TTFT p99 125 -> 66 ms (H100, benchmarks/NOTES.md stop 53)
     overlap_prefill: bool = True
     # captured prefill: extend steps (prefill chunks, mixed steps) of at most this many tokens
     # replay CUDA graphs of bucketed token counts instead of launching every kernel from the

@@ -174,7 +174,6 @@ class LLMEngine:
         # the device for the next launch (engine/first_tokens.py); one per graph set
         self._first: dict = {}
         self._into: FirstTokens | None = None  # where _sample puts them, during that prefill
-        self._pending: FirstTokens | None = None  # put there, not yet appended
         self.step_kind = ""  # what the last step() ran: one of STEP_KINDS, "" nothing
         self._waited = 0.0  # seconds this step() waited for the device's results
 
@@ -268,7 +267,6 @@ class LLMEngine:
             self.step_kind = "ahead"
             outputs += self._step_ahead()
         else:
-            self._take_first_tokens(outputs)  # the normal path reads every token first
             self._step_now(outputs)
         if self._inflight is not None and all(r.finished for r in self._inflight):
             # every row of the step in flight ended before it was read (a speculative step
@@ -483,14 +481,18 @@ class LLMEngine:
     # max_draft as if step N emitted one token, shifted on the device by the accept lengths
     # it did emit (kernels/tokens.py). Rows are independent, so a request that finishes at
     # step N only wastes its row of step N + 1 (its tokens are dropped, its KV slots freed
-    # with the rest of its pages). A request prefilled behind step N is staged the same way,
-    # its first token a reference to the spare row its prefill wrote (engine/first_tokens.py).
+    # with the rest of its pages). A request prefilled behind step N joins step N + 1 the same
+    # way, its first token a reference to the spare row its prefill wrote
+    # (engine/first_tokens.py).
 
-    def _launch_ahead(self, reqs: list[Request], graphs) -> bool:
+    def _launch_ahead(self, reqs: list[Request], graphs,
+                      first: FirstTokens | None = None) -> bool:
         """Launch the step after the one just launched for `reqs` (its tokens unread) when
-        every running request is in it and nothing waits; True when launched. `graphs`: the
-        graph set of that step (decode or speculative, plain or extras), the next one's too:
-        a step that should switch between decode and speculative takes the normal path."""
+        every running request is in it or was prefilled behind it, and nothing else waits
+        for the normal path; True when launched. `graphs`: the graph set of that step (decode
+        or speculative, plain or extras), the next one's too: a step that should switch
+        between decode and speculative takes the normal path. `first`: the first tokens that
+        prefill left on the device."""
         for r in reqs:
             r.ahead = 0
         overlap = self.config.overlap_prefill
@@ -506,19 +508,18 @@ class LLMEngine:
             if not overlap:
                 return False  # another request (prefilling, preempted) needs the normal path
             # fresh: requests that started decoding after step N was launched (their prefill
-            # ran behind it)
+            # ran behind it, just now)
             in_step = {id(r) for _, r in alive}
             fresh = [r for r in running if id(r) not in in_step]
             if len(alive) + len(fresh) != len(running) or any(r.is_prefilling for r in fresh):
                 return False
             if graphs in self.extras_graphs and any(r.needs_extras for r in fresh):
                 return False  # the step after needs the extras twin: the normal path
-            pending = self._pending
             for r in fresh:
-                ref = pending.ref(r) if pending is not None else None
+                ref = first.ref(r) if first is not None else None
                 if ref is None:
                     known.append(r)
-                elif pending.graphs is not graphs:
+                elif first.graphs is not graphs:
                     return False  # its token sits in another graph set's rows
                 else:
                     refs.append((ref, r))
@@ -561,43 +562,47 @@ class LLMEngine:
         return True
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Launch the next step if it can go, then read the one in flight."""
+        """Prefill the waiting prompts behind the step in flight (`--overlap-prefill`), launch
+        the next step with them if it can go, then read the one in flight and their first
+        tokens."""
         reqs, self._inflight = self._inflight, None
         graphs, max_draft = self._inflight_graphs, self._inflight_draft
+        outputs: list[RequestOutput] = []
+        first = None
         try:
-            ahead = self._launch_ahead(reqs, graphs)
+            if self.scheduler.waiting and self.config.overlap_prefill:
+                first = self._prefill_behind(outputs)
+            ahead = self._launch_ahead(reqs, graphs, first)
             results = self._read(reqs, graphs, max_draft, back=1 if ahead else 0)
         except Exception as e:  # a failing step must not kill the engine
             logger.exception("step failed for requests %s", [r.request_id for r in reqs])
             self._inflight = None
-            if self._pending is not None:  # its requests fail below with the running ones
-                self._pending.clear()
-                self._pending = None
-            outputs = []
+            if first is not None:  # its requests fail below with the running ones
+                first.clear()
             for r in reqs + [r for r in list(self.scheduler.running) if r not in reqs]:
                 if not r.finished:
                     r.error = f"internal error: {e}"
                     self._finish(r, "error")
                     outputs.append(self._output(r, []))
             return outputs
-        outputs = [self._append(r, tokens, logprobs, top, num_fed=1)
-                   for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True)
-                   if not r.finished]  # finished or aborted while its step ran: token dropped
-        self._take_first_tokens(outputs)
-        if ahead and self.scheduler.waiting and self.config.overlap_prefill:
-            self._prefill_behind(outputs)
+        outputs += [self._append(r, tokens, logprobs, top, num_fed=1)
+                    for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True)
+                    if not r.finished]  # finished or aborted while its step ran: token dropped
+        if first is not None:
+            self._take_first_tokens(first, outputs)
         return outputs
 
-    def _prefill_behind(self, outputs: list[RequestOutput]) -> None:
+    def _prefill_behind(self, outputs: list[RequestOutput]) -> FirstTokens | None:
         """The waiting prompts' chunks as one prefill-only forward, queued on the device
-        behind the step just launched (which holds every running request; nobody is
-        preempted for them). Their first tokens stay on the device, in the spare rows of
-        that step's graph set (engine/first_tokens.py), for the next launch to refer to;
-        they are appended after it. (Under tensor parallelism, or where a request needs
-        top-N or sampling controls, they are read here and staged as literal tokens.)"""
+        behind the step in flight (which holds every running request; nobody is preempted
+        for them). Their first tokens stay on the device, in the spare rows of that step's
+        graph set (engine/first_tokens.py), for the next launch to refer to (returned: None
+        when none were left there); they are read after it. (Under tensor parallelism, or
+        where a request needs top-N or sampling controls, they are read here and staged as
+        literal tokens.)"""
         scheduled = self.scheduler.schedule(self.spec_k, decode=False)
         if not scheduled:
-            return
+            return None
         self._admit_controls([sr.req for sr in scheduled])
         if self.config.tensor_parallel_size == 1:  # ranks > 0 would lack the rows
             g = self._inflight_graphs
@@ -608,26 +613,20 @@ class LLMEngine:
             self._run_scheduled(scheduled, outputs)
         finally:
             into, self._into = self._into, None
-        self._pending = into if into is not None and into.reqs else None
-        self.step_kind = "behind"
+        self.step_kind = "behind"  # (the prefill's forward said "extend")
+        return into if into is not None and into.reqs else None
 
-    def _take_first_tokens(self, outputs: list[RequestOutput]) -> None:
-        """Append the first tokens a prefill behind left on the device (requests aborted
-        meanwhile drop theirs)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
+    def _take_first_tokens(self, first: FirstTokens, outputs: list[RequestOutput]) -> None:
+        """Append the first tokens a prefill behind left on the device."""
         t0 = time.perf_counter()
-        first = pending.take()
+        taken = first.take()
         self._waited += time.perf_counter() - t0
-        for req, tok, lp in first:
-            if not req.finished:
-                outputs.append(self._append(req, [tok], [lp], [], num_fed=1))
+        outputs += [self._append(req, [tok], [lp], [], num_fed=1) for req, tok, lp in taken]
 
     def _sample(self, rows, logits: torch.Tensor) -> list[tuple[list[int], list[float], list]]:
         """Tokens of the requests whose last prompt token was fed (one logit row each), by the
         same tail as the step bodies (spec.verify.emit with no drafts; top-N and controls
-        only when one of them asks). In a prefill behind a launched step a sampled row's
+        only when one of them asks). In a prefill behind the step in flight a sampled row's
         result is None: its token stays on the device (`_prefill_behind`)."""
         reqs = [sr.req for sr, n in rows if n]
         if not reqs:

@@ -1,14 +1,16 @@
-"""First tokens left on the device: a prefill run behind a launched step (`--overlap-prefill`)
-samples its requests' first tokens into the spare result rows of that step's graph set
-(spec/step.py `step_outputs`: rows max_bs ..), and the next launch stages those requests as
-references to the rows, -(max_bs + i + 1), the way it stages every running request's last
-token (kernels/tokens.py `record_last_tokens`: accept length read as 1, no shift). Their
-seq_lens and KV slots are staged as if the token were there, as a running row's are.
+"""First tokens left on the device: a prefill run behind the step in flight
+(`--overlap-prefill`) samples its requests' first tokens into the spare result rows of that
+step's graph set (spec/step.py `step_outputs`: rows max_bs ..), and the next launch, queued
+right behind the prefill, stages those requests as references to the rows, -(max_bs + i + 1),
+the way it stages every running request's last token (kernels/tokens.py
+`record_last_tokens`: accept length read as 1, no shift). Their seq_lens and KV slots are
+staged as if the token were there, as a running row's are.
 
-So the host never waits for a prefill behind before the next launch: the tokens cross to
-pinned memory behind the prefill (one copy, one event) and are appended one step later,
-after that launch, beside the in-flight step's results. A first token that stops its request
-wastes its row of the next step, as a row that finished at the step before does.
+So the new requests join the very next step, and the host never waits for their prefill
+before launching it: the tokens cross to pinned memory behind the prefill (one copy, one
+event) and are appended after that launch, beside the in-flight step's results, in the same
+engine step. A first token that stops its request wastes its row of the next step, as a row
+that finished at the step before does.
 """
 
 from __future__ import annotations

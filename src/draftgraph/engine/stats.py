@@ -2,7 +2,7 @@
 
 A step is a graph replay of decode or speculative rows ("decode", "spec"), the async path
 ("ahead": the next replay launched, the one in flight read; "behind": the same with the
-arriving prompts' prefill queued behind that replay, `--overlap-prefill`) or prefill chunks
+arriving prompts' prefill queued between them, `--overlap-prefill`) or prefill chunks
 with any decode rows ("extend"). `engine.stats` counts each as "steps_<kind>" and
 "step_seconds_<kind>", and "wait_seconds_<kind>": the part spent waiting for the device (a
 replay's results, sampled first tokens), the rest being the host's own work; the server
