@@ -1,8 +1,8 @@
 """`--overlap-prefill` on CPU: with async scheduling, prompts that arrive while every running
-request decodes are prefilled by a prefill-only forward run behind the launched step N + 1
+request decodes are prefilled by a prefill-only forward run behind the step N in flight
 (`LLMEngine._prefill_behind`), which leaves their first tokens in the spare result rows of
-the launched step's graph set; the step after refers to those rows as to the other rows of
-the step before (engine/first_tokens.py), and the host appends the tokens after that launch.
+its graph set; the launch of N + 1 refers to those rows as to step N's rows
+(engine/first_tokens.py), and the host appends the tokens after that launch.
 On CPU the graph sets run eagerly with the captured graphs' contract. Outputs must equal
 the synchronous engine's token for token (greedy with logprobs, seeded sampling, a drafter
 with its own KV), whatever arrives or is aborted mid-run; every KV slot comes back; and the
