@@ -45,6 +45,33 @@ def test_record_last_tokens_matches_reference(bs):
     assert int((table != -7).sum()) == bs
 
 
+def test_a_reference_to_a_spare_row_reads_its_first_column_and_shifts_nothing():
+    """A prefill behind the step in flight leaves its first tokens in the results' spare rows
+    (max_bs ..; engine/first_tokens.py), whose accept length a speculative graph set never
+    writes (0): a reference there reads column 0 as a length-1 row would, and the row's
+    seq_lens, KV slots and max_draft stay as staged, beside a row of the step before that
+    does shift."""
+    k, max_bs = 2, 4
+    prev = torch.arange(2 * max_bs * (1 + k), device=DEVICE).view(2 * max_bs, 1 + k) + 100
+    accept = torch.zeros(2 * max_bs, dtype=torch.int64, device=DEVICE)
+    accept[1] = 3  # row 1 of the step before emitted 3 tokens
+    ids = torch.tensor([-(max_bs + 2 + 1), -(1 + 1)], device=DEVICE)  # spare row 2, row 1
+    rows = torch.tensor([3, 5], device=DEVICE)
+    seq0 = torch.tensor([9, 12], device=DEVICE)
+    slots = torch.arange(2 * (1 + 2 * k), device=DEVICE).view(2, 1 + 2 * k) + 1
+    md0 = torch.tensor([k, k], device=DEVICE)
+    limit = torch.tensor([100, 100], device=DEVICE)
+    for fn in (T.record_last_tokens_triton, T.record_last_tokens_ref):
+        got_ids, seq, max_draft = ids.clone(), seq0.clone(), md0.clone()
+        out = torch.zeros(2, 1 + k, dtype=torch.int64, device=DEVICE)
+        table = torch.full((8, 32), -7, dtype=torch.int64, device=DEVICE)
+        fn(got_ids, prev, accept, table, rows, seq, T.AheadInputs(slots, out, max_draft, limit))
+        assert got_ids.tolist() == [int(prev[max_bs + 2, 0]), int(prev[1, 2])], fn
+        assert seq.tolist() == [9, 14] and max_draft.tolist() == [k, k]
+        assert torch.equal(out[0], slots[0, : 1 + k]) and torch.equal(out[1], slots[1, 2:])
+        assert table[3, 8] == got_ids[0] and table[5, 13] == got_ids[1]
+
+
 @pytest.mark.parametrize("bs", [1, 6, 33])
 def test_speculative_step_inputs_shift_by_the_previous_accept_lengths(bs):
     """A speculative step launched ahead is staged as if the previous step emitted one token;
