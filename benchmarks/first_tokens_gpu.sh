@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call (carry [".whl", ".old"], .old/src from `git archive <parent> src`): the
-# first tokens of a prefill run behind a launched step left on the device for the next launch
-# (engine/first_tokens.py) against the parent tree, which read them before that launch.
-# The GPU tests of async scheduling and the overlap first, then served smollm2-135m at
+# One device call (carry [".whl", ".old"], .old/src from `git archive <rev> src`, heads
+# removed): the serving path of this tree against an older one (stop 54: the first tokens of
+# a prefill behind left on the device, engine/first_tokens.py, against its parent 8c63426,
+# which read them before the next launch; next, the prefill-before-launch order against
+# 394fa48). The GPU tests of async scheduling and the overlap first, then served smollm2-135m at
 # concurrency 64 (old / new / old / new, serve_gpu_check.sh) and offline (serve_offline.py at
 # 64, old then new), all in one call so the arms share the machine.
 set -uo pipefail

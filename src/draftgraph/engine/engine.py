@@ -515,12 +515,10 @@ class LLMEngine:
                 return False
             if graphs in self.extras_graphs and any(r.needs_extras for r in fresh):
                 return False  # the step after needs the extras twin: the normal path
-            for r in fresh:
+            for r in fresh:  # (`first` holds its rows in `graphs`: the step in flight's)
                 ref = first.ref(r) if first is not None else None
                 if ref is None:
                     known.append(r)
-                elif first.graphs is not graphs:
-                    return False  # its token sits in another graph set's rows
                 else:
                     refs.append((ref, r))
         # rows that surely end with the tokens they refer to need no next step
@@ -656,7 +654,7 @@ class LLMEngine:
             f32[0], f32[1], i64[1], i64[2], i64[3], all(x.temperature == 0 for x in p),
             **extras)
         into = self._into  # a prefill behind: the tokens stay on the device (None results)
-        if into is not None and not with_extras and into.room(bs):
+        if into is not None and not with_extras:
             into.put(reqs, tokens[:, 0], lps[:, 0])
             return [None if n else ([], [], []) for _, n in rows]
         t0 = time.perf_counter()

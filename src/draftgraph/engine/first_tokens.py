@@ -25,7 +25,8 @@ class FirstTokens:
     set, reused: its pinned buffers are allocated once)."""
 
     def __init__(self, graphs) -> None:
-        self.graphs = graphs  # the graph set whose spare rows hold them (the step in flight)
+        """graphs: the graph set whose spare rows hold them (the step in flight's, which the
+        next launch replays again)."""
         dev = graphs.device
         cuda = dev.type == "cuda"
         m = graphs.max_bs
@@ -40,12 +41,10 @@ class FirstTokens:
     def clear(self) -> None:
         self.reqs, self.row = [], {}
 
-    def room(self, n: int) -> bool:
-        return len(self.reqs) + n <= self.rows.shape[0]
-
     def put(self, reqs: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """tokens, logprobs [n] on the device, sampled for `reqs` (each's first output token):
-        into the next spare rows, and on their way to the host."""
+        into the next spare rows, and on their way to the host. There are max_bs of them, as
+        many as the scheduler runs requests at most."""
         i, n = len(self.reqs), len(reqs)
         self.rows[i : i + n].copy_(tokens)
         self.host_tokens[i : i + n].copy_(tokens, non_blocking=True)
@@ -57,8 +56,8 @@ class FirstTokens:
         self.reqs += reqs
 
     def ref(self, req: Request) -> int | None:
-        """The staged input of `req`'s last token in the next replay of `graphs`, or None when
-        its token is not here."""
+        """The staged input of `req`'s last token in the next replay of the graph set, or None
+        when its token is not here."""
         j = self.row.get(id(req))
         return None if j is None else -(self.base + j + 1)
 
