@@ -21,8 +21,10 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
     # on a thread of the server process), ngram, api<N> (plain with N API-server
     # processes: --api-server-count N), pg<N> (plain with --prefill-graph-tokens N),
     # mixed (--no-overlap-prefill: arrivals' prompts in a step with the decode rows, the
-    # default until stop 53)
+    # default until stop 53), solo (--no-decode-rides-prefill: a prefill behind the step in
+    # flight carries no decode rows, the default until stop 55)
     extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
+    [ $arm = solo ] && extra="--no-decode-rides-prefill"
     [ $arm = thread ] && extra="--engine-process off"
     [ $arm = mixed ] && extra="--no-overlap-prefill"
     case $arm in api*) extra="--api-server-count ${arm#api}" ;;

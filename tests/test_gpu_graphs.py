@@ -341,7 +341,9 @@ def test_overlapped_prefill_gives_the_synchronous_tokens(drafter):
     """`--overlap-prefill` on the GPU: arrivals while requests decode are prefilled behind
     the launched replay (in the same stream, its graph still running), their first tokens
     left in that replay's spare result rows, which the next launch refers to (captured
-    graphs reading rows a prefill wrote between replays); outputs equal the synchronous
+    graphs reading rows a prefill wrote between replays; without a drafter the running
+    rows ride in that prefill, their inputs read from the replay's rows inside the captured
+    prefill, their tokens left in the spare rows too); outputs equal the synchronous
     engine's, greedy and seeded (decode). The chain head runs greedy only: arrivals split
     a request's tokens into speculative steps and plain rows differently in the two modes
     (a synchronous engine takes an arrival one step earlier), and a sampled chain's drafts,
@@ -352,7 +354,7 @@ def test_overlapped_prefill_gives_the_synchronous_tokens(drafter):
                        adaptive=False) if drafter == "chain" else None)
     from test_overlap_prefill import count_rows
 
-    outs, behind, spare = {}, {}, {}
+    outs, behind, spare, riding = {}, {}, {}, {}
     for mode in ("sync", "overlap"):
         engine = _engine(use_graphs=True, spec=spec)
         engine.async_scheduling = mode == "overlap"
@@ -363,8 +365,10 @@ def test_overlapped_prefill_gives_the_synchronous_tokens(drafter):
         outs[mode] = run_arrivals(engine, sampled=spec is None)
         behind[mode] = engine.stats["steps_behind"]
         spare[mode] = sum(g.spare for g in sets)
+        riding[mode] = engine.stats["rows_riding"]
     assert behind["sync"] == 0 and behind["overlap"] >= 2
     assert spare["sync"] == 0 and spare["overlap"] >= 2
+    assert riding["sync"] == 0 and (riding["overlap"] >= 2) == (spec is None)
     assert outs["sync"].keys() == outs["overlap"].keys()
     for rid, (ta, la) in outs["sync"].items():
         tb, lb = outs["overlap"][rid]

@@ -2,7 +2,10 @@
 request decodes are prefilled by a prefill-only forward run behind the step N in flight
 (`LLMEngine._prefill_behind`), which leaves their first tokens in the spare result rows of
 its graph set; the launch of N + 1 refers to those rows as to step N's rows
-(engine/first_tokens.py), and the host appends the tokens after that launch.
+(engine/first_tokens.py), and the host appends the tokens after that launch. With plain
+decode the running requests' next decode rows ride in that prefill (`_riders`): their inputs
+refer to step N's rows on the device, their tokens go to the spare rows too, and the launch
+after refers to them (two tokens each appended at once).
 On CPU the graph sets run eagerly with the captured graphs' contract. Outputs must equal
 the synchronous engine's token for token (greedy with logprobs, seeded sampling, a drafter
 with its own KV), whatever arrives or is aborted mid-run; every KV slot comes back; and the
@@ -42,13 +45,19 @@ def count_rows(graphs) -> None:
     graphs.replay = counting
 
 
-def engine_for(hf, mode: str, drafter=None, kv_tokens: int = 2048):
-    """mode: sync, async (the launches stop for arrivals), overlap."""
+def engine_for(hf, mode: str, drafter=None, kv_tokens: int = 2048, ride: bool = True,
+               padded: bool = False):
+    """mode: sync, async (the launches stop for arrivals), overlap (ride: decode rows ride
+    in its prefills). padded: extend forwards take the captured prefill's padded body (run
+    eagerly here: runtime/extend_graphs.py)."""
     spec = SpecConfig(method="ngram", num_draft_tokens=3, adaptive=False) if drafter else None
     engine = tiny_engine(hf, max_num_seqs=8, budget=64, kv_tokens=kv_tokens, spec=spec,
                          drafter=drafter)
+    if padded:
+        engine.target.init_extend_graphs(64, use_graphs=False)
     engine.async_scheduling = mode != "sync"  # on CPU off by default
     engine.config.overlap_prefill = mode == "overlap"
+    engine.config.decode_rides_prefill = ride
     for graphs in (engine.decode_graphs, engine.spec_graphs):
         if graphs is not None:
             count_rows(graphs)
@@ -92,21 +101,36 @@ def test_overlapped_prefill_equals_sync_greedy_and_seeded_sampling(hf):
                                ignore_eos=True, logprobs=True)
     params[3] = SamplingParams(max_tokens=20, temperature=1.0, seed=9, ignore_eos=True)
     arrivals = arrivals_of(params)
+    whole = drive(engine_for(hf, "sync"), arrivals)
     ref = drive(engine_for(hf, "sync"), arrivals, abort={13: "r0"})
+    alone = engine_for(hf, "overlap", ride=False)
+    assert drive(alone, arrivals, abort={13: "r0"}) == ref
     engine = engine_for(hf, "overlap")
     got = drive(engine, arrivals, abort={13: "r0"})
-    assert got.keys() == ref.keys() and ref["r0"][2] == "abort"
+    assert got.keys() == ref.keys() and ref["r0"][2] == got["r0"][2] == "abort"
     for rid in ref:
-        assert got[rid][0] == ref[rid][0] and got[rid][2] == ref[rid][2], rid
-        if ref[rid][1] is not None:  # asked for logprobs
-            torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(ref[rid][1]))
-    # the arrivals after the start ran behind the step in flight, and the launches after
-    # them referred to their first tokens on the device (none was read first)
-    assert engine.stats["steps_behind"] >= 3
-    assert engine.decode_graphs.spare >= 4 and engine.decode_graphs.literal == 0
+        want = whole[rid] if rid == "r0" else ref[rid]
+        n = len(got[rid][0])  # r0: the tokens it had when aborted (more with riding rows)
+        assert got[rid][0] == want[0][:n] and (rid == "r0" or n == len(want[0])), rid
+        assert rid == "r0" or got[rid][2] == want[2], rid
+        if want[1] is not None:  # asked for logprobs
+            torch.testing.assert_close(torch.tensor(got[rid][1]), torch.tensor(want[1][:n]))
+    # the arrivals after the start ran behind the step in flight, the running requests' rows
+    # rode in them, and the launches after them referred to the tokens on the device (none
+    # was read first)
+    assert engine.stats["steps_behind"] >= 3 and alone.stats["steps_behind"] >= 3
+    assert engine.stats["rows_riding"] >= 5 and alone.stats["rows_riding"] == 0
+    assert engine.decode_graphs.literal == alone.decode_graphs.literal == 0
+    assert engine.decode_graphs.spare >= 4 + 5 and alone.decode_graphs.spare >= 4
+    # the same through the captured prefill's body, which reads the riding rows' inputs in
+    # its staged buffer
+    padded = engine_for(hf, "overlap", padded=True)
+    assert drive(padded, arrivals, abort={13: "r0"}) == got
+    assert padded.stats["rows_riding"] == engine.stats["rows_riding"]
+    assert padded.target.extend_graphs.replays >= padded.stats["steps_behind"]
     # without the flag the launches stop for each arrival: a mixed extend step instead
     plain_async = engine_for(hf, "async")
-    assert drive(plain_async, arrivals, abort={13: "r0"}) == got
+    assert drive(plain_async, arrivals, abort={13: "r0"}) == ref
     assert plain_async.stats["steps_behind"] == 0 and plain_async.decode_graphs.spare == 0
     assert plain_async.stats["steps_extend"] > engine.stats["steps_extend"]
 
@@ -133,9 +157,9 @@ def test_first_tokens_left_on_the_device_end_stop_abort_and_give_way(hf):
     taken = []
     take = engine._take_first_tokens
 
-    def counting_take(first, outputs):
+    def counting_take(first):
         taken.append([r.request_id for r in first.reqs])
-        take(first, outputs)
+        return take(first)
 
     engine._take_first_tokens = counting_take
     got = drive(engine, arrivals, abort)
@@ -165,13 +189,14 @@ def test_overlapped_prefill_with_a_chain_head_keeps_its_kv(hf):
     assert engines["overlap"].spec_graphs.spare >= 4
 
 
-def test_overlapped_prefill_waits_for_room_while_the_launches_go_on(hf):
+@pytest.mark.parametrize("ride", [False, True])
+def test_overlapped_prefill_waits_for_room_while_the_launches_go_on(hf, ride):
     """A pool too small for every arrival: a prefill behind admits what fits beside the
-    decoding requests' headroom, the rest wait while launches ahead go on, and outputs still
-    equal the sync run."""
+    decoding requests' headroom (and the riding rows' slots), the rest wait while launches
+    ahead go on, and outputs still equal the sync run."""
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 7
     arrivals = arrivals_of(params)
-    engine = engine_for(hf, "overlap", kv_tokens=140)
+    engine = engine_for(hf, "overlap", kv_tokens=140, ride=ride)
     waited = []  # steps launched ahead with requests still waiting
 
     def launch(reqs, graphs, first=None, launch=engine._launch_ahead):
@@ -183,7 +208,8 @@ def test_overlapped_prefill_waits_for_room_while_the_launches_go_on(hf):
     ref = drive(engine_for(hf, "sync", kv_tokens=140), arrivals)
     got = drive(engine, arrivals)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
-    assert engine.stats["steps_behind"] >= 2 and sum(waited) >= 5
+    assert engine.stats["steps_behind"] >= 2 and sum(waited) >= 4
+    assert (engine.stats["rows_riding"] > 0) == ride
 
 
 def test_a_prefill_only_schedule_preempts_nobody():

@@ -218,6 +218,11 @@ class EngineConfig:
     # their first tokens on the device (engine/first_tokens.py). Served SmolLM2 at 64
     # streams 33.3k -> 37.2k tok/s, TTFT p99 125 -> 66 ms (H100, benchmarks/NOTES.md stop 53)
     overlap_prefill: bool = True
+    # with it, plain decode: the decode rows of the step after the one in flight ride in that
+    # prefill (their last tokens read on the device from the step in flight's rows), so an
+    # arrival costs the GPU one forward, not a prefill and a decode step (engine/engine.py
+    # `_riders`)
+    decode_rides_prefill: bool = True
     # captured prefill: extend steps (prefill chunks, mixed steps) of at most this many tokens
     # replay CUDA graphs of bucketed token counts instead of launching every kernel from the
     # host (GPU, with graphs, one rank); 0: every extend step eager. The GPU's default token

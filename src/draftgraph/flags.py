@@ -121,6 +121,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="async scheduling: run arriving prompts' prefill behind the decode step "
                         "in flight instead of in a step that mixes them with the decode rows "
                         "(default on; --no-overlap-prefill: the mixed step)")
+    e.add_argument("--decode-rides-prefill", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="with --overlap-prefill, plain decode: the running requests' next "
+                        "decode rows ride in that prefill's forward instead of a decode step "
+                        "of their own (default on)")
     e.add_argument("--prefill-graph-tokens", type=int, default=8192,
                    help="extend steps (prefill chunks, mixed steps) of at most this many "
                         "tokens replay CUDA graphs of bucketed token counts (GPU; 0: eager)")
@@ -350,6 +355,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         use_graphs=not args.no_graphs,
         async_scheduling=not args.no_async_scheduling,
         overlap_prefill=args.overlap_prefill,
+        decode_rides_prefill=args.decode_rides_prefill,
         prefill_graph_tokens=args.prefill_graph_tokens,
         attention_backend=args.attention_backend,
         exact_rows=args.exact_rows,

@@ -133,7 +133,7 @@ class LLMEngine:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                       "accepted_per_pos": [0] * max(k, 1), "prompt_tokens": 0,
-                      "generation_tokens": 0,
+                      "generation_tokens": 0, "rows_riding": 0,
                       **{f"steps_{kind}": 0 for kind in STEP_KINDS},
                       **{f"step_seconds_{kind}": 0.0 for kind in STEP_KINDS},
                       **{f"wait_seconds_{kind}": 0.0 for kind in STEP_KINDS}}
@@ -294,11 +294,12 @@ class LLMEngine:
             self.scheduler.observe(sum(sr.num_new_tokens for sr in scheduled) - decode_rows,
                                    decode_rows, time.perf_counter() - t0)
 
-    def _run_scheduled(self, scheduled: list[ScheduledRequest],
-                       outputs: list[RequestOutput]) -> None:
+    def _run_scheduled(self, scheduled: list[ScheduledRequest], outputs: list[RequestOutput],
+                       riders: list[tuple[Request, int, int]] = ()) -> None:
         """Run the scheduled work and record each request's result (or the error of the
-        rows that made the step raise, for them alone)."""
-        for sr, result in zip(scheduled, self._run_isolated(scheduled), strict=True):
+        rows that made the step raise, for them alone). `riders`: decode rows riding in a
+        prefill behind (`_riders`)."""
+        for sr, result in zip(scheduled, self._run_isolated(scheduled, riders), strict=True):
             if isinstance(result, Exception):
                 sr.req.error = f"internal error: {result}"
                 self._finish(sr.req, "error")
@@ -321,15 +322,21 @@ class LLMEngine:
                                     req.output_token_ids, req.params.logit_bias, stops)
                 req.controls_row = req.req_pool_idx
 
-    def _run_isolated(self, scheduled: list[ScheduledRequest]) -> list:
+    def _run_isolated(self, scheduled: list[ScheduledRequest],
+                      riders: list[tuple[Request, int, int]] = ()) -> list:
         """`_run`, and when the step raises, the same work again in halves until the
         request(s) responsible are alone: they get the exception, the others their tokens.
+        Riders go only in the first try (dropped, they take the next launch as usual).
         NOTE: re-running is safe: a step's KV and token-table writes depend only on the
         request's own inputs and slots, so a repeated row rewrites the same values (and a
         step split in parts never launches ahead: not every running request is in it)."""
         try:
-            return self._run(scheduled)
+            return self._run(scheduled, riders)
         except Exception as e:  # one request must not fail another, nor kill the engine
+            if riders:
+                logger.warning("prefill with %d decode rows riding failed (%s); again "
+                               "without them", len(riders), e)
+                return self._run_isolated(scheduled)
             if len(scheduled) == 1:
                 logger.exception("step failed for request %s", scheduled[0].req.request_id)
                 return [e]
@@ -338,10 +345,12 @@ class LLMEngine:
             mid = len(scheduled) // 2
             return self._run_isolated(scheduled[:mid]) + self._run_isolated(scheduled[mid:])
 
-    def _run(self, scheduled: list[ScheduledRequest]) -> list[tuple[list[int], list[float],
-                                                                 list]]:
+    def _run(self, scheduled: list[ScheduledRequest],
+             riders: list[tuple[Request, int, int]] = ()) -> list[tuple[list[int],
+                                                                       list[float], list]]:
         """One step over the scheduled work; returns the tokens each request gains, their
-        logprobs and their top-N alternatives ([] when not asked)."""
+        logprobs and their top-N alternatives ([] when not asked). `riders` (request, input
+        reference, KV slot): decode rows after them whose tokens stay on the device."""
         decoding = [sr.num_new_tokens == 1 and not sr.req.is_prefilling for sr in scheduled]
         if all(decoding) and self.decode_graphs.bucket_for(len(scheduled)) is not None:
             return self._replay(scheduled)
@@ -377,12 +386,21 @@ class LLMEngine:
             if samples:
                 sb.logit_indices.append(len(sb.input_ids) - 1)
             rows.append((sr, int(samples)))
+        for req, ref, slot in riders:  # one token each, read on the device (`_riders`)
+            sb.input_ids.append(ref)
+            sb.req_pool_indices.append(req.req_pool_idx)
+            sb.seq_lens.append(req.num_tokens + 1)
+            sb.extend_lens.append(1)
+            sb.out_cache_loc.append(slot)
+            sb.logit_indices.append(len(sb.input_ids) - 1)
+        if riders:
+            sb.ref_tokens = self._into.step_tokens
         if prompt_rows:
             logits = self._forward_scoring_prompts(sb, prompt_rows)
         else:
             # always runs: prefill chunks write KV (a drafter that keeps KV writes its own)
             logits = self.target.forward(sb)
-        return self._sample(rows, logits)
+        return self._sample(rows, logits, [r for r, _, _ in riders])
 
     def _forward_scoring_prompts(self, sb: StepBatch,
                                  prompt_rows: list[tuple[Request, int, int]]) -> torch.Tensor:
@@ -500,9 +518,14 @@ class LLMEngine:
             return False
         alive = [(j, r) for j, r in enumerate(reqs) if not r.finished]
         running = self.scheduler.running
-        # rows that refer to a replay's row for their last token: step N's row j, or the
-        # spare row where the prefill behind step N left a fresh request's first token
-        refs = [(-(j + 1), r) for j, r in alive]
+        # (reference, request, its tokens not appended yet): rows that refer to a replay's
+        # row for their last token: step N's row j, or the spare row where the prefill behind
+        # step N left a fresh request's first token or the token of a row that rode in it
+        # (after step N's token: two to come)
+        refs = []
+        for j, r in alive:
+            ref = first.ref(r) if first is not None else None
+            refs.append((-(j + 1), r, 1) if ref is None else (ref, r, 2))
         known = []  # fresh requests whose last token is on the host
         if len(running) != len(alive):
             if not overlap:
@@ -520,12 +543,12 @@ class LLMEngine:
                 if ref is None:
                     known.append(r)
                 else:
-                    refs.append((ref, r))
+                    refs.append((ref, r, 1))
         # rows that surely end with the tokens they refer to need no next step
-        rows = [(ref, r) for ref, r in refs
-                if len(r.output_token_ids) + 1 < r.params.max_tokens
-                and r.num_tokens + 1 < self.max_model_len]
-        ahead = [r for _, r in rows] + known
+        rows = [(ref, r, n) for ref, r, n in refs
+                if len(r.output_token_ids) + n < r.params.max_tokens
+                and r.num_tokens + n < self.max_model_len]
+        ahead = [r for _, r, _ in rows] + known
         if not ahead:
             return False
         k = graphs.body.k
@@ -534,10 +557,11 @@ class LLMEngine:
             max_draft = [self.policy.max_draft(r) for r in ahead]
             if bool(k) != (any(max_draft) or self.drafter.keeps_kv):
                 return False
-        try:  # step N + 1 writes from step N's last token on: positions num_tokens .. + 2k;
-            # a known fresh request's from its last token on, as the normal path's
-            slots = [self.slots.allocator.extend(r.pages, r.num_tokens, 1 + 2 * k)
-                     for _, r in rows] + \
+        try:  # step N + 1 writes from step N's last token on: positions num_tokens .. + 2k
+            # (a rider's one later); a known fresh request's from its last token on, as the
+            # normal path's
+            slots = [self.slots.allocator.extend(r.pages, r.num_tokens + n - 1, 1 + 2 * k)
+                     for _, r, n in rows] + \
                 [self.slots.allocator.extend(r.pages, r.num_computed_tokens, 1 + k)
                  for r in known]
         except OutOfKVSlots:
@@ -546,9 +570,9 @@ class LLMEngine:
             return False
         # NOTE: the row references read the previous replay of the same graph set
         self._stage(graphs, ahead,
-                    [ref for ref, _ in rows]
+                    [ref for ref, _, _ in rows]
                     + [r.token_slice(r.num_tokens - 1, r.num_tokens)[0] for r in known],
-                    [r.num_tokens + 1 for _, r in rows] + [r.num_tokens for r in known],
+                    [r.num_tokens + n for _, r, n in rows] + [r.num_tokens for r in known],
                     slots, max_draft)
         if self.policy is not None:
             self.policy.launched(ahead)
@@ -569,7 +593,7 @@ class LLMEngine:
         first = None
         try:
             if self.scheduler.waiting and self.config.overlap_prefill:
-                first = self._prefill_behind(outputs)
+                first = self._prefill_behind(outputs, reqs)
             ahead = self._launch_ahead(reqs, graphs, first)
             results = self._read(reqs, graphs, max_draft, back=1 if ahead else 0)
         except Exception as e:  # a failing step must not kill the engine
@@ -583,57 +607,101 @@ class LLMEngine:
                     self._finish(r, "error")
                     outputs.append(self._output(r, []))
             return outputs
-        outputs += [self._append(r, tokens, logprobs, top, num_fed=1)
-                    for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True)
-                    if not r.finished]  # finished or aborted while its step ran: token dropped
-        if first is not None:
-            self._take_first_tokens(first, outputs)
+        rode = self._take_first_tokens(first) if first is not None else {}
+        for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True):
+            more = rode.pop(id(r), None)  # its token of the prefill it rode in, after these
+            if r.finished:  # finished or aborted while its step ran: tokens dropped
+                continue
+            if more is not None:
+                tokens, logprobs = tokens + [more[1]], logprobs + [more[2]]
+            outputs.append(self._append(r, tokens, logprobs, top, num_fed=1))
+        # the first tokens of the requests prefilled behind
+        outputs += [self._append(req, [tok], [lp], [], num_fed=1)
+                    for req, tok, lp in rode.values()]
         return outputs
 
-    def _prefill_behind(self, outputs: list[RequestOutput]) -> FirstTokens | None:
-        """The waiting prompts' chunks as one prefill-only forward, queued on the device
-        behind the step in flight (which holds every running request; nobody is preempted
-        for them). Their first tokens stay on the device, in the spare rows of that step's
-        graph set (engine/first_tokens.py), for the next launch to refer to (returned: None
-        when none were left there); they are read after it. (Under tensor parallelism, or
-        where a request needs top-N or sampling controls, they are read here and staged as
-        literal tokens.)"""
-        scheduled = self.scheduler.schedule(self.spec_k, decode=False)
+    def _prefill_behind(self, outputs: list[RequestOutput],
+                        step: list[Request]) -> FirstTokens | None:
+        """The waiting prompts' chunks as one prefill forward, queued on the device behind
+        the step in flight (which holds every running request; nobody is preempted for
+        them), with the next decode rows of that step's requests (`step`) riding in it where
+        they can (`_riders`). The tokens it samples stay on the device, in the spare rows of
+        that step's graph set (engine/first_tokens.py), for the next launch to refer to
+        (returned: None when none were left there); they are read after it. (Under tensor
+        parallelism, or where a request needs top-N or sampling controls, the first tokens
+        are read here and staged as literal tokens, and nobody rides.)"""
+        riding = self._riding(step)
+        scheduled = self.scheduler.schedule(self.spec_k, decode=False, riding=len(riding))
         if not scheduled:
             return None
         self._admit_controls([sr.req for sr in scheduled])
+        riders = []
         if self.config.tensor_parallel_size == 1:  # ranks > 0 would lack the rows
             g = self._inflight_graphs
             if g not in self._first:
                 self._first[g] = FirstTokens(g)
             self._into = self._first[g]
+            if not any(sr.req.needs_extras for sr in scheduled):
+                riders = self._riders(riding)
         try:
-            self._run_scheduled(scheduled, outputs)
+            self._run_scheduled(scheduled, outputs, riders)
         finally:
             into, self._into = self._into, None
         self.step_kind = "behind"  # (the prefill's forward said "extend")
+        self.stats["rows_riding"] += sum(into is not None and into.ref(r) is not None
+                                         for r, _, _ in riders)
         return into if into is not None and into.reqs else None
 
-    def _take_first_tokens(self, first: FirstTokens, outputs: list[RequestOutput]) -> None:
-        """Append the first tokens a prefill behind left on the device."""
+    def _riding(self, step: list[Request]) -> list[tuple[int, Request]]:
+        """(row in the step in flight, request): the requests whose next decode row may ride
+        in the prefill behind it (`--decode-rides-prefill`): plain decode steps (no drafter:
+        a speculative step's accept lengths are unknown here; no extras), and rows the token
+        of the step in flight surely does not end."""
+        if not (self.config.decode_rides_prefill and self.spec_graphs is None
+                and not self.config.deterministic and self._inflight_graphs.body.k == 0
+                and self._inflight_graphs not in self.extras_graphs.values()):
+            return []
+        return [(j, r) for j, r in enumerate(step) if not r.finished
+                and len(r.output_token_ids) + 1 < r.params.max_tokens
+                and r.num_tokens + 1 < self.max_model_len]
+
+    def _riders(self, riding: list[tuple[int, Request]]) -> list[tuple[Request, int, int]]:
+        """(request, input, KV slot) for each riding row: its input the token that row j of
+        the step in flight samples, -(j + 1) (the row's seq_lens and slot as if it were
+        there), at the position after its last. Fewer when KV slots run out."""
+        riders = []
+        for j, r in riding:
+            try:
+                slot = self.slots.allocator.extend(r.pages, r.num_tokens, 1)[0]
+            except OutOfKVSlots:
+                break
+            riders.append((r, -(j + 1), slot))
+        return riders
+
+    def _take_first_tokens(self, first: FirstTokens) -> dict[int, tuple[Request, int, float]]:
+        """The tokens a prefill behind left on the device, by id(request): (request, token,
+        logprob)."""
         t0 = time.perf_counter()
         taken = first.take()
         self._waited += time.perf_counter() - t0
-        outputs += [self._append(req, [tok], [lp], [], num_fed=1) for req, tok, lp in taken]
+        return {id(req): (req, tok, lp) for req, tok, lp in taken}
 
-    def _sample(self, rows, logits: torch.Tensor) -> list[tuple[list[int], list[float], list]]:
-        """Tokens of the requests whose last prompt token was fed (one logit row each), by the
-        same tail as the step bodies (spec.verify.emit with no drafts; top-N and controls
-        only when one of them asks). In a prefill behind the step in flight a sampled row's
-        result is None: its token stays on the device (`_prefill_behind`)."""
-        reqs = [sr.req for sr, n in rows if n]
+    def _sample(self, rows, logits: torch.Tensor,
+                riders: list[Request] = ()) -> list[tuple[list[int], list[float], list]]:
+        """Tokens of the requests whose last prompt token was fed (one logit row each), then
+        of the riders' rows, by the same tail as the step bodies (spec.verify.emit with no
+        drafts; top-N and controls only when one of them asks). In a prefill behind the step
+        in flight a sampled row's result is None: its token stays on the device
+        (`_prefill_behind`), as the riders' do."""
+        fed = [sr.req for sr, n in rows if n]
+        reqs = fed + list(riders)
         if not reqs:
             return [([], [], []) for _ in rows]
         dev = logits.device
         p = [r.params for r in reqs]
         bs = len(reqs)
         ints = [[0] * bs, [x.top_k for x in p], [r.seed for r in reqs],
-                [r.num_tokens for r in reqs]]
+                [r.num_tokens for r in fed] + [r.num_tokens + 1 for r in riders]]
         floats = [[x.temperature for x in p], [x.top_p for x in p]]
         with_extras = any(r.needs_extras for r in reqs)
         if with_extras:

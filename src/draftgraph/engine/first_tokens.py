@@ -11,6 +11,13 @@ before launching it: the tokens cross to pinned memory behind the prefill (one c
 event) and are appended after that launch, beside the in-flight step's results, in the same
 engine step. A first token that stops its request wastes its row of the next step, as a row
 that finished at the step before does.
+
+The running requests' next decode rows may ride in that prefill's forward
+(`--decode-rides-prefill`, engine/engine.py `_riders`): their inputs refer to the step in
+flight's rows, resolved on the device before the forward (runtime/schema.py `resolve_refs`),
+and their tokens go to the spare rows after the first tokens, so the next launch refers to
+them the same way; the host appends each rider's two tokens (the step in flight's, then the
+prefill's) together.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ class FirstTokens:
         dev = graphs.device
         cuda = dev.type == "cuda"
         m = graphs.max_bs
-        self.rows = graphs.body.out["tokens"][m:, 0]  # [max_bs] device view
+        # [2 max_bs] device view: the step in flight's rows (which rows riding in the
+        # prefill read: -(j + 1) is row j), then the spare rows
+        self.step_tokens = graphs.body.out["tokens"][:, 0]
+        self.rows = self.step_tokens[m:]  # [max_bs]
         self.base = m
         self.host_tokens = torch.zeros(m, dtype=torch.int64, pin_memory=cuda)
         self.host_logprobs = torch.zeros(m, dtype=torch.float32, pin_memory=cuda)

@@ -118,12 +118,14 @@ class Scheduler:
                     return False
                 self._preempt(victims[0])
 
-    def schedule(self, reserve: int = 0, decode: bool = True) -> list[ScheduledRequest]:
+    def schedule(self, reserve: int = 0, decode: bool = True,
+                 riding: int = 0) -> list[ScheduledRequest]:
         """Pick this step's work; `reserve` extra KV slots go to each decoding request (the
         drafts of a speculative step, made on the device). Not `decode`: the waiting
         requests' prompt chunks alone, preempting nobody (a prefill run behind a step in
-        flight, whose requests hold their slots)."""
-        budget = self.cfg.max_num_batched_tokens
+        flight, whose requests hold their slots), in a budget `riding` tokens smaller (the
+        decode rows that ride in it)."""
+        budget = self.cfg.max_num_batched_tokens - riding
         scheduled: list[ScheduledRequest] = []
         # 1. decoding requests: one token each (plus slots for drafts)
         for req in list(self.running) if decode else []:

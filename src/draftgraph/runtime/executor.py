@@ -20,7 +20,7 @@ from draftgraph.distributed.parallel import min_over_ranks
 from draftgraph.kernels import gemv
 from draftgraph.models.llama import HiddenCapture, LlamaForCausalLM
 from draftgraph.runtime.controls import ControlTables
-from draftgraph.runtime.schema import StepBatch
+from draftgraph.runtime.schema import StepBatch, resolve_refs
 from draftgraph.runtime.slot_space import SlotSpace, kv_slots
 from draftgraph.runtime.tp_control import tp_driver
 
@@ -150,7 +150,7 @@ class ModelExecutor:
 
         return ForwardBatch(
             phase=sb.phase,
-            input_ids=t(sb.input_ids),
+            input_ids=resolve_refs(t(sb.input_ids), sb.ref_tokens),
             req_pool_indices=t(sb.req_pool_indices),
             seq_lens=t(sb.seq_lens),
             extend_lens=t(sb.extend_lens),

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from draftgraph.attention.backend import ForwardBatch, Phase
 from draftgraph.runtime.graph_set import gc_paused
-from draftgraph.runtime.schema import StepBatch
+from draftgraph.runtime.schema import StepBatch, resolve_refs
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,8 @@ class ExtendGraphs:
         [len(sb.logit_indices), hidden] (a view, valid until the next run)."""
         bucket = self.bucket_for(len(sb.input_ids))
         self._stage(sb, bucket)
+        if sb.ref_tokens is not None:  # before the replay, which reads the ids in place
+            resolve_refs(self._dev["input_ids"][: len(sb.input_ids)], sb.ref_tokens)
         if self.use_graphs:
             self.graphs[bucket].replay()
         else:

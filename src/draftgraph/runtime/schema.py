@@ -67,6 +67,14 @@ class Lanes:
         return {k: v.numpy() for k, v in self.views(buf).items()}
 
 
+def resolve_refs(ids: torch.Tensor, ref_tokens: torch.Tensor | None) -> torch.Tensor:
+    """ids [n] int64 on the device with every -(i + 1) replaced by ref_tokens[i], in place,
+    with no host sync (StepBatch.ref_tokens; nothing to do without them)."""
+    if ref_tokens is not None:
+        ids.copy_(torch.where(ids < 0, ref_tokens[(-1 - ids).clamp_(min=0)], ids))
+    return ids
+
+
 @dataclass
 class StepBatch:
     """Host-side description of one eager forward. Request r contributes `extend_lens[r]`
@@ -80,6 +88,9 @@ class StepBatch:
     extend_lens: list[int]  # [bs]
     out_cache_loc: list[int]  # [num_tokens] KV slot of each new token
     logit_indices: list[int]
+    # where input ids -(i + 1) are read: row i of a graph set's output tokens on the device
+    # (a decode row riding a prefill behind the step that samples its token; rank 0 only)
+    ref_tokens: torch.Tensor | None = None
 
     def to_lanes(self) -> tuple[list[int], torch.Tensor]:
         """(header [phase, num_tokens, bs, num_logits], payload int64) for the TP message."""
