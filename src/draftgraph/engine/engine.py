@@ -655,10 +655,11 @@ class LLMEngine:
     def _riding(self, step: list[Request]) -> list[tuple[int, Request]]:
         """(row in the step in flight, request): the requests whose next decode row may ride
         in the prefill behind it (`--decode-rides-prefill`): plain decode steps (no drafter:
-        a speculative step's accept lengths are unknown here; no extras), and rows the token
-        of the step in flight surely does not end."""
+        a speculative step's accept lengths are unknown here; no extras; one rank), and rows
+        the token of the step in flight surely does not end."""
         if not (self.config.decode_rides_prefill and self.spec_graphs is None
-                and not self.config.deterministic and self._inflight_graphs.body.k == 0
+                and self.config.tensor_parallel_size == 1 and not self.config.deterministic
+                and self._inflight_graphs.body.k == 0
                 and self._inflight_graphs not in self.extras_graphs.values()):
             return []
         return [(j, r) for j, r in enumerate(step) if not r.finished

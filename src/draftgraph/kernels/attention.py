@@ -536,6 +536,8 @@ def extend_attention(
     block_m: int = 64,
     block_n: int = 64,
     noncausal: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Variable-length queries, causal by position (`noncausal`: a draft block, every row sees
     its request's whole list; window None). q, out [T, Hq, D]; positions [T]; qo_indptr
@@ -556,7 +558,7 @@ def extend_attention(
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SCAN_BLOCK=128,
         SLIDING=window is not None and not noncausal, DOT_PRECISION=_precision(q.dtype),
-        NONCAUSAL=noncausal, num_warps=4, num_stages=2, **pdl_kwargs(q),
+        NONCAUSAL=noncausal, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(q),
     )
     return out
 
