@@ -85,7 +85,7 @@ def main() -> int:
     cases = {"1x512": ([512], 0, 0), "1x4096": ([4096], 0, 0),
              "2x512+64dec@600": ([512, 512], 64, 600)}
     grid = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
-            for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3))]
+            for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
     default = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
     results = []
     for model in args.models.split(","):
