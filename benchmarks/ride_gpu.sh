@@ -12,7 +12,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name --format=csv,noheader
 PYTHONPATH=$PWD/src:$PWD/benchmarks timeout 200 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_gpu_graphs.py -k overlapped > "$OUT/gpu_tests_ride.log" 2>&1
+  tests/test_gpu_graphs.py -k "overlapped${TESTS_K:+ and $TESTS_K}" > "$OUT/gpu_tests_ride.log" 2>&1
 tail -3 "$OUT/gpu_tests_ride.log"
 if [ "${TREE_OLD:-1}" = 1 ] && [ -d .old/src ]; then
   SRC=$PWD/.old/src TAG=old CONCURRENCY=64 MODELS=smollm2-135m NO_OFFLINE=1 BENCH_TIMEOUT=150 \
@@ -29,3 +29,7 @@ for flags in "--no-decode-rides-prefill" ""; do
     | grep -v -i warn | grep -v "^capturing" | tail -2
 done
 rm -f "$OUT"/*.png
+# then, in what is left of the call: the extend kernel's config sweep (SWEEP=model,...)
+[ -n "${SWEEP:-}" ] && PYTHONPATH=$PWD/src:$PWD/benchmarks timeout ${SWEEP_TIMEOUT:-200} \
+  python3 benchmarks/bench_extend_attention.py --models "$SWEEP" \
+  --out "$OUT/extend_sweep_$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E "h100|h200" | tr A-Z a-z).json"
