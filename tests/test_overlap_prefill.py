@@ -233,3 +233,38 @@ def test_a_prefill_only_schedule_preempts_nobody():
     sched.running.append(b)
     assert sched.schedule(decode=False) == []
     assert a.status is Status.RUNNING and len(a.pages) == 12 and a in sched.running
+
+
+def test_a_row_rides_only_beside_a_prefill_whose_keys_it_does_not_far_outnumber(hf,
+                                                                                 monkeypatch):
+    """The extend kernel's time is its longest key loop: a row rides in a prefill only when
+    its keys are at most RIDE_EXTRA_KEYS more than the prefill's longest list (0 here: a
+    40-token context never rides beside a 7-token prompt), and the outputs stay the
+    synchronous engine's."""
+    import draftgraph.engine.engine as engine_module
+
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (24, 16, 12, 20, 3, 9, 14)]
+    arrivals = arrivals_of(params)
+    ref = drive(engine_for(hf, "sync"), arrivals)
+    rode = {}
+    for extra in (512, 0):
+        monkeypatch.setattr(engine_module, "RIDE_EXTRA_KEYS", extra)
+        engine = engine_for(hf, "overlap")
+        seen = []  # (riding rows' longest context, the prefill's longest list) per prefill
+        run = engine._run
+
+        def spying(scheduled, riders=(), run=run, seen=seen):
+            if riders:
+                seen.append((max(r.num_tokens + 1 for r, _, _ in riders),
+                             max(sr.req.num_computed_tokens + sr.num_new_tokens
+                                 for sr in scheduled)))
+            return run(scheduled, riders)
+
+        engine._run = spying
+        assert drive(engine, arrivals) == ref
+        rode[extra] = engine.stats["rows_riding"]
+        assert seen and all(ctx <= longest + extra for ctx, longest in seen)
+        if extra:  # some row outnumbered its prefill's keys and rode all the same
+            assert any(ctx > longest for ctx, longest in seen)
+    assert 0 < rode[0] < rode[512]

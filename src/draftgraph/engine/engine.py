@@ -54,6 +54,14 @@ def _lanes_to(dev: torch.device, ints: list[list[int]], floats: list[list[float]
     return d[:2 * n].view(torch.int64).view(-1, bs), d[2 * n:].view(torch.float32).view(-1, bs)
 
 
+# A decode row rides in a prefill only if its keys outnumber the prefill's longest list by at
+# most this many: 8 more 64-key tiles in the extend kernel's longest loop (~2 us each a layer
+# on an H200: benchmarks/results/prefill_graphs_smollm2-135m_h200.json, 478 us over 30 layers
+# for a 512-token prompt's 8 tiles), ~0.5 ms for SmolLM2's 30 layers at most, against the ~1.1
+# ms decode step at 64 streams that the row saves (H100, benchmarks/NOTES.md stop 54).
+RIDE_EXTRA_KEYS = 512
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None, drafter: Drafter | None = None) -> None:
         """`drafter`: a Drafter object instead of the one `config.spec` names (tests, custom
@@ -642,7 +650,7 @@ class LLMEngine:
                 self._first[g] = FirstTokens(g)
             self._into = self._first[g]
             if not any(sr.req.needs_extras for sr in scheduled):
-                riders = self._riders(riding)
+                riders = self._riders(riding, scheduled)
         try:
             self._run_scheduled(scheduled, outputs, riders)
         finally:
@@ -666,12 +674,20 @@ class LLMEngine:
                 and len(r.output_token_ids) + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.max_model_len]
 
-    def _riders(self, riding: list[tuple[int, Request]]) -> list[tuple[Request, int, int]]:
+    def _riders(self, riding: list[tuple[int, Request]],
+                scheduled: list[ScheduledRequest]) -> list[tuple[Request, int, int]]:
         """(request, input, KV slot) for each riding row: its input the token that row j of
         the step in flight samples, -(j + 1) (the row's seq_lens and slot as if it were
-        there), at the position after its last. Fewer when KV slots run out."""
+        there), at the position after its last. Only rows whose keys are at most
+        RIDE_EXTRA_KEYS more than the prefill's longest list: the extend kernel's time is
+        its longest key loop (a row of its own for each riding request), so a long context
+        riding beside a short prompt would cost more than the decode step it saves. Fewer
+        when KV slots run out."""
+        longest = max(sr.req.num_computed_tokens + sr.num_new_tokens for sr in scheduled)
         riders = []
         for j, r in riding:
+            if r.num_tokens + 1 > longest + RIDE_EXTRA_KEYS:
+                continue
             try:
                 slot = self.slots.allocator.extend(r.pages, r.num_tokens, 1)[0]
             except OutOfKVSlots:
