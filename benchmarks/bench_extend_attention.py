@@ -1,5 +1,7 @@
 """Extend attention (prefill, chunked prefill, a mixed step's rows) sweep: GPU us per layer of
-`extend_attention` per (block_m, block_n, num_warps, num_stages), against the default.
+`extend_attention` per split count (split-KV: `num_splits`, and what `extend_num_splits`
+would pick at EXTEND_MAX_SPLITS 8) at the default tiles, and per (block_m, block_n,
+num_warps, num_stages) unsplit, against the default (unsplit, 64 / 64, 4 warps, 2 stages).
 
     python benchmarks/bench_extend_attention.py --out extend_sweep.json
 
@@ -25,6 +27,7 @@ from draftgraph.kernels import attention as A
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.2-1b": (32, 8, 64), "llama-3.1-8b": (32, 8, 128)}
 LAYERS = 20
+DEV = "cuda"  # --dry-run: the CPU through Triton's interpreter, tiny cases, no timing
 
 
 class Case:
@@ -32,34 +35,40 @@ class Case:
     new token over `ctx` keys."""
 
     def __init__(self, hq: int, hkv: int, d: int, prompts: list[int], decode: int, ctx: int):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        dt = torch.bfloat16
+        g = torch.Generator(device=DEV).manual_seed(0)
+        dt = torch.bfloat16 if DEV == "cuda" else torch.float32
         lens = prompts + [1] * decode
         kv = prompts + [ctx] * decode
         self.bs = len(lens)
         self.t = sum(lens)
         slots = sum(kv) + 1
-        self.k = [torch.randn(slots, hkv, d, device="cuda", generator=g, dtype=dt)
+        self.k = [torch.randn(slots, hkv, d, device=DEV, generator=g, dtype=dt)
                   for _ in range(LAYERS)]
-        self.v = [torch.randn(slots, hkv, d, device="cuda", generator=g, dtype=dt)
+        self.v = [torch.randn(slots, hkv, d, device=DEV, generator=g, dtype=dt)
                   for _ in range(LAYERS)]
-        self.q = torch.randn(self.t, hq, d, device="cuda", generator=g, dtype=dt)
+        self.q = torch.randn(self.t, hq, d, device=DEV, generator=g, dtype=dt)
         self.out = torch.empty_like(self.q)
-        cum = lambda xs: torch.tensor([0] + list(itertools.accumulate(xs)), device="cuda")  # noqa: E731
+        cum = lambda xs: torch.tensor([0] + list(itertools.accumulate(xs)), device=DEV)  # noqa: E731
         self.qo_indptr, self.kv_indptr = cum(lens), cum(kv)
-        self.kv_indices = torch.arange(1, slots, device="cuda")
-        self.kv_start = torch.zeros(self.bs, dtype=torch.int64, device="cuda")
-        self.positions = torch.cat([torch.arange(n, device="cuda") for n in prompts]
-                                   + [torch.full((decode,), ctx - 1, device="cuda")])
+        self.kv_indices = torch.arange(1, slots, device=DEV)
+        self.kv_start = torch.zeros(self.bs, dtype=torch.int64, device=DEV)
+        self.positions = torch.cat([torch.arange(n, device=DEV) for n in prompts]
+                                   + [torch.full((decode,), ctx - 1, device=DEV)])
         self.d = d
+        self.hq, self.hkv = hq, hkv
+        # room for any split plan of the sweep (the engine's scratch is EXTEND_TARGET_PROGRAMS)
+        self.scratch = A.extend_scratch(d, DEV, block_m=128, target=8192)
 
     def call(self, layer: int, cfg: dict) -> None:
         A.extend_attention(self.q, self.k[layer], self.v[layer], self.qo_indptr,
                            self.kv_indptr, self.kv_indices, self.kv_start, self.positions,
-                           None, self.d ** -0.5, self.out, self.bs, **cfg)
+                           None, self.d ** -0.5, self.out, self.bs, **cfg,
+                           **(self.scratch if cfg.get("num_splits", 1) > 1 else {}))
 
     def time_us(self, cfg: dict) -> tuple[float, torch.Tensor]:
         self.call(0, cfg)  # compile
+        if DEV != "cuda":
+            return 0.0, self.out.clone()
         torch.cuda.synchronize()
         first = self.out.clone()
         graph = torch.cuda.CUDAGraph()
@@ -81,20 +90,28 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on the CPU (TRITON_INTERPRET=1), tiny cases: the script runs")
     args = ap.parse_args()
     cases = {"1x512": ([512], 0, 0), "1x4096": ([4096], 0, 0),
              "2x512+64dec@600": ([512, 512], 64, 600)}
-    grid = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
-            for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+    if args.dry_run:
+        global DEV, LAYERS
+        DEV, LAYERS = "cpu", 1
+        cases = {"1x40": ([40], 0, 0), "2x20+3dec@30": ([20, 20], 3, 30)}
+    tiles = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+             for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
     default = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    splits = [dict(default, num_splits=n) for n in (2, 4, 8)]
     results = []
     for model in args.models.split(","):
         hq, hkv, d = SHAPES[model]
         for name, (prompts, decode, ctx) in cases.items():
             case = Case(hq, hkv, d, prompts, decode, ctx)
             base_us, ref = case.time_us(default)
+            auto = A.extend_num_splits(case.t, case.bs, hq, hkv, max_splits=8)
             rows = []
-            for cfg in grid:
+            for cfg in splits + tiles:
                 try:
                     us, out = case.time_us(cfg)
                 except Exception as e:  # out of shared memory / registers: skipped
@@ -105,11 +122,16 @@ def main() -> int:
             ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
             best = ok[0]
             print(f"{model} {name}: default {base_us:.1f} us, best {best['us']:.1f} us "
-                  f"{ {k: best[k] for k in default} } (diff {best['max_abs_diff']:.2e}); "
-                  f"next: {[(round(r['us'], 1), r['block_m'], r['block_n'], r['num_warps'], r['num_stages']) for r in ok[1:5]]}",  # noqa: E501
+                  f"{ {k: best[k] for k in best if k not in ('us', 'max_abs_diff')} } "
+                  f"(diff {best['max_abs_diff']:.2e}); next: "
+                  f"{[{k: r[k] for k in r if k != 'max_abs_diff'} for r in ok[1:4]]}",
+                  flush=True)
+            by_split = {r["num_splits"]: round(r["us"], 1) for r in rows
+                        if "num_splits" in r and "us" in r}
+            print(f"    splits (us): {by_split}; extend_num_splits at 8 picks {auto}",
                   flush=True)
             results.append({"model": model, "heads": [hq, hkv, d], "case": name,
-                            "default_us": base_us, "configs": rows})
+                            "default_us": base_us, "auto_splits": auto, "configs": rows})
             del case
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:

@@ -65,6 +65,49 @@ def test_extend_attention_matches_reference(dtype, window):
     torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("window", [None, 5])
+def test_split_extend_attention_matches_reference_launch_after_launch(num_splits, window):
+    """Split-KV extend: each tile's keys in num_splits programs (some of them empty: a
+    one-token request, a tile that sees fewer keys than splits), combined by the last to
+    arrive; partial scratch starts as NaN (a combine that read an unwritten partial shows
+    up) and the counters end at zero, so a second launch (a graph replay) is right too."""
+    dtype = torch.float32
+    seq_lens, extend_lens = [150, 4, 1, 70], [150, 0, 1, 4]
+    q, k_cache, v_cache, bufs, lists = setup(seq_lens, extend_lens, window, dtype)
+    bs = len(seq_lens)
+    scratch = attn.extend_scratch(D, DEVICE, target=256)
+    scratch["mid_o"].fill_(float("nan"))
+    scratch["mid_lse"].fill_(float("nan"))
+    expect = reference(q, k_cache, v_cache, bufs, lists, bs)
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        attn.extend_attention(q, k_cache, v_cache, bufs.qo_indptr, lists.kv_indptr,
+                              lists.kv_indices, lists.kv_start, bufs.positions, lists.window,
+                              SCALE, out, bs, block_n=32, num_splits=num_splits, **scratch)
+        torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+        assert not scratch["counters"].any()
+    # the partials were written: the splits really ran apart
+    assert not torch.isnan(scratch["mid_lse"][: bs * num_splits]).all()
+    with pytest.raises(ValueError, match="scratch"):
+        attn.extend_attention(q, k_cache, v_cache, bufs.qo_indptr, lists.kv_indptr,
+                              lists.kv_indices, lists.kv_start, bufs.positions, lists.window,
+                              SCALE, out, bs, num_splits=num_splits)
+
+
+def test_extend_num_splits_fills_the_target_and_keeps_to_the_scratch():
+    # 512 tokens of SmolLM2's heads (9 / 3): 25 tiles + 2 -> 81 programs a split
+    assert attn.extend_num_splits(512, 2, 9, 3, max_splits=8) == 6
+    assert attn.extend_num_splits(512, 2, 9, 3, max_splits=4) == 4
+    assert attn.extend_num_splits(8192, 65, 9, 3, max_splits=8) == 1  # a big grid: none
+    assert attn.extend_num_splits(512, 2, 9, 3, max_splits=1) == 1
+    for tokens in (1, 16, 100, 512, 1000, 4096):
+        for bs in (1, 5, 65):
+            s = attn.extend_num_splits(tokens, bs, 32, 8, max_splits=8)
+            tiles = -(-tokens // 16) + bs  # 16 tokens of a group of 4 a 64-row tile
+            assert s == 1 or tiles * 8 * s <= attn.EXTEND_TARGET_PROGRAMS
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_draft_block_attention_is_noncausal_over_window_and_block(dtype):
     """DRAFT_BLOCK: every row of a block sees its request's whole list (the last W context

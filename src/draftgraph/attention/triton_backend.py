@@ -83,6 +83,11 @@ class TritonBackend(AttentionBackend):
         self.kv_counters: torch.Tensor | None = None
         if num_q_heads is not None:
             self._alloc_scratch(num_q_heads)
+        # split-KV extend (kernels/attention.py EXTEND_MAX_SPLITS; never batch-invariant):
+        # its scratch, allocated once for every plan
+        self.extend_splits = 1 if invariant else attn_kernels.EXTEND_MAX_SPLITS
+        self.extend_scratch = (attn_kernels.extend_scratch(self.head_dim, self.device)
+                               if self.extend_splits > 1 else {})
 
     def _alloc_scratch(self, num_q_heads: int) -> None:
         # split-KV partials of decode attention (normalised acc and log2-sum-exp per split),
@@ -183,9 +188,15 @@ class TritonBackend(AttentionBackend):
                 token_rows=token_rows,
             )
         else:
+            splits = 1
+            if self.extend_splits > 1 and not lists.noncausal:
+                splits = attn_kernels.extend_num_splits(q.shape[0], fb.bs, q.shape[1],
+                                                        self.num_kv_heads,
+                                                        max_splits=self.extend_splits)
             attn_kernels.extend_attention(
                 q, k_cache, v_cache, fb.meta.qo_indptr, lists.kv_indptr, lists.kv_indices,
                 lists.kv_start, fb.positions, None if lists.noncausal else lists.window,
-                self.scale, out, fb.bs, noncausal=lists.noncausal,
+                self.scale, out, fb.bs, noncausal=lists.noncausal, num_splits=splits,
+                **(self.extend_scratch if splits > 1 else {}),
             )
         return out

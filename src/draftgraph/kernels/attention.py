@@ -266,12 +266,12 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["bs"])
 def _extend_kernel(
     q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices, kv_start, positions, bs,
-    sm_scale_log2, window,
+    sm_scale_log2, window, mid_o, mid_lse, counters,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN_BLOCK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NONCAUSAL: tl.constexpr, PDL: tl.constexpr,
+    NONCAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # every program, before its first load (the request table)
     pid = tl.program_id(0)
@@ -327,18 +327,65 @@ def _extend_kernel(
     else:
         lo = zero
 
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q_tile, qpos, row_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0,
-            kv_first, hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2,
-            window, HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION, NONCAUSAL,
+    o_rows = o + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    o_mask = row_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q_tile, qpos, row_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0,
+                kv_first, hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh,
+                sm_scale_log2, window, HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
+                NONCAUSAL,
+            )
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_rows, out.to(o.dtype.element_ty), mask=o_mask)
+    else:
+        # split-KV (causal only): program `split` of the tile takes the split-th of
+        # NUM_SPLITS BLOCK_N-aligned chunks of the tile's keys lo .. hi (the longest loop
+        # NUM_SPLITS times shorter), its partial goes to scratch, and the last of the tile's
+        # programs to arrive combines them (the decode kernel's protocol, below)
+        split = tl.program_id(2)
+        per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        s_lo = lo + split * per
+        part, lse = _attend_split(
+            q_tile, qpos, row_mask, k_cache, v_cache, kv_indices + row0, kv_first, s_lo,
+            tl.minimum(hi, s_lo + per), hkv, stride_ks, stride_kh, stride_vs, stride_vh,
+            sm_scale_log2, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
         )
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(o.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        tile_slot = pid * tl.num_programs(1) + hkv  # this (tile, KV head)
+        first_split = tile_slot * NUM_SPLITS
+        tl.store(mid_o + ((first_split + split) * BLOCK_M + offs_m[:, None]) * BLOCK_D
+                 + offs_d[None, :], part)
+        tl.store(mid_lse + (first_split + split) * BLOCK_M + offs_m, lse)
+        # NOTE: as in `_decode_split_kernel`: the barrier orders the CTA's partial stores
+        # before its one gpu-scope release; the last arrival's acquire makes every split's
+        # stores visible to its loads (.cg: from L2); it resets the counter for the next
+        # launch with a plain store (everyone has counted)
+        tl.debug_barrier()
+        counter = counters + tile_slot
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            m = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for sp in tl.static_range(NUM_SPLITS):
+                lse_s = tl.load(mid_lse + (first_split + sp) * BLOCK_M + offs_m,
+                                cache_modifier=".cg")
+                part_s = tl.load(mid_o + ((first_split + sp) * BLOCK_M + offs_m[:, None])
+                                 * BLOCK_D + offs_d[None, :], cache_modifier=".cg")
+                seen = lse_s > float("-inf")
+                m_new = tl.maximum(m, tl.where(seen, lse_s, -1.0e30))
+                alpha = tl.exp2(m - m_new)
+                w = tl.where(seen, tl.exp2(lse_s - m_new), 0.0)
+                total = total * alpha + w
+                acc = acc * alpha[:, None] + part_s * w[:, None]
+                m = m_new
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(o_rows, out.to(o.dtype.element_ty), mask=o_mask)
+            tl.store(counter, 0)
 
 
 # ---- host wrappers -----------------------------------------------------------------------
@@ -538,10 +585,17 @@ def extend_attention(
     noncausal: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
+    num_splits: int = 1,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length queries, causal by position (`noncausal`: a draft block, every row sees
     its request's whole list; window None). q, out [T, Hq, D]; positions [T]; qo_indptr
-    [bs + 1]; the KV lists already hold the new tokens' slots."""
+    [bs + 1]; the KV lists already hold the new tokens' slots. num_splits > 1 (causal
+    only): each tile's keys in that many programs, combined by the last to finish, through
+    caller-owned fp32 scratch `mid_o` / `mid_lse` and int32 `counters`, zero between
+    launches (`extend_scratch` sizes them; `extend_num_splits` picks the count)."""
     num_tokens = q.shape[0]
     num_q_heads, num_kv_heads, head_dim = _check(q, k_cache)
     if num_tokens == 0 or bs == 0:
@@ -550,17 +604,63 @@ def extend_attention(
     block_m = max(block_m, next_pow2(group))
     tokens_per_tile = block_m // group
     max_tiles = cdiv(num_tokens, tokens_per_tile) + bs
-    _extend_kernel[(max_tiles, num_kv_heads)](
+    if noncausal:
+        num_splits = 1
+    if num_splits > 1:
+        partials = max_tiles * num_kv_heads * num_splits
+        if (mid_o is None or mid_lse is None or counters is None
+                or mid_o.numel() < partials * block_m * next_pow2(head_dim)
+                or mid_lse.numel() < partials * block_m
+                or counters.numel() < max_tiles * num_kv_heads):
+            raise ValueError(f"extend attention in {num_splits} splits needs scratch for "
+                             f"{partials} partials of {block_m} rows (extend_scratch)")
+    else:
+        mid_o = mid_lse = counters = out  # never read
+    _extend_kernel[(max_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, kv_start, positions, bs,
-        scale * _LOG2E, window or 0,
+        scale * _LOG2E, window or 0, mid_o, mid_lse, counters,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SCAN_BLOCK=128,
         SLIDING=window is not None and not noncausal, DOT_PRECISION=_precision(q.dtype),
-        NONCAUSAL=noncausal, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(q),
+        NONCAUSAL=noncausal, NUM_SPLITS=num_splits, num_warps=num_warps,
+        num_stages=num_stages, **pdl_kwargs(q),
     )
     return out
+
+
+# Split-KV extend (`extend_attention(num_splits=)`): a prefill's kernel time is its longest
+# key loop, ~2 us a 64-key tile on an H200 whatever the tile count (a 512-token prompt of
+# SmolLM2: 78 programs, the last looping over 8 tiles, 16 us a layer, 36 % of the prefill's
+# GPU time; benchmarks/results/prefill_graphs_smollm2-135m_h200.json). Splitting every tile's
+# keys over more programs, up to EXTEND_TARGET_PROGRAMS in all, shortens that loop while the
+# grid is small. EXTEND_MAX_SPLITS = 1 turns it off (the engine's default until measured on a
+# GPU: benchmarks/bench_extend_attention.py); the batch-invariant mode never splits (a row's
+# arithmetic would follow the step's token count).
+EXTEND_MAX_SPLITS = 1
+EXTEND_TARGET_PROGRAMS = 512
+
+
+def extend_num_splits(num_tokens: int, bs: int, num_q_heads: int, num_kv_heads: int,
+                      block_m: int = 64, max_splits: int | None = None,
+                      target: int = EXTEND_TARGET_PROGRAMS) -> int:
+    """Programs per tile for an extend step of `num_tokens` tokens in `bs` requests: enough
+    to bring the grid up to `target` programs, at most max_splits (EXTEND_MAX_SPLITS)."""
+    max_splits = EXTEND_MAX_SPLITS if max_splits is None else max_splits
+    group = num_q_heads // num_kv_heads
+    tiles = cdiv(num_tokens, max(block_m, next_pow2(group)) // group) + bs
+    return max(1, min(max_splits, target // (tiles * num_kv_heads)))
+
+
+def extend_scratch(head_dim: int, device, block_m: int = 64,
+                   target: int = EXTEND_TARGET_PROGRAMS) -> dict:
+    """Scratch for every split plan `extend_num_splits` gives under `target` (its partials
+    never outnumber the target): mid_o, mid_lse fp32 and zeroed int32 counters."""
+    return dict(mid_o=torch.empty(target * block_m * next_pow2(head_dim), dtype=torch.float32,
+                                  device=device),
+                mid_lse=torch.empty(target * block_m, dtype=torch.float32, device=device),
+                counters=torch.zeros(target, dtype=torch.int32, device=device))
 
 
 def attention_ref(
