@@ -33,6 +33,7 @@ from _meta import model_shape, run_header
 from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.sampling import SamplingParams
+from draftgraph.kernels import attention
 from draftgraph.models.loader import load_model
 
 
@@ -177,7 +178,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--arms", default="graphs,eager",
-                    help="graphs, eager; a _det suffix runs the arm with --deterministic")
+                    help="graphs, eager; a _det suffix runs the arm with --deterministic, "
+                         "_split<N> with split-KV extend attention of up to N splits")
     ap.add_argument("--prefill-graph-tokens", type=int,
                     default=EngineConfig.prefill_graph_tokens,
                     help="the graphs arms' captured prefill (default: the engine's)")
@@ -193,21 +195,28 @@ def main() -> int:
     step_tokens = max(max(lens) * prompts + decoding, 512 + 8)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run of the script
     loaded = load_model(args.model, device=dev, dtype=getattr(torch, args.dtype))
-    engines = {arm: LLMEngine(EngineConfig(
-        model=args.model, device=dev, dtype=args.dtype,
-        prefill_graph_tokens=(min(step_tokens, args.prefill_graph_tokens)
-                              if arm.startswith("graphs") else 0),
-        deterministic=arm.endswith("_det"),
-        overlap_prefill=False,  # --mixed profiles the mixed step
-        cache=CacheConfig(kv_cache_tokens=max(lens) * (prompts + 1)
-                          + decoding * (512 + MIXED_DECODE_TOKENS + 64) + 1024),
-        scheduler=SchedulerConfig(max_num_seqs=max(8, prompts + decoding),
-                                  max_num_batched_tokens=step_tokens,
-                                  # --mixed: the model's (as a server's), so the captured
-                                  # prefill's padding row is as wide
-                                  max_model_len=None if args.mixed else max(lens) + 64)),
-        loaded=loaded)
-        for arm in arms}
+
+    def engine_for(arm: str) -> LLMEngine:
+        # the backend takes its split-KV extend plan when built (its graphs keep it)
+        splits = arm.rpartition("_split")[2] if "_split" in arm else "1"
+        attention.EXTEND_MAX_SPLITS = int(splits)
+        return LLMEngine(EngineConfig(
+            model=args.model, device=dev, dtype=args.dtype,
+            prefill_graph_tokens=(min(step_tokens, args.prefill_graph_tokens)
+                                  if arm.startswith("graphs") else 0),
+            deterministic=arm.endswith("_det"),
+            overlap_prefill=False,  # --mixed profiles the mixed step
+            cache=CacheConfig(kv_cache_tokens=max(lens) * (prompts + 1)
+                              + decoding * (512 + MIXED_DECODE_TOKENS + 64) + 1024),
+            scheduler=SchedulerConfig(max_num_seqs=max(8, prompts + decoding),
+                                      max_num_batched_tokens=step_tokens,
+                                      # --mixed: the model's (as a server's), so the captured
+                                      # prefill's padding row is as wide
+                                      max_model_len=None if args.mixed else max(lens) + 64)),
+            loaded=loaded)
+
+    engines = {arm: engine_for(arm) for arm in arms}
+    attention.EXTEND_MAX_SPLITS = 1
     engine = engines[arms[0]]
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
