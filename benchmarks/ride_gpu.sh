@@ -6,7 +6,8 @@
 # The GPU test of the overlap first (outputs equal the synchronous engine's; rows rode), then
 # served smollm2-135m at concurrency 64 (serve_gpu_check.sh, ARMS default
 # solo / plain / solo / plain) and offline (serve_offline.py at 64, solo then plain), all in
-# one call so the arms share the machine.
+# one call so the arms share the machine. PROFILE=1 and SWEEP=<models> add the split-KV
+# extend attention's measurements after (kernels/attention.py EXTEND_MAX_SPLITS).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -29,7 +30,13 @@ for flags in "--no-decode-rides-prefill" ""; do
     | grep -v -i warn | grep -v "^capturing" | tail -2
 done
 rm -f "$OUT"/*.png
-# then, in what is left of the call: the extend kernel's config sweep (SWEEP=model,...)
+# then, in what is left of the call: split-KV extend attention in the engine's prefill
+# (PROFILE=1: TTFT and GPU time at 512 / 4096 tokens, unsplit against up to 4 and 8 splits)
+[ -n "${PROFILE:-}" ] && PYTHONPATH=$PWD/src:$PWD/benchmarks timeout ${PROFILE_TIMEOUT:-150} \
+  python3 benchmarks/profile_prefill.py --model random:smollm2-135m --tokens 512,4096 \
+  --arms graphs,graphs_split4,graphs_split8 --repeats 5 --out "$OUT/prefill_splits.json" \
+  2>&1 | grep -v -i warn | grep -v "^capturing"
+# and the extend kernel's config sweep (SWEEP=model,...)
 [ -n "${SWEEP:-}" ] && PYTHONPATH=$PWD/src:$PWD/benchmarks timeout ${SWEEP_TIMEOUT:-200} \
   python3 benchmarks/bench_extend_attention.py --models "$SWEEP" \
   --out "$OUT/extend_sweep_$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E "h100|h200" | tr A-Z a-z).json"
