@@ -67,13 +67,20 @@ def test_extend_attention_matches_reference(dtype, window):
 
 @pytest.mark.parametrize("num_splits", [2, 3])
 @pytest.mark.parametrize("window", [None, 5])
-def test_split_extend_attention_matches_reference_launch_after_launch(num_splits, window):
+@pytest.mark.parametrize("rows", ["few", "many"])
+def test_split_extend_attention_matches_reference_launch_after_launch(num_splits, window,
+                                                                      rows, monkeypatch):
     """Split-KV extend: each tile's keys in num_splits programs (some of them empty: a
     one-token request, a tile that sees fewer keys than splits), combined by the last to
     arrive; partial scratch starts as NaN (a combine that read an unwritten partial shows
-    up) and the counters end at zero, so a second launch (a graph replay) is right too."""
+    up) and the counters end at zero, so a second launch (a graph replay) is right too.
+    "many": more requests with a partial tile than the plan's slack (none here), so the
+    last two tiles run whole beside the split ones."""
     dtype = torch.float32
     seq_lens, extend_lens = [150, 4, 1, 70], [150, 0, 1, 4]
+    if rows == "many":
+        monkeypatch.setattr(attn, "EXTEND_SPLIT_SLACK", 0)
+        assert attn._split_tiles(155, 4, 64 // 3) == 8  # of 8 + 1 + 1 tiles
     q, k_cache, v_cache, bufs, lists = setup(seq_lens, extend_lens, window, dtype)
     bs = len(seq_lens)
     scratch = attn.extend_scratch(D, DEVICE, target=256)
@@ -99,12 +106,15 @@ def test_extend_num_splits_fills_the_target_and_keeps_to_the_scratch():
     # 512 tokens of SmolLM2's heads (9 / 3): 25 tiles + 2 -> 81 programs a split
     assert attn.extend_num_splits(512, 2, 9, 3, max_splits=8) == 6
     assert attn.extend_num_splits(512, 2, 9, 3, max_splits=4) == 4
+    # the captured prefill's 257 rows (most of them empty): the slack, not the rows, counts
+    assert attn.extend_num_splits(512, 257, 9, 3, max_splits=8) == 5
     assert attn.extend_num_splits(8192, 65, 9, 3, max_splits=8) == 1  # a big grid: none
     assert attn.extend_num_splits(512, 2, 9, 3, max_splits=1) == 1
     for tokens in (1, 16, 100, 512, 1000, 4096):
         for bs in (1, 5, 65):
             s = attn.extend_num_splits(tokens, bs, 32, 8, max_splits=8)
-            tiles = -(-tokens // 16) + bs  # 16 tokens of a group of 4 a 64-row tile
+            tiles = attn._split_tiles(tokens, bs, 16)  # 16 tokens of a group of 4 a tile
+            assert tiles == -(-tokens // 16) + min(bs, attn.EXTEND_SPLIT_SLACK)
             assert s == 1 or tiles * 8 * s <= attn.EXTEND_TARGET_PROGRAMS
 
 

@@ -263,10 +263,10 @@ def _decode_split_kernel(
         tl.store(counter, 0)
 
 
-@triton.jit(do_not_specialize=["bs"])
+@triton.jit(do_not_specialize=["bs", "max_tiles", "split_tiles"])
 def _extend_kernel(
     q, k_cache, v_cache, o, qo_indptr, kv_indptr, kv_indices, kv_start, positions, bs,
-    sm_scale_log2, window, mid_o, mid_lse, counters,
+    sm_scale_log2, window, mid_o, mid_lse, counters, max_tiles, split_tiles,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -276,6 +276,13 @@ def _extend_kernel(
     pdl_wait(PDL)  # every program, before its first load (the request table)
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
+    # split-KV: programs max_tiles .. are the splits 1 .. NUM_SPLITS - 1 of the first
+    # split_tiles tiles (program t < max_tiles is tile t's split 0, or the whole tile)
+    split = pid * 0
+    if NUM_SPLITS > 1:
+        if pid >= max_tiles:
+            split = 1 + (pid - max_tiles) // split_tiles
+            pid = (pid - max_tiles) % split_tiles
     # find this program's (request, tile): tiles are numbered request after request
     zero = tl.sum(tl.zeros([1], dtype=tl.int64), axis=0)
     tiles_before = zero
@@ -329,63 +336,64 @@ def _extend_kernel(
 
     o_rows = o + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     o_mask = row_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q_tile, qpos, row_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0,
-                kv_first, hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh,
-                sm_scale_log2, window, HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
-                NONCAUSAL,
+    if NUM_SPLITS > 1:
+        if pid < split_tiles:
+            # split-KV (causal only): program `split` of the tile takes the split-th of
+            # NUM_SPLITS BLOCK_N-aligned chunks of the tile's keys lo .. hi (the longest loop
+            # NUM_SPLITS times shorter), its partial goes to scratch, and the last of the
+            # tile's programs to arrive combines them (the decode kernel's protocol, below)
+            per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+            s_lo = lo + split * per
+            part, lse = _attend_split(
+                q_tile, qpos, row_mask, k_cache, v_cache, kv_indices + row0, kv_first, s_lo,
+                tl.minimum(hi, s_lo + per), hkv, stride_ks, stride_kh, stride_vs, stride_vh,
+                sm_scale_log2, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, SLIDING,
+                DOT_PRECISION,
             )
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_rows, out.to(o.dtype.element_ty), mask=o_mask)
-    else:
-        # split-KV (causal only): program `split` of the tile takes the split-th of
-        # NUM_SPLITS BLOCK_N-aligned chunks of the tile's keys lo .. hi (the longest loop
-        # NUM_SPLITS times shorter), its partial goes to scratch, and the last of the tile's
-        # programs to arrive combines them (the decode kernel's protocol, below)
-        split = tl.program_id(2)
-        per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
-        s_lo = lo + split * per
-        part, lse = _attend_split(
-            q_tile, qpos, row_mask, k_cache, v_cache, kv_indices + row0, kv_first, s_lo,
-            tl.minimum(hi, s_lo + per), hkv, stride_ks, stride_kh, stride_vs, stride_vh,
-            sm_scale_log2, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION,
+            tile_slot = pid * tl.num_programs(1) + hkv  # this (tile, KV head)
+            first_split = tile_slot * NUM_SPLITS
+            tl.store(mid_o + ((first_split + split) * BLOCK_M + offs_m[:, None]) * BLOCK_D
+                     + offs_d[None, :], part)
+            tl.store(mid_lse + (first_split + split) * BLOCK_M + offs_m, lse)
+            # NOTE: as in `_decode_split_kernel`: the barrier orders the CTA's partial stores
+            # before its one gpu-scope release; the last arrival's acquire makes every
+            # split's stores visible to its loads (.cg: from L2); it resets the counter for
+            # the next launch with a plain store (everyone has counted)
+            tl.debug_barrier()
+            counter = counters + tile_slot
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                m = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for sp in tl.static_range(NUM_SPLITS):
+                    lse_s = tl.load(mid_lse + (first_split + sp) * BLOCK_M + offs_m,
+                                    cache_modifier=".cg")
+                    part_s = tl.load(mid_o + ((first_split + sp) * BLOCK_M + offs_m[:, None])
+                                     * BLOCK_D + offs_d[None, :], cache_modifier=".cg")
+                    seen = lse_s > float("-inf")
+                    m_new = tl.maximum(m, tl.where(seen, lse_s, -1.0e30))
+                    alpha = tl.exp2(m - m_new)
+                    w = tl.where(seen, tl.exp2(lse_s - m_new), 0.0)
+                    total = total * alpha + w
+                    acc = acc * alpha[:, None] + part_s * w[:, None]
+                    m = m_new
+                out = acc / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(o_rows, out.to(o.dtype.element_ty), mask=o_mask)
+                tl.store(counter, 0)
+            return
+    # the whole tile in this program (unsplit, or a tile past the split ones)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q_tile, qpos, row_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0,
+            kv_first, hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2,
+            window, HEAD_DIM, BLOCK_N, BLOCK_D, SLIDING, DOT_PRECISION, NONCAUSAL,
         )
-        tile_slot = pid * tl.num_programs(1) + hkv  # this (tile, KV head)
-        first_split = tile_slot * NUM_SPLITS
-        tl.store(mid_o + ((first_split + split) * BLOCK_M + offs_m[:, None]) * BLOCK_D
-                 + offs_d[None, :], part)
-        tl.store(mid_lse + (first_split + split) * BLOCK_M + offs_m, lse)
-        # NOTE: as in `_decode_split_kernel`: the barrier orders the CTA's partial stores
-        # before its one gpu-scope release; the last arrival's acquire makes every split's
-        # stores visible to its loads (.cg: from L2); it resets the counter for the next
-        # launch with a plain store (everyone has counted)
-        tl.debug_barrier()
-        counter = counters + tile_slot
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            m = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
-            total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            for sp in tl.static_range(NUM_SPLITS):
-                lse_s = tl.load(mid_lse + (first_split + sp) * BLOCK_M + offs_m,
-                                cache_modifier=".cg")
-                part_s = tl.load(mid_o + ((first_split + sp) * BLOCK_M + offs_m[:, None])
-                                 * BLOCK_D + offs_d[None, :], cache_modifier=".cg")
-                seen = lse_s > float("-inf")
-                m_new = tl.maximum(m, tl.where(seen, lse_s, -1.0e30))
-                alpha = tl.exp2(m - m_new)
-                w = tl.where(seen, tl.exp2(lse_s - m_new), 0.0)
-                total = total * alpha + w
-                acc = acc * alpha[:, None] + part_s * w[:, None]
-                m = m_new
-            out = acc / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(o_rows, out.to(o.dtype.element_ty), mask=o_mask)
-            tl.store(counter, 0)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_rows, out.to(o.dtype.element_ty), mask=o_mask)
 
 
 # ---- host wrappers -----------------------------------------------------------------------
@@ -606,19 +614,24 @@ def extend_attention(
     max_tiles = cdiv(num_tokens, tokens_per_tile) + bs
     if noncausal:
         num_splits = 1
+    split_tiles = 0
     if num_splits > 1:
-        partials = max_tiles * num_kv_heads * num_splits
+        split_tiles = _split_tiles(num_tokens, bs, tokens_per_tile)
+        partials = split_tiles * num_kv_heads * num_splits
         if (mid_o is None or mid_lse is None or counters is None
                 or mid_o.numel() < partials * block_m * next_pow2(head_dim)
                 or mid_lse.numel() < partials * block_m
-                or counters.numel() < max_tiles * num_kv_heads):
+                or counters.numel() < split_tiles * num_kv_heads):
             raise ValueError(f"extend attention in {num_splits} splits needs scratch for "
                              f"{partials} partials of {block_m} rows (extend_scratch)")
     else:
         mid_o = mid_lse = counters = out  # never read
-    _extend_kernel[(max_tiles, num_kv_heads, num_splits)](
+    # programs: every tile's first (or only) split, then the other splits of the first
+    # split_tiles tiles (where a step's tiles are: requests' tiles come first, and a step
+    # padded for a graph has few requests with tokens)
+    _extend_kernel[(max_tiles + (num_splits - 1) * split_tiles, num_kv_heads)](
         q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, kv_start, positions, bs,
-        scale * _LOG2E, window or 0, mid_o, mid_lse, counters,
+        scale * _LOG2E, window or 0, mid_o, mid_lse, counters, max_tiles, split_tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_TILE=tokens_per_tile,
@@ -640,16 +653,25 @@ def extend_attention(
 # arithmetic would follow the step's token count).
 EXTEND_MAX_SPLITS = 1
 EXTEND_TARGET_PROGRAMS = 512
+# tiles split beyond the step's tokens' own: requests whose last tile is partial (a step's
+# live requests come first in its tile order; the rest of its rows, padding, have none)
+EXTEND_SPLIT_SLACK = 4
+
+
+def _split_tiles(num_tokens: int, bs: int, tokens_per_tile: int) -> int:
+    """The first tiles that a split plan splits (the others run whole: correct, unsplit)."""
+    return cdiv(num_tokens, tokens_per_tile) + min(bs, EXTEND_SPLIT_SLACK)
 
 
 def extend_num_splits(num_tokens: int, bs: int, num_q_heads: int, num_kv_heads: int,
                       block_m: int = 64, max_splits: int | None = None,
                       target: int = EXTEND_TARGET_PROGRAMS) -> int:
     """Programs per tile for an extend step of `num_tokens` tokens in `bs` requests: enough
-    to bring the grid up to `target` programs, at most max_splits (EXTEND_MAX_SPLITS)."""
+    to bring its split tiles' programs up to `target`, at most max_splits
+    (EXTEND_MAX_SPLITS)."""
     max_splits = EXTEND_MAX_SPLITS if max_splits is None else max_splits
     group = num_q_heads // num_kv_heads
-    tiles = cdiv(num_tokens, max(block_m, next_pow2(group)) // group) + bs
+    tiles = _split_tiles(num_tokens, bs, max(block_m, next_pow2(group)) // group)
     return max(1, min(max_splits, target // (tiles * num_kv_heads)))
 
 
