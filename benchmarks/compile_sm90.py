@@ -169,6 +169,21 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
               {"part": f32, "y": bf16, "bias": bf16, "res": bf16,
                **{n: "i32" for n in ("M", "N", "stride_ym", "stride_rm")}},
               {"HAS_BIAS": False, "HAS_RES": False, "SPLIT": 4, "BLOCK": 1024, "PDL": True}))
+    # extend attention (prefill), unsplit and in split-KV (kernels/attention.py), SmolLM2's
+    # heads (9 / 3 x 64: 21 tokens a 64-row tile)
+    from draftgraph.kernels import attention as AT
+
+    for splits in (1, 4):
+        c.append((f"extend attention splits={splits}", AT._extend_kernel,
+                  {"q": bf16, "k_cache": bf16, "v_cache": bf16, "o": bf16, "mid_o": f32,
+                   "mid_lse": f32, "counters": "*i32", "sm_scale_log2": "fp32",
+                   **{n: "i32" for n in ("bs", "window", "max_tiles", "split_tiles",
+                                         "stride_qt", "stride_qh", "stride_ks", "stride_kh",
+                                         "stride_vs", "stride_vh", "stride_ot", "stride_oh")}},
+                  {"GROUP": 3, "HEAD_DIM": 64, "TOKENS_PER_TILE": 21, "BLOCK_M": 64,
+                   "BLOCK_N": 64, "BLOCK_D": 64, "SCAN_BLOCK": 128, "SLIDING": False,
+                   "DOT_PRECISION": "tf32", "NONCAUSAL": False, "NUM_SPLITS": splits,
+                   "PDL": True}))
     return c
 
 
