@@ -667,7 +667,6 @@ class LLMEngine:
         the token of the step in flight surely does not end."""
         if not (self.config.decode_rides_prefill and self.spec_graphs is None
                 and self.config.tensor_parallel_size == 1 and not self.config.deterministic
-                and self._inflight_graphs.body.k == 0
                 and self._inflight_graphs not in self.extras_graphs.values()):
             return []
         return [(j, r) for j, r in enumerate(step) if not r.finished
