@@ -42,7 +42,7 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
       2>&1 | tail -8
     # each level's engine steps by kind and the server's side of the latencies (its /metrics
     # before and after the level) beside the client's TTFT and E2E
-    python3 -c "import json, sys; [print('c', r['max_concurrency'], 'steps', r.get('engine_steps'), 'client ttft / e2e ms', round(r['mean_ttft_ms'], 2), round(r['mean_e2e_ms'], 2), 'server', {k: round(v, 2) for k, v in r.get('server_latency', {}).items()}) for r in json.load(open(sys.argv[1]))['results']]" "$(ls -t "$OUT"/serve-$m-$arm*.json | head -1)"
+    python3 -c "import json, sys; [print('c', r['max_concurrency'], 'steps', r.get('engine_steps'), 'riding', r.get('rows_riding'), 'client ttft / e2e ms', round(r['mean_ttft_ms'], 2), round(r['mean_e2e_ms'], 2), 'server', {k: round(v, 2) for k, v in r.get('server_latency', {}).items()}) for r in json.load(open(sys.argv[1]))['results']]" "$(ls -t "$OUT"/serve-$m-$arm*.json | head -1)"
     kill $pid; wait $pid 2>/dev/null
     grep -E "captured|KV cache|engine loop|API server:" "/tmp/server_${m}_$arm.log" | tail -5
   done

@@ -61,6 +61,7 @@ def drive(engine: LLMEngine, requests, concurrency: int) -> dict:
             "total_output_tokens": sum(count.values()),
             "output_throughput": sum(count.values()) / duration,
             "steps_by_kind": step_accounts(engine.stats, before),
+            "rows_riding": engine.stats["rows_riding"] - before.get("rows_riding", 0),
             **ms(ttft, "ttft"), **ms(tpot, "tpot"), **ms(e2e, "e2e")}
 
 

@@ -78,6 +78,7 @@ def test_bench_serve_writes_sane_json_and_plot(server, tmp_path):
         assert set(steps) <= {"decode", "spec", "ahead", "extend"} and "spec" in steps
         assert 2 <= steps["extend"]["steps"] <= 8 * 24 and steps["spec"]["steps"] >= 8
         assert all(v["ms_each"] > 0 for v in steps.values())
+        assert run["rows_riding"] == 0  # speculative steps: no decode row rides a prefill
         # the server's side of each request's latency (its /metrics histograms): a part of
         # what the client timed, TTFT = to the engine's queue + queued + prefill
         lat = run["server_latency"]
@@ -251,11 +252,13 @@ def test_engine_step_accounts_from_prometheus_counters():
             f'draftgraph:engine_step_seconds_total{{model_name="m",kind="extend"}} {extend_s}',
             'draftgraph:engine_step_seconds_total{model_name="m",kind="spec"} 0.0',
             f'draftgraph:engine_step_wait_seconds_total{{model_name="m",kind="ahead"}} '
-            f'{ahead_wait}']) + "\n"
+            f'{ahead_wait}',
+            f'draftgraph:engine_rows_riding_total{{model_name="m"}} {ahead // 10}']) + "\n"
 
     before = parse_metrics(text(100, 0.1, 4, 0.02, 0.05))
     after = parse_metrics(text(300, 0.34, 6, 0.05, 0.15))
     got = step_accounts(after, before)
+    assert after["rows_riding"] - before["rows_riding"] == 20
     assert set(got) == {"ahead", "extend"}  # spec ran no step in between
     assert got["ahead"]["steps"] == 200 and got["ahead"]["ms_each"] == pytest.approx(1.2)
     assert got["ahead"]["wait_ms_each"] == pytest.approx(0.5)

@@ -121,8 +121,11 @@ _STEP_STATS = {"steps": "steps", "step_seconds": "step_seconds",
 def parse_metrics(text: str) -> dict:
     """Speculative counters (any metric-name prefix, e.g. `vllm:`) from Prometheus text,
     draftgraph's engine step counters by kind (as engine stats: steps_<kind>, ...) and the
-    sums and counts of the SERVER_LATENCIES histograms (<name>_sum, <name>_count)."""
+    sums and counts of the SERVER_LATENCIES histograms (<name>_sum, <name>_count) and the
+    decode rows that rode in prefills (rows_riding)."""
     out: dict = {name: 0.0 for name in SPEC_COUNTERS}
+    out["rows_riding"] = sum(float(m.group(1)) for m in re.finditer(
+        r"^(?:[\w]+:)?engine_rows_riding(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.M))
     for m in re.finditer(r"^(?:[\w]+:)?engine_(steps|step_seconds|step_wait_seconds)(?:_total)?"
                          r'\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M):
         key = f"{_STEP_STATS[m.group(1)]}_{m.group(2)}"
@@ -362,6 +365,7 @@ async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
     summary["speculative"] = spec_summary(before, after)
     if before is not None and after is not None:  # the server's steps by kind in this run
         summary["engine_steps"] = step_accounts(after, before)
+        summary["rows_riding"] = after["rows_riding"] - before["rows_riding"]
         summary["server_latency"] = server_latencies(after, before)
     return summary
 

@@ -167,6 +167,9 @@ class _EngineCollector:
         yield steps
         yield seconds
         yield waits
+        yield self._counter("engine_rows_riding", "Decode rows that rode in a prefill behind "
+                            "the step in flight (--decode-rides-prefill).",
+                            stats.get("rows_riding", 0))
 
 
 class ServerMetrics:
