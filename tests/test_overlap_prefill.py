@@ -129,6 +129,13 @@ def test_overlapped_prefill_equals_sync_greedy_and_seeded_sampling(hf):
     assert drive(padded, arrivals, abort={13: "r0"}) == got
     assert padded.stats["rows_riding"] == engine.stats["rows_riding"]
     assert padded.target.extend_graphs.replays >= padded.stats["steps_behind"]
+    # the server's /metrics count them, as `bench serve` reads them back
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from draftgraph.bench.serve import parse_metrics
+    from draftgraph.server.metrics import ServerMetrics
+
+    text = prometheus_client.generate_latest(ServerMetrics(engine, "m").registry).decode()
+    assert parse_metrics(text)["rows_riding"] == engine.stats["rows_riding"]
     # without the flag the launches stop for each arrival: a mixed extend step instead
     plain_async = engine_for(hf, "async")
     assert drive(plain_async, arrivals, abort={13: "r0"}) == ref
