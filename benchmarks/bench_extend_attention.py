@@ -1,7 +1,8 @@
 """Extend attention (prefill, chunked prefill, a mixed step's rows) sweep: GPU us per layer of
 `extend_attention` per split count (split-KV: `num_splits`, and what `extend_num_splits`
 would pick at EXTEND_MAX_SPLITS 8) at the default tiles, and per (block_m, block_n,
-num_warps, num_stages) unsplit, against the default (unsplit, 64 / 64, 4 warps, 2 stages).
+num_warps, num_stages) unsplit with masks on the diagonal key tiles only (`unmasked_first`),
+against the default (unsplit, 64 / 64, 4 warps, 2 stages, every tile masked).
 
     python benchmarks/bench_extend_attention.py --out extend_sweep.json
 
@@ -99,9 +100,11 @@ def main() -> int:
         global DEV, LAYERS
         DEV, LAYERS = "cpu", 1
         cases = {"1x40": ([40], 0, 0), "2x20+3dec@30": ([20, 20], 3, 30)}
-    tiles = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+    # the tile configs with masks only on the diagonal key tiles (`unmasked_first`); the
+    # default config with them is the first, the A/B of that switch alone
+    tiles = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, unmasked_first=True)
              for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
-    default = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    default = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, unmasked_first=False)
     splits = [dict(default, num_splits=n) for n in (2, 4, 8)]
     results = []
     for model in args.models.split(","):

@@ -179,7 +179,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--arms", default="graphs,eager",
                     help="graphs, eager; a _det suffix runs the arm with --deterministic, "
-                         "_split<N> with split-KV extend attention of up to N splits")
+                         "_split<N> with split-KV extend attention of up to N splits, "
+                         "_unmasked with its key tiles unmasked below the diagonal "
+                         "(EXTEND_UNMASKED_FIRST)")
     ap.add_argument("--prefill-graph-tokens", type=int,
                     default=EngineConfig.prefill_graph_tokens,
                     help="the graphs arms' captured prefill (default: the engine's)")
@@ -198,8 +200,9 @@ def main() -> int:
 
     def engine_for(arm: str) -> LLMEngine:
         # the backend takes its split-KV extend plan when built (its graphs keep it)
-        splits = arm.rpartition("_split")[2] if "_split" in arm else "1"
+        splits = arm.split("_split")[1].split("_")[0] if "_split" in arm else "1"
         attention.EXTEND_MAX_SPLITS = int(splits)
+        attention.EXTEND_UNMASKED_FIRST = "_unmasked" in arm
         return LLMEngine(EngineConfig(
             model=args.model, device=dev, dtype=args.dtype,
             prefill_graph_tokens=(min(step_tokens, args.prefill_graph_tokens)
@@ -215,8 +218,9 @@ def main() -> int:
                                       max_model_len=None if args.mixed else max(lens) + 64)),
             loaded=loaded)
 
+    defaults = attention.EXTEND_MAX_SPLITS, attention.EXTEND_UNMASKED_FIRST
     engines = {arm: engine_for(arm) for arm in arms}
-    attention.EXTEND_MAX_SPLITS = 1
+    attention.EXTEND_MAX_SPLITS, attention.EXTEND_UNMASKED_FIRST = defaults
     engine = engines[arms[0]]
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -102,6 +102,30 @@ def test_split_extend_attention_matches_reference_launch_after_launch(num_splits
                               SCALE, out, bs, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_unmasked_key_tiles_first_give_the_masked_values(dtype, block_n):
+    """`unmasked_first`: the key tiles below a tile's first query position run without
+    masks. A long prompt (tiles with several full key tiles, and the diagonal ones), a
+    verify-like chunk deep in its list, a one-token request and an empty one: the output is
+    the reference's and bit-equal to the masked loop's (a boundary one tile too far lets a
+    diagonal tile's future keys in: the reference check fails)."""
+    seq_lens, extend_lens = [150, 4, 1, 70], [150, 0, 1, 4]
+    q, k_cache, v_cache, bufs, lists = setup(seq_lens, extend_lens, None, dtype)
+    bs = len(seq_lens)
+    outs = []
+    for unmasked in (False, True):
+        out = torch.full_like(q, float("nan"))
+        attn.extend_attention(q, k_cache, v_cache, bufs.qo_indptr, lists.kv_indptr,
+                              lists.kv_indices, lists.kv_start, bufs.positions, None, SCALE,
+                              out, bs, block_n=block_n, unmasked_first=unmasked)
+        outs.append(out)
+    expect = reference(q, k_cache, v_cache, bufs, lists, bs)
+    torch.testing.assert_close(outs[1].float(), expect.float(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_extend_num_splits_fills_the_target_and_keeps_to_the_scratch():
     # 512 tokens of SmolLM2's heads (9 / 3): 25 tiles + 2 -> 81 programs a split
     assert attn.extend_num_splits(512, 2, 9, 3, max_splits=8) == 6
@@ -119,12 +143,15 @@ def test_extend_num_splits_fills_the_target_and_keeps_to_the_scratch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_draft_block_attention_is_noncausal_over_window_and_block(dtype):
+@pytest.mark.parametrize("window,block_n,unmasked", [(7, 64, False), (40, 16, True)])
+def test_draft_block_attention_is_noncausal_over_window_and_block(dtype, window, block_n,
+                                                                  unmasked):
     """DRAFT_BLOCK: every row of a block sees its request's whole list (the last W context
     keys and the whole block), whatever its position; against the twin and against plain
-    softmax attention over exactly those keys."""
-    gamma, window = 5, 7
-    seq_lens = [3 + gamma, 40 + gamma, 0 + gamma]  # prefixes shorter and longer than W
+    softmax attention over exactly those keys. With `unmasked_first` and small key tiles, a
+    list's whole tiles run without masks (a 45-key list: two of 16, then a masked one)."""
+    gamma = 5
+    seq_lens = [3 + gamma, 60 + gamma, 0 + gamma]  # prefixes shorter and longer than W
     gen = torch.Generator().manual_seed(3)
     bs = len(seq_lens)
     k_cache = torch.randn(NUM_SLOTS, HKV, D, generator=gen).to(DEVICE, dtype)
@@ -141,7 +168,8 @@ def test_draft_block_attention_is_noncausal_over_window_and_block(dtype):
     q = torch.randn(bs * gamma, HQ, D, generator=gen).to(DEVICE, dtype)
     out = torch.full_like(q, float("nan"))
     attn.extend_attention(q, k_cache, v_cache, bufs.qo_indptr, lists.kv_indptr, lists.kv_indices,
-                          lists.kv_start, bufs.positions, None, SCALE, out, bs, noncausal=True)
+                          lists.kv_start, bufs.positions, None, SCALE, out, bs, noncausal=True,
+                          block_n=block_n, unmasked_first=unmasked)
     twin = attn.attention_ref(q, k_cache, v_cache, bufs.qo_indptr[: bs + 1],
                               lists.kv_indptr[: bs + 1], lists.kv_indices, lists.kv_start[:bs],
                               bufs.positions[: bs * gamma], None, SCALE, noncausal=True)

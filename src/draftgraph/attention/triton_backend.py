@@ -88,6 +88,9 @@ class TritonBackend(AttentionBackend):
         self.extend_splits = 1 if invariant else attn_kernels.EXTEND_MAX_SPLITS
         self.extend_scratch = (attn_kernels.extend_scratch(self.head_dim, self.device)
                                if self.extend_splits > 1 else {})
+        # key tiles without masks below a tile's first query (EXTEND_UNMASKED_FIRST): the
+        # same values, so under the batch-invariant plan too
+        self.extend_unmasked = attn_kernels.EXTEND_UNMASKED_FIRST
 
     def _alloc_scratch(self, num_q_heads: int) -> None:
         # split-KV partials of decode attention (normalised acc and log2-sum-exp per split),
@@ -197,6 +200,7 @@ class TritonBackend(AttentionBackend):
                 q, k_cache, v_cache, fb.meta.qo_indptr, lists.kv_indptr, lists.kv_indices,
                 lists.kv_start, fb.positions, None if lists.noncausal else lists.window,
                 self.scale, out, fb.bs, noncausal=lists.noncausal, num_splits=splits,
+                unmasked_first=self.extend_unmasked,
                 **(self.extend_scratch if splits > 1 else {}),
             )
         return out

@@ -82,6 +82,31 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_full_tile(
+    q_tile, m_i, l_i, acc, k_cache, v_cache, kv_indices_row, n0, hkv,
+    stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # `_attend_tile` over keys n0 .. n0 + BLOCK_N that every row sees: no key or row masks
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    slot = tl.load(kv_indices_row + offs_n).to(tl.int64)
+    k = tl.load(k_cache + slot[None, :] * stride_ks + hkv * stride_kh + offs_d[:, None],
+                mask=d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    v = tl.load(v_cache + slot[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
+                mask=d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * sm_scale_log2
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _combine_splits(
     mid_o, mid_lse, o, r, hkv, live,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
@@ -271,7 +296,8 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCAN_BLOCK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NONCAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    NONCAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, UNMASKED_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # every program, before its first load (the request table)
     pid = tl.program_id(0)
@@ -386,7 +412,24 @@ def _extend_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + -1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    masked_lo = lo
+    if UNMASKED_FIRST:
+        if not SLIDING:
+            # key tiles every row of the tile sees (below its first query position, or the
+            # whole list for a draft block) need no mask: the same values as through the
+            # mask (a `where` whose condition is all true), fewer operations a tile
+            if NONCAUSAL:
+                full = hi
+            else:
+                full = tl.min(tl.where(row_mask, qpos, 1 << 62), axis=0) - kv_first + 1
+            masked_lo = tl.maximum(tl.minimum(full, hi), 0) // BLOCK_N * BLOCK_N
+            for n0 in range(lo, masked_lo, BLOCK_N):
+                m_i, l_i, acc = _attend_full_tile(
+                    q_tile, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0, n0, hkv,
+                    stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2, HEAD_DIM,
+                    BLOCK_N, BLOCK_D, DOT_PRECISION,
+                )
+    for n0 in range(masked_lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q_tile, qpos, row_mask, m_i, l_i, acc, k_cache, v_cache, kv_indices + row0,
             kv_first, hi, n0, hkv, stride_ks, stride_kh, stride_vs, stride_vh, sm_scale_log2,
@@ -597,13 +640,18 @@ def extend_attention(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    unmasked_first: bool | None = None,
 ) -> torch.Tensor:
     """Variable-length queries, causal by position (`noncausal`: a draft block, every row sees
     its request's whole list; window None). q, out [T, Hq, D]; positions [T]; qo_indptr
     [bs + 1]; the KV lists already hold the new tokens' slots. num_splits > 1 (causal
     only): each tile's keys in that many programs, combined by the last to finish, through
     caller-owned fp32 scratch `mid_o` / `mid_lse` and int32 `counters`, zero between
-    launches (`extend_scratch` sizes them; `extend_num_splits` picks the count)."""
+    launches (`extend_scratch` sizes them; `extend_num_splits` picks the count).
+    unmasked_first (default EXTEND_UNMASKED_FIRST): a tile's key tiles that all its rows see
+    run without masks, the same values either way."""
+    if unmasked_first is None:
+        unmasked_first = EXTEND_UNMASKED_FIRST
     num_tokens = q.shape[0]
     num_q_heads, num_kv_heads, head_dim = _check(q, k_cache)
     if num_tokens == 0 or bs == 0:
@@ -637,7 +685,8 @@ def extend_attention(
         GROUP=group, HEAD_DIM=head_dim, TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), SCAN_BLOCK=128,
         SLIDING=window is not None and not noncausal, DOT_PRECISION=_precision(q.dtype),
-        NONCAUSAL=noncausal, NUM_SPLITS=num_splits, num_warps=num_warps,
+        NONCAUSAL=noncausal, NUM_SPLITS=num_splits, UNMASKED_FIRST=unmasked_first,
+        num_warps=num_warps,
         num_stages=num_stages, **pdl_kwargs(q),
     )
     return out
@@ -653,6 +702,11 @@ def extend_attention(
 # arithmetic would follow the step's token count).
 EXTEND_MAX_SPLITS = 1
 EXTEND_TARGET_PROGRAMS = 512
+# A tile's key tiles below its first query position (all of them for a draft block) skip
+# the causal / length masks: the FlashAttention loop's split into full and diagonal tiles.
+# Its values equal the masked loop's bit for bit; its speed is timed by
+# benchmarks/bench_extend_attention.py (`unmasked_first` arms).
+EXTEND_UNMASKED_FIRST = False
 # tiles split beyond the step's tokens' own: requests whose last tile is partial (a step's
 # live requests come first in its tile order; the rest of its rows, padding, have none)
 EXTEND_SPLIT_SLACK = 4
