@@ -173,8 +173,9 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
     # heads (9 / 3 x 64: 21 tokens a 64-row tile)
     from draftgraph.kernels import attention as AT
 
-    for splits in (1, 4):
-        c.append((f"extend attention splits={splits}", AT._extend_kernel,
+    for splits, unmasked in ((1, False), (1, True), (4, True)):
+        c.append((f"extend attention splits={splits} unmasked_first={unmasked}",
+                  AT._extend_kernel,
                   {"q": bf16, "k_cache": bf16, "v_cache": bf16, "o": bf16, "mid_o": f32,
                    "mid_lse": f32, "counters": "*i32", "sm_scale_log2": "fp32",
                    **{n: "i32" for n in ("bs", "window", "max_tiles", "split_tiles",
@@ -183,7 +184,7 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                   {"GROUP": 3, "HEAD_DIM": 64, "TOKENS_PER_TILE": 21, "BLOCK_M": 64,
                    "BLOCK_N": 64, "BLOCK_D": 64, "SCAN_BLOCK": 128, "SLIDING": False,
                    "DOT_PRECISION": "tf32", "NONCAUSAL": False, "NUM_SPLITS": splits,
-                   "PDL": True}))
+                   "UNMASKED_FIRST": unmasked, "PDL": True}))
     return c
 
 

@@ -42,6 +42,17 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _online_softmax(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    # one tile's step of the online softmax: scores qk (log2 units, masked -inf) and values v
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_tile(
     q_tile, qpos, row_mask, m_i, l_i, acc,
     k_cache, v_cache, kv_indices_row, kv_start, kv_hi_mask_len, n0,
@@ -73,12 +84,7 @@ def _attend_tile(
     if SLIDING:
         visible = visible & (qpos[:, None] - kpos[None, :] < window)
     qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return _online_softmax(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
@@ -98,12 +104,7 @@ def _attend_full_tile(
     v = tl.load(v_cache + slot[:, None] * stride_vs + hkv * stride_vh + offs_d[None, :],
                 mask=d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     qk = tl.dot(q_tile, k, input_precision=DOT_PRECISION) * sm_scale_log2
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return _online_softmax(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
