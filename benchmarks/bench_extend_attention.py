@@ -2,7 +2,8 @@
 `extend_attention` per split count (split-KV: `num_splits`, and what `extend_num_splits`
 would pick at EXTEND_MAX_SPLITS 8) at the default tiles, and per (block_m, block_n,
 num_warps, num_stages) unsplit with masks on the diagonal key tiles only (`unmasked_first`),
-against the default (unsplit, 64 / 64, 4 warps, 2 stages, every tile masked).
+and the engine's plan ("plan": kernels/attention.py's defaults), against the plan before
+stop 56 ("default" in the output: unsplit, 64 / 64, 4 warps, 2 stages, every tile masked).
 
     python benchmarks/bench_extend_attention.py --out extend_sweep.json
 
@@ -63,7 +64,8 @@ class Case:
     def call(self, layer: int, cfg: dict) -> None:
         A.extend_attention(self.q, self.k[layer], self.v[layer], self.qo_indptr,
                            self.kv_indptr, self.kv_indices, self.kv_start, self.positions,
-                           None, self.d ** -0.5, self.out, self.bs, **cfg,
+                           None, self.d ** -0.5, self.out, self.bs,
+                           **{k: v for k, v in cfg.items() if k != "plan"},
                            **(self.scratch if cfg.get("num_splits", 1) > 1 else {}))
 
     def time_us(self, cfg: dict) -> tuple[float, torch.Tensor]:
@@ -104,8 +106,11 @@ def main() -> int:
     # default config with them is the first, the A/B of that switch alone
     tiles = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, unmasked_first=True)
              for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+    # the base: the plan before stop 56 (every key tile masked, 64 keys, 2 stages); "plan":
+    # the engine's plan now (kernels/attention.py extend_block_n, EXTEND_NUM_STAGES,
+    # EXTEND_UNMASKED_FIRST)
     default = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, unmasked_first=False)
-    splits = [dict(default, num_splits=n) for n in (2, 4, 8)]
+    splits = [dict(default, num_splits=n) for n in (2, 4, 8)] + [{"plan": True}]
     results = []
     for model in args.models.split(","):
         hq, hkv, d = SHAPES[model]

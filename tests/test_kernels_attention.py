@@ -126,6 +126,13 @@ def test_unmasked_key_tiles_first_give_the_masked_values(dtype, block_n):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_extend_plan_by_head_size():
+    """The tuned extend tiles (stop 56's H100 sweep): 128 keys a tile for 64-dim heads, 64
+    for 128-dim ones, 3 stages, unmasked key tiles first."""
+    assert attn.extend_block_n(64) == 128 and attn.extend_block_n(128) == 64
+    assert attn.EXTEND_NUM_STAGES == 3 and attn.EXTEND_UNMASKED_FIRST
+
+
 def test_extend_num_splits_fills_the_target_and_keeps_to_the_scratch():
     # 512 tokens of SmolLM2's heads (9 / 3): 25 tiles + 2 -> 81 programs a split
     assert attn.extend_num_splits(512, 2, 9, 3, max_splits=8) == 6

@@ -76,20 +76,25 @@ def no_host_reads(*_a, **_k):
     raise AssertionError("TritonBackend read a device value back to the host")
 
 
-@pytest.mark.parametrize("sliding_window, extend_splits", [(None, 1), (3, 1), (None, 3),
-                                                           (3, 3)])
-def test_triton_backend_logits_match_torch_backend(sliding_window, extend_splits, monkeypatch):
-    """extend_splits: the prefill's tiles in up to that many split-KV programs each."""
+@pytest.mark.parametrize("sliding_window, extend_splits, invariant",
+                         [(None, 1, False), (3, 1, False), (None, 3, False), (3, 3, False),
+                          (None, 1, True)])
+def test_triton_backend_logits_match_torch_backend(sliding_window, extend_splits, invariant,
+                                                   monkeypatch):
+    """extend_splits: the prefill's tiles in up to that many split-KV programs each (never
+    under the batch-invariant plan, nor key tiles unmasked there: the GPU rounds the two
+    loops apart)."""
     from draftgraph.kernels import attention as attn_kernels
 
     monkeypatch.setattr(attn_kernels, "EXTEND_MAX_SPLITS", extend_splits)
     cfg, model = tiny_model(sliding_window)
     torch_run = Runner(TorchBackend, cfg)
-    triton_run = Runner(TritonBackend, cfg, max_bs=MAX_BS, num_q_heads=4, max_kv_splits=4)
+    triton_run = Runner(TritonBackend, cfg, max_bs=MAX_BS, num_q_heads=4, max_kv_splits=4,
+                        invariant=invariant)
     launches = []
     extend = attn_kernels.extend_attention
-    monkeypatch.setattr(attn_kernels, "extend_attention",
-                        lambda *a, **k: launches.append(k["num_splits"]) or extend(*a, **k))
+    monkeypatch.setattr(attn_kernels, "extend_attention", lambda *a, **k: launches.append(
+        (k["num_splits"], k["unmasked_first"])) or extend(*a, **k))
     ptrs = [t.data_ptr() for t in triton_run.meta.all_tensors()]
     backend = triton_run.backend
     scratch = [t.data_ptr() for t in (backend.mid_o, backend.mid_lse, backend.kv_counters)]
@@ -109,7 +114,8 @@ def test_triton_backend_logits_match_torch_backend(sliding_window, extend_splits
     # split-KV decode leaves its arrival counters at zero, so a graph replay starts clean
     assert backend.kv_counters.dtype == torch.int32 and (backend.kv_counters == 0).all()
     # the prefill (and the verify chunk) ran in the splits asked for, extend's counters clean
-    assert launches and all(n == extend_splits for n in launches)
+    expect_plan = (1, False) if invariant else (extend_splits, True)
+    assert launches and all(plan == expect_plan for plan in launches)
     if extend_splits > 1:
         assert not backend.extend_scratch["counters"].any()
 

@@ -88,9 +88,9 @@ class TritonBackend(AttentionBackend):
         self.extend_splits = 1 if invariant else attn_kernels.EXTEND_MAX_SPLITS
         self.extend_scratch = (attn_kernels.extend_scratch(self.head_dim, self.device)
                                if self.extend_splits > 1 else {})
-        # key tiles without masks below a tile's first query (EXTEND_UNMASKED_FIRST): the
-        # same values, so under the batch-invariant plan too
-        self.extend_unmasked = attn_kernels.EXTEND_UNMASKED_FIRST
+        # key tiles without masks below a tile's first query (EXTEND_UNMASKED_FIRST); not
+        # batch-invariant on the GPU (which loop takes a key tile follows the tiling)
+        self.extend_unmasked = attn_kernels.EXTEND_UNMASKED_FIRST and not invariant
 
     def _alloc_scratch(self, num_q_heads: int) -> None:
         # split-KV partials of decode attention (normalised acc and log2-sum-exp per split),

@@ -633,10 +633,10 @@ def extend_attention(
     out: torch.Tensor,
     bs: int,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
     noncausal: bool = False,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     num_splits: int = 1,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
@@ -650,11 +650,14 @@ def extend_attention(
     caller-owned fp32 scratch `mid_o` / `mid_lse` and int32 `counters`, zero between
     launches (`extend_scratch` sizes them; `extend_num_splits` picks the count).
     unmasked_first (default EXTEND_UNMASKED_FIRST): a tile's key tiles that all its rows see
-    run without masks, the same values either way."""
+    run without masks. block_n and num_stages default to the tuned plan (`extend_block_n`,
+    EXTEND_NUM_STAGES)."""
     if unmasked_first is None:
         unmasked_first = EXTEND_UNMASKED_FIRST
     num_tokens = q.shape[0]
     num_q_heads, num_kv_heads, head_dim = _check(q, k_cache)
+    block_n = block_n or extend_block_n(head_dim)
+    num_stages = num_stages or EXTEND_NUM_STAGES
     if num_tokens == 0 or bs == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -705,9 +708,22 @@ EXTEND_MAX_SPLITS = 1
 EXTEND_TARGET_PROGRAMS = 512
 # A tile's key tiles below its first query position (all of them for a draft block) skip
 # the causal / length masks: the FlashAttention loop's split into full and diagonal tiles.
-# Its values equal the masked loop's bit for bit; its speed is timed by
-# benchmarks/bench_extend_attention.py (`unmasked_first` arms).
-EXTEND_UNMASKED_FIRST = False
+# The same arithmetic as the masked loop's (equal bit for bit in the interpreter), but the
+# GPU compiles the two loops apart, so a row's rounding may follow where its tile starts:
+# never under the batch-invariant plan. The tiles: 3 stages of cp.async prefetch, 128 keys
+# a tile for heads of <= 64 dims (64 above). H100, bf16, us a layer (stop 56,
+# benchmarks/results/extend_stop56/extend_sweep_h100.json; masked, 64 keys, 2 stages before):
+# SmolLM2 (9 / 3 x 64) 512 tokens 15.9 -> 11.0, 4096 168.5 -> 103.8, two 512-token prompts
+# beside 64 decode rows 32.3 -> 26.5; Llama-3.1-8B (32 / 8 x 128) 31.9 -> 21.2,
+# 904 -> 489, 153 -> 98. The unmasked loop alone gave -13 % at 4096 tokens, nothing at 512.
+EXTEND_UNMASKED_FIRST = True
+EXTEND_NUM_STAGES = 3
+
+
+def extend_block_n(head_dim: int) -> int:
+    """Keys per tile of the extend kernel: 128 for small heads, 64 for 128-dim heads (whose
+    128-key tiles, 3 stages deep, ran 19 % slower at 4096 tokens)."""
+    return 128 if head_dim <= 64 else 64
 # tiles split beyond the step's tokens' own: requests whose last tile is partial (a step's
 # live requests come first in its tile order; the rest of its rows, padding, have none)
 EXTEND_SPLIT_SLACK = 4
