@@ -170,6 +170,10 @@ class OpenAIServer:
                            f"{'them' if len(fields) > 1 else 'it'}; leave "
                            f"{'them' if len(fields) > 1 else 'it'} out)", param=fields[0],
                            code="unsupported_field")
+        conflict = body.conflicting_field()
+        if conflict is not None:
+            param, message = conflict
+            raise APIError(400, message, param=param)
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -206,20 +210,28 @@ class OpenAIServer:
     async def run_blocking(self, fn: Callable):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
+    def max_tokens_for(self, prompt_len: int, requested: int | None,
+                       param: str = "max_tokens") -> int:
+        """param: the field `requested` came in (chat's max_completion_tokens or max_tokens)."""
         room = self.engine.max_model_len - prompt_len
         if requested is None:
             # the default fills the context, or what of it the KV pool can hold
             kv_room = admission.kv_capacity(self.engine) - self.engine.spec_k - prompt_len
             return max(1, min(room, kv_room))
         if requested > room:
-            raise APIError(400, f"prompt has {prompt_len} tokens and max_tokens is {requested}; "
+            raise APIError(400, f"prompt has {prompt_len} tokens and {param} is {requested}; "
                            f"the model's context is {self.engine.max_model_len} tokens "
-                           f"(--max-model-len): ask for at most {room}", param="max_tokens")
+                           f"(--max-model-len): ask for at most {room}", param=param)
         return requested
 
-    def sampling_params(self, body, prompt_len: int, requested: int | None):
-        max_tokens = self.max_tokens_for(prompt_len, requested)
+    def sampling_params(self, body, prompt_len: int, requested: int | None,
+                        max_tokens_param: str = "max_tokens"):
+        max_tokens = self.max_tokens_for(prompt_len, requested, max_tokens_param)
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in body.stop_token_ids or [] if t >= vocab]
+        if bad:
+            raise APIError(400, f"stop_token_ids must be token ids below the vocabulary size "
+                           f"{vocab}; got {bad[:3]}", param="stop_token_ids")
         try:
             return body.sampling_params(max_tokens)
         except SamplingParamsError as e:
@@ -393,7 +405,8 @@ class OpenAIServer:
         self.check_queue_fits(body.n, "n")
         messages = body.chat_messages()
         ids = await self.run_blocking(lambda: self.encode(messages, use_chat_template=True))
-        params = self.sampling_params(body, len(ids), body.requested_max_tokens)
+        params = self.sampling_params(body, len(ids), body.requested_max_tokens,
+                                      body.max_tokens_param)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tok = self.engine.tokenizer
         self.check_admitting()

@@ -2,9 +2,11 @@
 
 Types are strict (`max_tokens: true` or `"4"` is a 400 naming the field, not 1 or 4), numbers
 are finite, text is valid Unicode (a lone UTF-16 surrogate is a 400, not a crash in the
-tokenizer or the error handler). Unknown fields are ignored (clients send many optional ones),
-but fields of the OpenAI API this server does not implement (`tools`, `response_format`,
-`min_p`, ...) are refused by name rather than silently ignored.
+tokenizer or the error handler); a field the OpenAI API lets be null takes null as its default.
+Unknown fields are ignored (clients send many optional ones), but fields of the OpenAI API this
+server does not implement (`tools`, `response_format`, `min_p`, `chat_template`, ...) are
+refused by name rather than silently ignored, and so are fields valid alone but not together
+(`stream_options` without `stream`, `top_logprobs` without `logprobs`).
 
 Logprobs: `logprobs` (completions) / `top_logprobs` (chat) up to 20 alternatives, computed on
 the device; `echo` + `logprobs` scores the prompt too (null only for its first token), as does
@@ -28,6 +30,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
 )
 
@@ -62,6 +65,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
+    # chat: the prompt is the messages through the model's own template, ready for a reply
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "echo": (None, False),  # a field of completions, not of chat
 }
 
 
@@ -84,7 +93,7 @@ Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    include_usage: StrictBool | None = False
 
 
 class _SamplingRequest(BaseModel):
@@ -111,10 +120,19 @@ class _SamplingRequest(BaseModel):
     prompt_logprobs: NumLogprobs | None = None  # vLLM's extra
     return_token_ids: StrictBool = False  # vLLM's extra: output (and prompt) token ids
 
+    # OpenAI (and vLLM) let these be null: null means the default, any other value is checked
+    @field_validator("ignore_eos", "stream", "n", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens", "return_token_ids", "echo", "logprobs",
+                     mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
+
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v: dict | None) -> dict | None:
-        bad = [k for k in (v or {}) if not k.isdigit()]
+        # ASCII digits only: str.isdigit() takes "²" and "١", which int() refuses or reads as 1
+        bad = [k for k in (v or {}) if not (k.isascii() and k.isdigit())]
         if bad:
             raise ValueError(f"keys must be token ids (decimal integers), got {bad[:3]}")
         return v
@@ -126,6 +144,15 @@ class _SamplingRequest(BaseModel):
         return [k for k, off in UNSUPPORTED_FIELDS.items()
                 if k in extra and not any(extra[k] == v and type(extra[k]) is type(v)
                                           for v in off)]
+
+    def conflicting_field(self) -> tuple[str, str] | None:
+        """(name, why) of a field valid alone but not with the others sent, or None."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        if self.prompt_logprobs is not None and self.stream:
+            return ("prompt_logprobs", "prompt_logprobs is not available when stream=true: "
+                    "ask for them without streaming")
+        return None
 
     def _params(self, max_tokens: int, logprobs: bool, default_temperature: float,
                 top_logprobs: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -202,7 +229,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None  # only an assistant's may be left out
+    # tools are not implemented: kept only to refuse a message that carries calls
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -210,8 +240,21 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+def _checked_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
+    for i, m in enumerate(messages):
+        if m.tool_calls or m.function_call:
+            raise ValueError(f"messages[{i}] carries tool calls: this server does not "
+                             "implement tools (leave tool_calls and function_call out)")
+        if m.role != "assistant" and m.content in (None, []):
+            raise ValueError(f"messages[{i}] ({m.role}) has no content")
+    return messages
+
+
+Messages = Annotated[list[ChatMessage], AfterValidator(_checked_messages)]
+
+
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages = Field(min_length=1)
     max_completion_tokens: Count | None = None
     max_tokens: Count | None = None  # deprecated alias in the OpenAI API
     logprobs: StrictBool = False
@@ -224,6 +267,16 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field the client bounded the output with (errors name it)."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    def conflicting_field(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs is only allowed when logprobs is true"
+        return super().conflicting_field()
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return self._params(max_tokens, self.logprobs, default_temperature=1.0,
@@ -238,7 +291,7 @@ class TokenizeRequest(BaseModel):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: StrictBool | None = None
 
     def target(self) -> tuple[str | list[dict[str, Any]], bool]:

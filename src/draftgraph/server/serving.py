@@ -243,7 +243,9 @@ def chat_chunk(response_id: str, model: str, created: int, out: RequestOutput, s
         delta["role"] = "assistant"
     if out.delta_text or "role" in delta:
         delta["content"] = out.delta_text
-    if not delta and not out.finished and not (return_token_ids and out.new_token_ids):
+    # a token whose text is held back (part of a character) still sends its logprob or id
+    if not delta and not out.finished and not (
+            (num_logprobs is not None or return_token_ids) and out.new_token_ids):
         return None
     lp = None
     if num_logprobs is not None and out.new_token_ids:
