@@ -211,11 +211,14 @@ def test_sampling_controls_are_validated_naming_the_field() -> None:
     assert SamplingParams(logit_bias={"7": 1}).logit_bias == {7: 1.0}  # JSON keys
 
 
-def test_logit_bias_key_past_the_vocabulary_is_refused(hf) -> None:
+@pytest.mark.parametrize("param, kwargs", [("logit_bias", dict(logit_bias={64: 1.0})),
+                                           ("stop_token_ids", dict(stop_token_ids=[3, 64]))])
+def test_token_ids_past_the_vocabulary_are_refused(hf, param, kwargs) -> None:
     engine = tiny_engine(hf)
     with pytest.raises(SamplingParamsError, match="vocabulary size 64") as e:
-        engine.add_request(PROMPT, SamplingParams(logit_bias={64: 1.0}))
-    assert e.value.param == "logit_bias"
+        engine.add_request(PROMPT, SamplingParams(**kwargs))
+    assert e.value.param == param
+    assert not engine.has_unfinished()
 
 
 # ------------------------------------------------------------------ the distribution, T = 1

@@ -106,14 +106,17 @@ def check_fits_kv(engine, prompt_len: int, params: SamplingParams) -> None:
 
 def bound_params(engine, params: SamplingParams) -> SamplingParams:
     """Params with the model-dependent bounds applied (a copy when anything changes);
-    logit_bias keys must be token ids of the vocabulary; prompt logprobs need one rank."""
+    logit_bias keys and stop_token_ids must be token ids of the vocabulary; prompt logprobs
+    need one rank."""
     from draftgraph.engine.sampling import SamplingParamsError
 
     vocab = engine.model_config.vocab_size
-    bad = [t for t in params.logit_bias if t >= vocab]
-    if bad:
-        raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids below the "
-                                  f"vocabulary size {vocab}; got {bad[:3]}")
+    for name, ids, what in (("logit_bias", params.logit_bias, "logit_bias keys"),
+                            ("stop_token_ids", params.stop_token_ids, "stop_token_ids")):
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise SamplingParamsError(name, f"{what} must be token ids below the vocabulary "
+                                      f"size {vocab}; got {bad[:3]}")
     if params.prompt_logprobs is not None and engine.config.tensor_parallel_size > 1:
         raise SamplingParamsError("prompt_logprobs", "prompt logprobs are not computed under "
                                   "--tensor-parallel-size > 1 yet")

@@ -227,11 +227,6 @@ class OpenAIServer:
     def sampling_params(self, body, prompt_len: int, requested: int | None,
                         max_tokens_param: str = "max_tokens"):
         max_tokens = self.max_tokens_for(prompt_len, requested, max_tokens_param)
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in body.stop_token_ids or [] if t >= vocab]
-        if bad:
-            raise APIError(400, f"stop_token_ids must be token ids below the vocabulary size "
-                           f"{vocab}; got {bad[:3]}", param="stop_token_ids")
         try:
             return body.sampling_params(max_tokens)
         except SamplingParamsError as e:
