@@ -170,21 +170,32 @@ def kernel_configs() -> list[tuple[str, object, dict, dict]]:
                **{n: "i32" for n in ("M", "N", "stride_ym", "stride_rm")}},
               {"HAS_BIAS": False, "HAS_RES": False, "SPLIT": 4, "BLOCK": 1024, "PDL": True}))
     # extend attention (prefill), unsplit and in split-KV (kernels/attention.py), SmolLM2's
-    # heads (9 / 3 x 64: 21 tokens a 64-row tile)
+    # heads (9 / 3 x 64: 21 tokens a 64-row tile) at the plan before stop 56 (64 keys,
+    # every tile masked) and the plan's (128 keys, unmasked first; a window, a draft block),
+    # and the 8B's (32 / 8 x 128: 64 keys); triton.compile's default 3 stages, as the plan
     from draftgraph.kernels import attention as AT
 
-    for splits, unmasked in ((1, False), (1, True), (4, True)):
-        c.append((f"extend attention splits={splits} unmasked_first={unmasked}",
-                  AT._extend_kernel,
+    smollm2 = {"GROUP": 3, "HEAD_DIM": 64, "TOKENS_PER_TILE": 21, "BLOCK_D": 64,
+               "BLOCK_N": AT.extend_block_n(64)}
+    variants = [
+        ("splits=1 masked 64 keys", dict(smollm2, BLOCK_N=64, UNMASKED_FIRST=False)),
+        ("splits=1", dict(smollm2)),
+        ("splits=4", dict(smollm2, NUM_SPLITS=4)),
+        ("window", dict(smollm2, SLIDING=True)),
+        ("draft block", dict(smollm2, NONCAUSAL=True)),
+        ("8B heads", {"GROUP": 4, "HEAD_DIM": 128, "TOKENS_PER_TILE": 16, "BLOCK_D": 128,
+                      "BLOCK_N": AT.extend_block_n(128)}),
+    ]
+    for label, consts in variants:
+        c.append((f"extend attention {label}", AT._extend_kernel,
                   {"q": bf16, "k_cache": bf16, "v_cache": bf16, "o": bf16, "mid_o": f32,
                    "mid_lse": f32, "counters": "*i32", "sm_scale_log2": "fp32",
                    **{n: "i32" for n in ("bs", "window", "max_tiles", "split_tiles",
                                          "stride_qt", "stride_qh", "stride_ks", "stride_kh",
                                          "stride_vs", "stride_vh", "stride_ot", "stride_oh")}},
-                  {"GROUP": 3, "HEAD_DIM": 64, "TOKENS_PER_TILE": 21, "BLOCK_M": 64,
-                   "BLOCK_N": 64, "BLOCK_D": 64, "SCAN_BLOCK": 128, "SLIDING": False,
-                   "DOT_PRECISION": "tf32", "NONCAUSAL": False, "NUM_SPLITS": splits,
-                   "UNMASKED_FIRST": unmasked, "PDL": True}))
+                  {"BLOCK_M": 64, "SCAN_BLOCK": 128, "SLIDING": False, "DOT_PRECISION": "tf32",
+                   "NONCAUSAL": False, "NUM_SPLITS": 1, "UNMASKED_FIRST": True, "PDL": True,
+                   **consts}))
     return c
 
 
