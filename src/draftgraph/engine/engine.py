@@ -552,10 +552,13 @@ class LLMEngine:
                     known.append(r)
                 else:
                     refs.append((ref, r, 1))
-        # rows that surely end with the tokens they refer to need no next step
-        rows = [(ref, r, n) for ref, r, n in refs
-                if len(r.output_token_ids) + n < r.params.max_tokens
-                and r.num_tokens + n < self.max_model_len]
+        # rows that surely end with the tokens they refer to need no next step; a row's
+        # tokens once those arrive, counted once (this runs for every request of every step)
+        rows = []
+        for ref, r, n in refs:
+            length = r.num_tokens + n
+            if len(r.output_token_ids) + n < r.params.max_tokens and length < self.max_model_len:
+                rows.append((ref, r, length))
         ahead = [r for _, r, _ in rows] + known
         if not ahead:
             return False
@@ -568,8 +571,8 @@ class LLMEngine:
         try:  # step N + 1 writes from step N's last token on: positions num_tokens .. + 2k
             # (a rider's one later); a known fresh request's from its last token on, as the
             # normal path's
-            slots = [self.slots.allocator.extend(r.pages, r.num_tokens + n - 1, 1 + 2 * k)
-                     for _, r, n in rows] + \
+            slots = [self.slots.allocator.extend(r.pages, length - 1, 1 + 2 * k)
+                     for _, r, length in rows] + \
                 [self.slots.allocator.extend(r.pages, r.num_computed_tokens, 1 + k)
                  for r in known]
         except OutOfKVSlots:
@@ -580,7 +583,7 @@ class LLMEngine:
         self._stage(graphs, ahead,
                     [ref for ref, _, _ in rows]
                     + [r.token_slice(r.num_tokens - 1, r.num_tokens)[0] for r in known],
-                    [r.num_tokens + n for _, r, n in rows] + [r.num_tokens for r in known],
+                    [length for _, _, length in rows] + [r.num_tokens for r in known],
                     slots, max_draft)
         if self.policy is not None:
             self.policy.launched(ahead)
@@ -818,7 +821,18 @@ class LLMEngine:
         return None
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        """The step's output of `req`; `new_tokens` (a list of the caller's own) goes in as
+        it is."""
         final = req.finished
+        if not final and req.detokenizer is None and not req.params.logprobs and \
+                req.params.prompt_logprobs is None and req.error is None:
+            # a running stream's common output (tokens only): what the general path gives,
+            # with its tests skipped (this runs for every request of every step)
+            return RequestOutput(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                token_ids=[], new_token_ids=new_tokens, text="", delta_text="",
+                finished=False, finish_reason=None,
+                metrics=req.metrics() if len(req.output_token_ids) == len(new_tokens) else {})
         text = req.text
         if not final and req.params.stop:
             hold = max(len(s) for s in req.params.stop) - 1
@@ -837,7 +851,7 @@ class LLMEngine:
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids) if final else [],
-            new_token_ids=list(new_tokens),
+            new_token_ids=new_tokens,
             text=text,
             delta_text=delta,
             finished=final,

@@ -19,7 +19,7 @@ _FINISHED = Status.FINISHED  # NOTE: an identity test; `Status.X` is an attribut
 # ~0.2 us on Python 3.11, and a step asks every request several times whether it finished
 
 
-@dataclass
+@dataclass(slots=True)  # built for every request of every step
 class RequestOutput:
     """What one engine step reports about one request."""
 
