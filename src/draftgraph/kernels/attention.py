@@ -701,8 +701,10 @@ def extend_attention(
 # SmolLM2: 78 programs, the last looping over 8 tiles, 16 us a layer, 36 % of the prefill's
 # GPU time; benchmarks/results/prefill_graphs_smollm2-135m_h200.json). Splitting every tile's
 # keys over more programs, up to EXTEND_TARGET_PROGRAMS in all, shortens that loop while the
-# grid is small. EXTEND_MAX_SPLITS = 1 turns it off (the engine's default until measured on a
-# GPU: benchmarks/bench_extend_attention.py); the batch-invariant mode never splits (a row's
+# grid is small. EXTEND_MAX_SPLITS = 1 turns it off, the default: on the H100 (stop 56,
+# benchmarks/results/extend_stop56/extend_sweep_h100.json, 64-key tiles, 2 stages) 2 splits
+# took 15.9 -> 14.5 us at 512 tokens and every other case got slower, while the tuned tiles
+# below (3 stages) took 11.0 unsplit. The batch-invariant mode never splits (a row's
 # arithmetic would follow the step's token count).
 EXTEND_MAX_SPLITS = 1
 EXTEND_TARGET_PROGRAMS = 512
