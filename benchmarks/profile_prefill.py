@@ -180,8 +180,7 @@ def main() -> int:
     ap.add_argument("--arms", default="graphs,eager",
                     help="graphs, eager; a _det suffix runs the arm with --deterministic, "
                          "_split<N> with split-KV extend attention of up to N splits, "
-                         "_unmasked with its key tiles unmasked below the diagonal "
-                         "(EXTEND_UNMASKED_FIRST)")
+                         "_masked with every key tile masked (EXTEND_UNMASKED_FIRST off)")
     ap.add_argument("--prefill-graph-tokens", type=int,
                     default=EngineConfig.prefill_graph_tokens,
                     help="the graphs arms' captured prefill (default: the engine's)")
@@ -202,7 +201,7 @@ def main() -> int:
         # the backend takes its split-KV extend plan when built (its graphs keep it)
         splits = arm.split("_split")[1].split("_")[0] if "_split" in arm else "1"
         attention.EXTEND_MAX_SPLITS = int(splits)
-        attention.EXTEND_UNMASKED_FIRST = "_unmasked" in arm
+        attention.EXTEND_UNMASKED_FIRST = defaults[1] and "_masked" not in arm
         return LLMEngine(EngineConfig(
             model=args.model, device=dev, dtype=args.dtype,
             prefill_graph_tokens=(min(step_tokens, args.prefill_graph_tokens)

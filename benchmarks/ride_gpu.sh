@@ -34,7 +34,7 @@ rm -f "$OUT"/*.png
 # (PROFILE=1: TTFT and GPU time at 512 / 4096 tokens, unsplit against up to 4 and 8 splits)
 [ -n "${PROFILE:-}" ] && PYTHONPATH=$PWD/src:$PWD/benchmarks timeout ${PROFILE_TIMEOUT:-150} \
   python3 benchmarks/profile_prefill.py --model random:smollm2-135m --tokens 512,4096 \
-  --arms graphs,graphs_unmasked,graphs_split4_unmasked,graphs_split8_unmasked --repeats 5 --out "$OUT/prefill_splits.json" \
+  --arms graphs,graphs_masked,graphs_split4,graphs_split8 --repeats 5 --out "$OUT/prefill_splits.json" \
   2>&1 | grep -v -i warn | grep -v "^capturing"
 # and the extend kernel's config sweep (SWEEP=model,...)
 [ -n "${SWEEP:-}" ] && PYTHONPATH=$PWD/src:$PWD/benchmarks timeout ${SWEEP_TIMEOUT:-200} \
