@@ -108,8 +108,9 @@ def test_unmasked_key_tiles_first_give_the_masked_values(dtype, block_n):
     """`unmasked_first`: the key tiles below a tile's first query position run without
     masks. A long prompt (tiles with several full key tiles, and the diagonal ones), a
     verify-like chunk deep in its list, a one-token request and an empty one: the output is
-    the reference's and bit-equal to the masked loop's (a boundary one tile too far lets a
-    diagonal tile's future keys in: the reference check fails)."""
+    the reference's, and in the interpreter bit-equal to the masked loop's (a GPU compiles the
+    two loops apart); a boundary one tile too far lets a diagonal tile's future keys in: the
+    reference check fails."""
     seq_lens, extend_lens = [150, 4, 1, 70], [150, 0, 1, 4]
     q, k_cache, v_cache, bufs, lists = setup(seq_lens, extend_lens, None, dtype)
     bs = len(seq_lens)
@@ -123,7 +124,8 @@ def test_unmasked_key_tiles_first_give_the_masked_values(dtype, block_n):
     expect = reference(q, k_cache, v_cache, bufs, lists, bs)
     torch.testing.assert_close(outs[1].float(), expect.float(), atol=TOL[dtype],
                                rtol=TOL[dtype])
-    assert torch.equal(outs[0], outs[1])
+    if DEVICE == "cpu":
+        assert torch.equal(outs[0], outs[1])
 
 
 def test_extend_plan_by_head_size():

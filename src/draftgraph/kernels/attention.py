@@ -696,18 +696,6 @@ def extend_attention(
     return out
 
 
-# Split-KV extend (`extend_attention(num_splits=)`): a prefill's kernel time is its longest
-# key loop, ~2 us a 64-key tile on an H200 whatever the tile count (a 512-token prompt of
-# SmolLM2: 78 programs, the last looping over 8 tiles, 16 us a layer, 36 % of the prefill's
-# GPU time; benchmarks/results/prefill_graphs_smollm2-135m_h200.json). Splitting every tile's
-# keys over more programs, up to EXTEND_TARGET_PROGRAMS in all, shortens that loop while the
-# grid is small. EXTEND_MAX_SPLITS = 1 turns it off, the default: on the H100 (stop 56,
-# benchmarks/results/extend_stop56/extend_sweep_h100.json, 64-key tiles, 2 stages) 2 splits
-# took 15.9 -> 14.5 us at 512 tokens and every other case got slower, while the tuned tiles
-# below (3 stages) took 11.0 unsplit. The batch-invariant mode never splits (a row's
-# arithmetic would follow the step's token count).
-EXTEND_MAX_SPLITS = 1
-EXTEND_TARGET_PROGRAMS = 512
 # A tile's key tiles below its first query position (all of them for a draft block) skip
 # the causal / length masks: the FlashAttention loop's split into full and diagonal tiles.
 # The same arithmetic as the masked loop's (equal bit for bit in the interpreter), but the
@@ -726,6 +714,20 @@ def extend_block_n(head_dim: int) -> int:
     """Keys per tile of the extend kernel: 128 for small heads, 64 for 128-dim heads (whose
     128-key tiles, 3 stages deep, ran 19 % slower at 4096 tokens)."""
     return 128 if head_dim <= 64 else 64
+
+
+# Split-KV extend (`extend_attention(num_splits=)`): a prefill's kernel time is its longest
+# key loop, ~2 us a 64-key tile on an H200 whatever the tile count (a 512-token prompt of
+# SmolLM2: 78 programs, the last looping over 8 tiles, 16 us a layer, 36 % of the prefill's
+# GPU time; benchmarks/results/prefill_graphs_smollm2-135m_h200.json). Splitting every tile's
+# keys over more programs, up to EXTEND_TARGET_PROGRAMS in all, shortens that loop while the
+# grid is small. EXTEND_MAX_SPLITS = 1 turns it off, the default: on the H100 (stop 56,
+# benchmarks/results/extend_stop56/extend_sweep_h100.json, 64-key tiles, 2 stages) 2 splits
+# took 15.9 -> 14.5 us at 512 tokens and every other case got slower, while the tuned tiles
+# above (3 stages) took 11.0 unsplit. The batch-invariant mode never splits (a row's
+# arithmetic would follow the step's token count).
+EXTEND_MAX_SPLITS = 1
+EXTEND_TARGET_PROGRAMS = 512
 # tiles split beyond the step's tokens' own: requests whose last tile is partial (a step's
 # live requests come first in its tile order; the rest of its rows, padding, have none)
 EXTEND_SPLIT_SLACK = 4
