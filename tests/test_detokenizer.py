@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from draftgraph.engine import detokenizer
 from draftgraph.engine.detokenizer import IncrementalDetokenizer
 from draftgraph.models.loader import load_model
 
@@ -14,6 +15,16 @@ TEXTS = [
     "emoji family 👨‍👩‍👧 flag 🇫🇷 and CJK 你好，世界",
     "café naïve ñ — “quotes” … 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
 ]
+
+
+@pytest.fixture(autouse=True, params=["stream", "windows"])
+def decode_path(request, monkeypatch):
+    """Every test through `tokenizers`' DecodeStream and through the decoded windows."""
+    if request.param == "windows":
+        monkeypatch.setattr(detokenizer, "DecodeStream", None)
+    elif detokenizer.DecodeStream is None:
+        pytest.skip("this tokenizers has no DecodeStream")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +40,9 @@ def byte_tokenizer(tiny_hf_dir):
 
 def stream(tok, prompt_ids, ids, step=1):
     detok = IncrementalDetokenizer(tok, prompt_ids)
+    # each path is the one asked for (a stream path that fell back would test nothing new)
+    path = "windows" if detokenizer.DecodeStream is None else "stream"
+    assert (detok._stream is not None) == (path == "stream")
     deltas = [detok.add(ids[i : i + step]) for i in range(0, len(ids), step)]
     return detok, deltas
 

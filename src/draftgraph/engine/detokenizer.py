@@ -5,11 +5,22 @@ text; each step decodes the window plus the new ids and emits what extends the w
 Decoding with a few tokens of context keeps tokenizers that drop a leading space at the start of
 a decode (sentencepiece) correct, and a decode that ends in U+FFFD means a UTF-8 character is
 still split across tokens: nothing is emitted until its last byte arrives.
+
+Where `tokenizers` has `DecodeStream` with a prefill (0.22 on), a token is one call into it
+instead of two decodes of the window: the same deltas (what `tokenizers` implements is this
+scheme), 0.6 us a token against 4.3-6.6 on the CPU machine, i.e. ~0.3 ms of host work a step
+at 64 streams of text (vLLM's V1 detokenizer takes it too). The window's offsets are kept
+either way: `flush` decodes what is still held back with them.
 """
 
 from __future__ import annotations
 
 from draftgraph.models.tokenizer import Tokenizer
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers before 0.21
+    DecodeStream = None
 
 # Tokens of prompt context decoded with the first generated tokens.
 INITIAL_CONTEXT_TOKENS = 5
@@ -25,12 +36,22 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(len(self.ids) - INITIAL_CONTEXT_TOKENS, 0)
         self.read_offset = len(self.ids)
         self._text: list[str] = []
+        self._stream = None
+        backend = getattr(tokenizer, "backend", None)
+        if DecodeStream is not None and backend is not None:
+            try:
+                self._stream = DecodeStream(ids=self.ids[self.prefix_offset :],
+                                            skip_special_tokens=skip_special_tokens)
+            except TypeError:  # a DecodeStream without the prefill: the windows below
+                self._stream = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         """Append generated ids; return the text they complete (possibly "")."""
+        if self._stream is not None:
+            return self._add_streamed(new_ids)
         self.ids.extend(new_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
@@ -41,9 +62,24 @@ class IncrementalDetokenizer:
         self._text.append(delta)
         return delta
 
+    def _add_streamed(self, new_ids: list[int]) -> str:
+        ids, step, backend = self.ids, self._stream.step, self.tokenizer.backend
+        delta = ""
+        for tok in new_ids:
+            ids.append(tok)
+            piece = step(backend, tok)
+            if piece is not None:  # None: a character still split across tokens
+                delta += piece
+                self.read_offset = len(ids)  # `flush` decodes what follows
+        if delta:
+            self._text.append(delta)
+        return delta
+
     def flush(self) -> str:
         """At the end of a request: whatever is still held back (an incomplete character
         becomes U+FFFD here, as a full decode would show it)."""
+        if self._stream is not None:  # a few tokens of context before the held-back ones
+            self.prefix_offset = max(self.read_offset - INITIAL_CONTEXT_TOKENS, 0)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
         delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
