@@ -303,3 +303,40 @@ def test_bench_load_is_sized_by_the_servers_device_and_results_leave_the_checkou
     assert (args.num_prompts, args.output_len) == (GPU_DEFAULTS["num_prompts"],
                                                    GPU_DEFAULTS["output_len"]) == (100, 256)
     assert args.result_dir == str(tmp_path / "mine")
+
+
+def test_bench_serve_prints_why_the_requests_of_a_run_failed(server, tmp_path, capsys):
+    """Prompts longer than the server's context (512) are refused: the run's table says
+    `done 0`, and the terminal says why, the reason counted (not only in the result JSON)."""
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "3",
+               "--random-input-len", "600", "--random-output-len", "4", "--num-warmups", "0",
+               "--result-dir", str(tmp_path), "--result-file", "out.json"])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    run = json.loads((tmp_path / "out.json").read_text())["results"][0]
+    assert run["failed"] == 3 and run["distinct_errors"] == 1
+    reason = run["errors"][0]["error"]
+    assert run["errors"] == [{"error": reason, "count": 3}]
+    assert reason.startswith("HTTP 400: ") and "{" not in reason  # the body's message alone
+    assert err.splitlines()[:2] == ["error: 3 of 3 requests failed at max concurrency 1:",
+                                    f"  3 x {reason}"]
+    assert "Traceback" not in out + err
+
+
+def test_bench_serve_reports_a_failed_warm_up_without_a_traceback(server, tmp_path, capsys):
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "2",
+               "--random-input-len", "600", "--random-output-len", "4", "--num-warmups", "1",
+               "--result-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("error: the run at --max-concurrency 1 failed: warm-up request "
+                          "failed: HTTP 400: ")
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_serve_refuses_a_random_vocab_above_the_servers(server, tmp_path, capsys):
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--random-vocab-size", "100000",
+               "--result-dir", str(tmp_path)])
+    assert rc == 2
+    assert capsys.readouterr().err.startswith(
+        "error: --random-vocab-size 100000 is above the server's vocabulary (512 tokens)")

@@ -122,6 +122,45 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     c.set_defaults(func=cmd_bench_compare)
 
 
+def _at_least(flag: str, value: int | None, low: int) -> None:
+    if value is not None and value < low:
+        raise ValueError(f"{flag} must be >= {low}, got {value}")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flag values no run can use (a ValueError naming the flag); called before any
+    request, so a bad value never reaches the load loop (where --max-concurrency 0 would wait
+    forever on its semaphore)."""
+    from draftgraph.bench.serve import summarize
+
+    concurrencies = args.max_concurrency if isinstance(args.max_concurrency, list) \
+        else [args.max_concurrency]
+    for conc in concurrencies:
+        _at_least("--max-concurrency", conc, 1)
+    if args.bench_command == "compare":
+        _at_least("--rounds", args.rounds, 1)
+        metrics = [k for k, v in summarize([], 1.0).items() if v is None or isinstance(v, float)]
+        if args.metric not in metrics:
+            raise ValueError(f"--metric {args.metric!r} is not a summary metric; choose one of "
+                             f"{', '.join(metrics)}")
+    for flag in ("--num-prompts", "--random-input-len", "--random-output-len",
+                 "--random-vocab-size", "--output-len", "--client-processes"):
+        _at_least(flag, getattr(args, flag[2:].replace("-", "_")), 1)
+    _at_least("--num-warmups", args.num_warmups, 0)
+    if not args.request_rate > 0:  # NaN too
+        raise ValueError(f"--request-rate must be > 0 requests per second (inf, the default, "
+                         f"sends every request at once), got {args.request_rate}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if not 0 <= args.temperature < float("inf"):
+        raise ValueError(f"--temperature must be >= 0 and finite, got {args.temperature}")
+    if args.dataset == "jsonl" and not args.dataset_path:
+        raise ValueError("--dataset jsonl needs --dataset-path FILE")
+    if args.dataset == "random" and args.endpoint == "chat":
+        raise ValueError("--dataset random sends token-id prompts, which --endpoint chat cannot "
+                         "carry: use --endpoint completions or a text --dataset")
+
+
 def _requests(args, base_url: str):
     from draftgraph.bench.datasets import load_requests
     from draftgraph.bench.serve import server_info
@@ -131,6 +170,9 @@ def _requests(args, base_url: str):
     model = args.model or served
     if model is None:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+    if args.dataset == "random" and vocab and (args.random_vocab_size or 0) > vocab:
+        raise ValueError(f"--random-vocab-size {args.random_vocab_size} is above the server's "
+                         f"vocabulary ({vocab} tokens), which refuses such token ids")
     return info, model, load_requests(args, vocab)
 
 
@@ -173,23 +215,32 @@ def _stamp() -> str:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from draftgraph.bench.serve import format_table, plot_runs, run_benchmark
+    from draftgraph.bench.serve import format_failures, format_table, plot_runs, run_benchmark
 
     base_url = args.base_url.rstrip("/")
     try:
+        check_args(args)
         info, model, requests = _requests(args, base_url)
-    except Exception as e:  # connection refused, bad dataset, ...
+    except Exception as e:  # a bad flag, connection refused, bad dataset, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
     runs = []
     for conc in args.max_concurrency:
-        run = asyncio.run(run_benchmark(
-            base_url, model, requests, conc, args.request_rate, args.ignore_eos, args.endpoint,
-            args.num_warmups, args.api_key, args.temperature, args.seed,
-            processes=args.client_processes))
+        try:
+            run = asyncio.run(run_benchmark(
+                base_url, model, requests, conc, args.request_rate, args.ignore_eos,
+                args.endpoint, args.num_warmups, args.api_key, args.temperature, args.seed,
+                processes=args.client_processes))
+        except Exception as e:  # a failed warm-up request, a client process that died
+            print(f"error: the run at --max-concurrency {conc} failed: {e}", file=sys.stderr)
+            if not runs:
+                return 1
+            break
         runs.append(run)
         print(format_table([run]).splitlines()[-1] if len(runs) > 1 else format_table([run]),
               flush=True)
+        if run["failed"]:
+            print(format_failures(run), file=sys.stderr, flush=True)
     spec = info.get("speculative")
     payload = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -210,15 +261,21 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         plot_runs(runs, png, f"{payload['model']} on {payload['device']} "
                   f"({args.dataset}, speculative={spec})")
         print(f"wrote {png}")
-    return 0 if all(r["failed"] == 0 for r in runs) else 1
+    complete = len(runs) == len(args.max_concurrency)
+    return 0 if complete and all(r["failed"] == 0 for r in runs) else 1
 
 
 def cmd_bench_compare(args: argparse.Namespace) -> int:
     from contextlib import nullcontext
 
     from draftgraph.bench.compare import ServerProcess, abba_order, ratio_ci
-    from draftgraph.bench.serve import run_benchmark
+    from draftgraph.bench.serve import format_failures, run_benchmark
 
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     values: dict[str, list[float]] = {"A": [], "B": []}
     runs = []
     for label in abba_order(args.rounds):
@@ -244,6 +301,8 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         values[label].append(summary[args.metric])
         runs.append({"arm": label, "server": info, "summary": summary})
         print(f"{label}: {args.metric} = {summary[args.metric]:.4g}", flush=True)
+        if summary["failed"]:
+            print(format_failures(summary), file=sys.stderr, flush=True)
     pairs = list(zip(values["A"], values["B"], strict=True))
     result = ratio_ci(pairs)
     lo, hi = result["ci95"]
@@ -262,4 +321,4 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         "runs": runs,
     }
     print(f"wrote {_write(args, f'compare-{args.metric}-{_stamp()}.json', payload)}")
-    return 0
+    return 0 if all(r["summary"]["failed"] == 0 for r in runs) else 1

@@ -20,6 +20,7 @@ import random
 import re
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -79,7 +80,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
         async with client.stream("POST", url, json=body, headers=_headers(api_key)) as r:
             if r.status_code != 200:
                 return RequestResult(False, error=f"HTTP {r.status_code}: "
-                                     f"{(await r.aread()).decode()[:200]}")
+                                     f"{_error_message((await r.aread()).decode())}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -112,6 +113,16 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
         ttft=token_times[0] - start, e2e=end - start,
         itl=[b - a for a, b in zip(token_times, token_times[1:], strict=False)],
         chunk_tokens=chunk_tokens)
+
+
+def _error_message(body: str) -> str:
+    """The message of an OpenAI-style error body ({"error": {"message": ...}}), else the body;
+    at most 200 characters."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body
+    return str(message)[:200]
 
 
 _STEP_STATS = {"steps": "steps", "step_seconds": "step_seconds",
@@ -204,12 +215,15 @@ def _stats_ms(values: list[float], name: str) -> dict:
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
     ok = [r for r in results if r.ok]
+    errors = Counter(r.error for r in results if not r.ok)
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     summary = {
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        # the most frequent reasons of the failed requests, with their counts
+        "errors": [{"error": e, "count": n} for e, n in errors.most_common(5)],
+        "distinct_errors": len(errors),
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
@@ -387,6 +401,21 @@ def server_info(base_url: str, api_key: str | None) -> tuple[dict, str | None, i
         if data:
             model, vocab = data[0]["id"], data[0].get("vocab_size")
     return info, model, vocab
+
+
+def format_failures(run: dict, shown: int = 3) -> str:
+    """Why the failed requests of a run failed: the most frequent reasons with their counts
+    ("" when none failed)."""
+    if not run["failed"]:
+        return ""
+    total = run["failed"] + run["completed"]
+    lines = [f"error: {run['failed']} of {total} requests failed at max concurrency "
+             f"{run['max_concurrency']}:"]
+    lines += [f"  {e['count']} x {e['error']}" for e in run["errors"][:shown]]
+    if run["distinct_errors"] > shown:
+        lines.append(f"  ... and {run['distinct_errors'] - shown} more distinct errors "
+                     "(the first 5 in the result JSON)")
+    return "\n".join(lines)
 
 
 def format_table(runs: list[dict]) -> str:
