@@ -98,30 +98,81 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def _prompts(data: str, limit: int, turns: str = "all", split: str = "train",
              flag: str = "--data") -> list:
+    """The prompts of --data (or --eval-data: `flag`), at most `limit`; a file that cannot be
+    read or parsed raises ValueError naming `flag`, the file and (JSONL) the line."""
     if data == "sharegpt":
         from draftgraph.train.data import sharegpt_prompts
 
-        return sharegpt_prompts(split, limit=limit, turns=turns)
+        try:
+            return sharegpt_prompts(split, limit=limit, turns=turns)
+        except (OSError, ValueError) as e:  # the package missing, or its file damaged
+            raise ValueError(f"{flag} sharegpt: {e}") from e
     if data.endswith(".jsonl"):
         from draftgraph.train.data import jsonl_prompts
 
-        return jsonl_prompts(data)[:limit]
-    if data.endswith(".gz"):
-        import gzip
+        try:
+            return jsonl_prompts(data)[:limit]
+        except (OSError, ValueError) as e:  # ValueError: "path:line: what is wrong"
+            raise ValueError(f"{flag} {e}") from e
+    try:
+        if data.endswith(".gz"):
+            import gzip
 
-        with gzip.open(data, "rt") as f:
-            ids = json.load(f)
-    else:
-        with open(data) as f:
-            ids = json.load(f)
-    if not (isinstance(ids, list) and all(isinstance(x, list) for x in ids)):
+            with gzip.open(data, "rt") as f:
+                ids = json.load(f)
+        else:
+            with open(data) as f:
+                ids = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {data}: not JSON (line {e.lineno}: {e.msg})") from e
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{flag} {data}: {e}") from e
+    if not (isinstance(ids, list) and all(isinstance(x, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x) for x in ids)):
         raise ValueError(f"{flag} {data}: expected a JSON list of token-id lists")
     return ids[:limit]
 
 
-def _sequences(engine, prompts, path: str, args, model: str, what: str) -> list:
-    """The target's greedy responses to the prompts `prompts()` returns, read from `path` when
-    an earlier run wrote it (resume: the prompts are not read), else regenerated and written
+def _check_args(args: argparse.Namespace) -> str | None:
+    """Why the flags cannot make a run (the message names the flag to change), or None:
+    everything the flags alone decide, checked before the target loads."""
+    positive = {"--num-prompts": args.num_prompts, "--max-new-tokens": args.max_new_tokens,
+                "--batch-tokens": args.batch_tokens, "--eval-every": args.eval_every,
+                "--ttt-steps": args.ttt_steps, "--anchors": args.anchors,
+                "--max-blocks": args.max_blocks, "--window": args.window,
+                "--head-layers": args.head_layers, "--max-num-seqs": args.max_num_seqs}
+    for flag, v in positive.items():
+        if v is not None and v < 1:
+            return f"{flag} must be >= 1, got {v}"
+    at_least_0 = {"--steps": args.steps, "--eval-prompts": args.eval_prompts,
+                  "--intermediate-size": args.intermediate_size,
+                  "--draft-vocab": args.draft_vocab, "--markov-rank": args.markov_rank,
+                  "--mask-token-id": args.mask_token_id}
+    for flag, v in at_least_0.items():
+        if v is not None and v < 0:
+            return f"{flag} must be >= 0, got {v}"
+    if not args.lr > 0:  # (NaN too)
+        return f"--lr must be > 0, got {args.lr}"
+    if args.time_limit is not None and not args.time_limit > 0:
+        return f"--time-limit must be > 0 minutes, got {args.time_limit}"
+    if not 2 <= args.block_size <= 17:
+        return f"--block-size must be in 2..17 (1..16 drafts), got {args.block_size}"
+    if args.max_len <= args.max_new_tokens:
+        return (f"--max-len {args.max_len} leaves no room for a prompt before "
+                f"--max-new-tokens {args.max_new_tokens}: raise --max-len or lower "
+                "--max-new-tokens")
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is not None and path != "sharegpt" and not os.path.isfile(path):
+            return (f"{flag} {path}: no such file (a JSONL of prompts, a JSON list of "
+                    "token-id lists, or sharegpt)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        return f"--out {args.out} is a file; name a directory (new, or an earlier run's)"
+    return None
+
+
+def _sequences(engine, prompts: list | None, path: str, args, model: str, what: str) -> list:
+    """The target's greedy responses to `prompts`, read from `path` when an earlier run wrote
+    it (resume: `prompts` is None, not read), else regenerated and written
     there with their sha256; prompts the context cannot hold with --max-new-tokens are skipped
     and counted."""
     from draftgraph.engine.errors import EngineError
@@ -135,7 +186,7 @@ def _sequences(engine, prompts, path: str, args, model: str, what: str) -> list:
         return seqs
     limit = args.max_len - args.max_new_tokens
     kept, skipped = [], 0
-    for x in prompts():
+    for x in prompts:
         try:
             p = engine.encode_prompt(x)
         except EngineError:  # longer than the context (--max-len), or not valid text
@@ -169,6 +220,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from draftgraph.train.chain import TrainConfig, train_head
 
     model = resolve_model(args)
+    why = _check_args(args)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     if args.kind == "block" and (args.ttt_steps != 4 or args.share_lm_head):
         print("error: --share-lm-head and --ttt-steps are for --kind chain (a block head "
               "shares the target's LM head always)", file=sys.stderr)
@@ -179,35 +234,62 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 2
     if args.head_layers is None:  # a block's mask rows query by position alone in layer 1
         args.head_layers = 2 if args.kind == "block" else 1
+    # NOTE: the prompts are read before the target loads, so a bad file fails in seconds; a
+    # run that resumes (its sequences saved) reads none
+    seq_path = os.path.join(args.out, "sequences.json")
+    eval_path = os.path.join(args.out, "eval_sequences.json")
+    eval_data = args.eval_data or ("sharegpt" if args.data == "sharegpt" else None)
+    prompts = eval_prompts = None
+    try:
+        if not os.path.isfile(seq_path):
+            prompts = _prompts(args.data, args.num_prompts, args.turns)
+        if eval_data and args.eval_prompts > 0 and not os.path.isfile(eval_path):
+            eval_prompts = _prompts(eval_data, args.eval_prompts, "first", "held_out",
+                                    "--eval-data")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for flag, data, got in (("--data", args.data, prompts),
+                            ("--eval-data", eval_data, eval_prompts)):
+        if got == []:
+            print(f"error: {flag} {data} holds no prompts", file=sys.stderr)
+            return 2
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        print(f"error: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
-    os.makedirs(args.out, exist_ok=True)
-    seq_path = os.path.join(args.out, "sequences.json")
     max_seqs = args.max_num_seqs or (256 if cuda else 8)
-    engine = LLMEngine(EngineConfig(
-        model=model, device=device, dtype=args.dtype, seed=args.seed,
-        cache=CacheConfig(kv_cache_tokens=max_seqs * args.max_len + 1024 if cuda else None),
-        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192 if cuda
-                                  else 1024, max_model_len=args.max_len,
-                                  max_waiting=1 << 20)))  # every prompt queued at once
+    try:
+        engine = LLMEngine(EngineConfig(
+            model=model, device=device, dtype=args.dtype, seed=args.seed,
+            cache=CacheConfig(kv_cache_tokens=max_seqs * args.max_len + 1024 if cuda else None),
+            scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192 if cuda
+                                      else 1024, max_model_len=args.max_len,
+                                      max_waiting=1 << 20)))  # every prompt queued at once
+    except ValueError as e:  # the engine's flag is train-drafter's --max-len
+        print(f"error: {str(e).replace('--max-model-len', '--max-len')}", file=sys.stderr)
+        return 2
+    vocab_size = engine.model.config.vocab_size
+    if args.draft_vocab > vocab_size:
+        print(f"error: --draft-vocab {args.draft_vocab} exceeds the target's vocabulary of "
+              f"{vocab_size} tokens (0: the whole vocabulary)", file=sys.stderr)
+        return 2
     head = None
     if args.kind == "block":  # built now: a head that does not fit fails before regenerating
         head = _block_head(args, engine, device)
         if head is None:
             return 2
-    seqs = _sequences(engine, lambda: _prompts(args.data, args.num_prompts, args.turns),
-                      seq_path, args, model, "training")
+    seqs = _sequences(engine, prompts, seq_path, args, model, "training")
     if not seqs:
         print(f"error: no prompt fits --max-len {args.max_len} with --max-new-tokens "
               f"{args.max_new_tokens}", file=sys.stderr)
         return 2
-    eval_data = args.eval_data or ("sharegpt" if args.data == "sharegpt" else None)
     eval_seqs = []
     if eval_data and args.eval_prompts > 0:
-        eval_seqs = _sequences(engine, lambda: _prompts(eval_data, args.eval_prompts, "first",
-                                                        "held_out", "--eval-data"),
-                               os.path.join(args.out, "eval_sequences.json"), args, model,
-                               "held-out")
+        eval_seqs = _sequences(engine, eval_prompts, eval_path, args, model, "held-out")
     if args.steps == 0:
         print(f"train-drafter: --steps 0: sequences in {args.out}, nothing trained",
               file=sys.stderr)
@@ -226,7 +308,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         spec = ",".join(f"{k}={int(v)}" for k, v in (
             ("layers", args.head_layers), ("draft_vocab", args.draft_vocab),
             ("intermediate_size", args.intermediate_size),
-            ("share_lm_head", args.share_lm_head)) if v)
+            ("share_lm_head", args.share_lm_head)) if v)  # layers >= 1 (checked); else 0: off
         head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
     if args.draft_vocab:  # the most frequent response tokens (a block head trains over all)
         from draftgraph.train.loop import init_draft_vocab

@@ -122,7 +122,13 @@ def jsonl_prompts(path: str) -> list[str | list[dict]]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" or "
+                                 "\"messages\" field")
             if "messages" in row:
                 out.append(row["messages"])
             elif "prompt" in row:
