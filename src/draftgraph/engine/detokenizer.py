@@ -6,11 +6,11 @@ Decoding with a few tokens of context keeps tokenizers that drop a leading space
 a decode (sentencepiece) correct, and a decode that ends in U+FFFD means a UTF-8 character is
 still split across tokens: nothing is emitted until its last byte arrives.
 
-Where `tokenizers` has `DecodeStream` with a prefill (0.22 on), a token is one call into it
-instead of two decodes of the window: the same deltas (what `tokenizers` implements is this
-scheme), 0.6 us a token against 4.3-6.6 on the CPU machine, i.e. ~0.3 ms of host work a step
-at 64 streams of text (vLLM's V1 detokenizer takes it too). The window's offsets are kept
-either way: `flush` decodes what is still held back with them.
+Where `tokenizers`' `DecodeStream` takes a prefill (of prompt context), a token is one call
+into it instead of two decodes of the window: the same scheme in Rust (vLLM's V1 detokenizer
+takes it too), 1.0 us a token against 1.8-2.1 on the 2-core CPU machine
+(benchmarks/bench_detokenizer.py), so ~60 us less host work a step at 64 streams of text.
+The window's offsets are kept either way: `flush` decodes what is still held back with them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from draftgraph.models.tokenizer import Tokenizer
 
 try:
     from tokenizers.decoders import DecodeStream
-except ImportError:  # tokenizers before 0.21
+except ImportError:  # an older tokenizers
     DecodeStream = None
 
 # Tokens of prompt context decoded with the first generated tokens.
