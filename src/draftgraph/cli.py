@@ -50,7 +50,7 @@ def add_generate_args(g: argparse.ArgumentParser) -> None:
                         "--max-model-len (an error otherwise, as in the server)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    s.add_argument("--top-k", type=int, default=-1, help="-1 keeps every token")
+    s.add_argument("--top-k", type=int, default=-1, help="-1 or 0 keeps every token")
     s.add_argument("--seed", type=int, default=None,
                    help="sampling seed (default: drawn from --engine-seed)")
     s.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
@@ -73,8 +73,8 @@ def split_model_positional(args: argparse.Namespace) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    try:  # spaces around the commas are fine; ids apart by spaces alone or empty items are not
+        ids = [int(t) for t in text.split(",")]
     except ValueError:
         raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers, "
                          "e.g. 1,2,3") from None
@@ -89,7 +89,7 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     prompts: list[str | list[int]] = list(args.prompts)
     if args.prompts_file:
         try:
-            with open(args.prompts_file) as f:
+            with open(args.prompts_file, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
                     if not line.strip():
                         continue
@@ -100,6 +100,12 @@ def read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
                                          f'like {{"prompt": "..."}} ({e})') from None
         except OSError as e:
             raise ValueError(f"cannot read --prompts-file: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {args.prompts_file} is not UTF-8 text: {e}") \
+                from None
+        if len(prompts) == len(args.prompts):
+            raise ValueError(f"--prompts-file {args.prompts_file}: no prompts (expected one "
+                             '{"prompt": "..."} a line)')
     for i, p in enumerate(prompts, 1):
         if not isinstance(p, str) or not p.strip():
             raise ValueError(f"prompt {i} is empty" if isinstance(p, str) else
@@ -167,6 +173,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from draftgraph.engine.sampling import SamplingParams
 
     try:  # everything that needs no model, before the model loads
+        if args.top_k < -1:
+            raise ValueError(f"--top-k must be -1 or 0 (no limit) or a positive integer, got "
+                             f"{args.top_k}")
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
@@ -174,6 +183,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         prompts = read_prompts(args)
         _check_before_loading(args, prompts)
+        # NOTE: a batch queues every prompt at once: --max-waiting bounds a server's queue
+        sched = config.scheduler
+        sched.max_waiting = max(sched.max_waiting, len(prompts) - sched.max_num_seqs)
     except (ValueError, FileNotFoundError) as e:
         usage_error(args, str(e))
     apply_process_flags(args)
@@ -278,6 +290,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse; an unknown flag is reported with the usage of the subcommand it was given to."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "generate" and not any(x.startswith("-") for x in extra):
+        args.prompts += extra  # prompts after options: `generate MODEL --max-tokens 2 PROMPT`
+        extra = []
     if extra:
         usage_error(args, f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "generate":

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_SEED = 2**63 - 1  # as sampling.MAX_SEED: the engine's seed seeds torch and requests
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -28,6 +29,11 @@ class CacheConfig:
         _need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
         _need(self.kv_cache_tokens is None or self.kv_cache_tokens >= 16,
               f"--kv-cache-tokens must be >= 16, got {self.kv_cache_tokens}")
+        # NOTE: the pool holds kv_cache_tokens + a page (page 0 is the dummy), whole pages
+        _need(self.kv_cache_tokens is None or self.kv_cache_tokens >= self.page_size,
+              f"--kv-cache-tokens {self.kv_cache_tokens} is less than one page of "
+              f"--page-size {self.page_size}: set --kv-cache-tokens >= {self.page_size} or a "
+              "smaller --page-size")
         _need(0 < self.gpu_memory_utilization <= 1,
               f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -54,6 +60,7 @@ class SchedulerConfig:
               f"--max-num-batched-tokens must be >= 16, got {self.max_num_batched_tokens}")
         _need(self.max_model_len is None or self.max_model_len >= 2,
               f"--max-model-len must be >= 2, got {self.max_model_len}")
+        _need(self.max_waiting >= 0, f"--max-waiting must be >= 0, got {self.max_waiting}")
         _need(self.max_step_seconds >= 0,
               f"--max-step-seconds must be >= 0, got {self.max_step_seconds}")
 
@@ -272,6 +279,8 @@ class EngineConfig:
             raise ValueError("--device cuda was given but no CUDA GPU is visible; use --device cpu")
         if self.dtype is None:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        _need(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED,
+              f"--engine-seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         self.scheduler.resolve(gpu=self.device.startswith("cuda"))
         _need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, "
               f"got {self.dtype!r}")

@@ -175,12 +175,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "context, capped at 8192)")
     e.add_argument("--max-waiting", type=int, default=SchedulerConfig.max_waiting,
                    help="requests waiting for a decode row before new ones are refused "
-                        "(those that start at the next step do not count)")
+                        "(those that start at the next step do not count; generate queues "
+                        "all its prompts)")
     e.add_argument("--page-size", type=int, default=CacheConfig.page_size,
                    help="KV cache page size in tokens")
     e.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="KV cache capacity in tokens (default: from free GPU memory, or a CPU "
                         "default)")
+    e.add_argument("--gpu-memory-utilization", type=float,
+                   default=CacheConfig.gpu_memory_utilization,
+                   help="GPU without --kv-cache-tokens: the share of free GPU memory the KV "
+                        "cache may take")
     e.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes (one GPU each; gloo on --device cpu)")
     e.add_argument("--engine-seed", type=int, default=0,
@@ -225,10 +230,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--confidence-threshold", type=float, default=None,
                    help="--speculative block with a confidence head: cut a block at the first "
                    "draft the head rates below this (default: the head's)")
-    s.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,
-                   help="shortest n-gram matched against the context")
-    s.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
-                   help="longest n-gram matched against the context")
+    s.add_argument("--ngram-min", type=int, default=None,
+                   help="shortest n-gram matched against the context (default: "
+                   f"{SpecConfig.ngram_min})")
+    s.add_argument("--ngram-max", type=int, default=None,
+                   help="longest n-gram matched against the context (default: "
+                   f"{SpecConfig.ngram_max})")
     s.add_argument("--no-adaptive-draft", action="store_true",
                    help="keep the draft length fixed even when acceptance is low (n-gram; "
                         "chain, block and draft-model drafters keep it fixed anyway)")
@@ -327,13 +334,27 @@ def _tree(args: argparse.Namespace) -> tuple[TreeShape | None, int]:
 
 
 def spec_config_from_args(args: argparse.Namespace) -> SpecConfig:
-    """The one mapping of the speculative flags to a SpecConfig."""
+    """The one mapping of the speculative flags to a SpecConfig; ValueError for a drafter's
+    flag given without --speculative."""
+    if args.speculative is None:
+        given = [flag for flag, value in (("--num-draft-tokens", args.num_draft_tokens),
+                                          ("--ngram-min", args.ngram_min),
+                                          ("--ngram-max", args.ngram_max),
+                                          ("--no-adaptive-draft", args.no_adaptive_draft or None))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for "
+                             f"--speculative ({', '.join(SPEC_METHODS)}); without it decoding "
+                             "is plain")
     tree, tree_max_bs = _tree(args)
     k = args.num_draft_tokens
     if k is None:  # a tree drafter's chain steps, else the chain (n-gram's, a draft model's)
         k = AUTO_TREE_CHAIN if tree is not None else SpecConfig.num_draft_tokens
     return SpecConfig(method=args.speculative, num_draft_tokens=k,
-                      ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                      ngram_min=SpecConfig.ngram_min if args.ngram_min is None
+                      else args.ngram_min,
+                      ngram_max=SpecConfig.ngram_max if args.ngram_max is None
+                      else args.ngram_max,
                       adaptive=not args.no_adaptive_draft, draft_model=args.draft_model,
                       draft_head=args.draft_head, block_size=args.block_size,
                       confidence_threshold=args.confidence_threshold, tree=tree,
@@ -365,7 +386,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         row_pack=args.row_pack,
         seed=args.engine_seed,
         tensor_parallel_size=args.tensor_parallel_size,
-        cache=CacheConfig(page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens),
+        cache=CacheConfig(page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens,
+                          gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting,

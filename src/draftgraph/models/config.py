@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# the fields of an HF config.json without a default here
+HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads")
+
 
 @dataclass
 class ModelConfig:
@@ -79,8 +83,13 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict, name: str = "llama") -> ModelConfig:
-        """Build from a Hugging Face `config.json` dictionary (Llama, Qwen2, Mistral)."""
+    def from_hf_dict(cls, cfg: dict, name: str = "llama",
+                     source: str = "config.json") -> ModelConfig:
+        """Build from a Hugging Face `config.json` dictionary (Llama, Qwen2, Mistral);
+        ValueError naming `source` when it lacks a field the shape needs."""
+        missing = [k for k in HF_REQUIRED if k not in cfg]
+        if missing:
+            raise ValueError(f"{source} lacks {', '.join(missing)}")
         arch = (cfg.get("model_type") or name).lower()
         sliding = cfg.get("sliding_window")
         layer_types = list(cfg.get("layer_types") or [])

@@ -63,8 +63,14 @@ def head_config(path: str) -> dict:
     if not os.path.isfile(cfg_path):
         raise ValueError(f"--draft-head {path!r}: no config.json there (a head directory "
                          "holds config.json and *.safetensors; or use `random`)")
-    with open(cfg_path) as f:
-        return json.load(f)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--draft-head {path!r}: {cfg_path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--draft-head {path!r}: {cfg_path} is not a JSON object")
+    return raw
 
 
 def head_kind(path: str) -> str:

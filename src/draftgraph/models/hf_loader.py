@@ -24,23 +24,35 @@ def is_hf_dir(path: str) -> bool:
 
 
 def hf_config(path: str) -> ModelConfig:
-    """ModelConfig from `<path>/config.json` (and EOS ids from generation_config.json)."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
+    """ModelConfig from `<path>/config.json` (and EOS ids from generation_config.json);
+    ValueError naming the file when it is not JSON or lacks a field."""
+    cfg_path = os.path.join(path, "config.json")
+    cfg = read_json(cfg_path)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{path}: model_type {model_type!r} (architectures "
                          f"{cfg.get('architectures')}) is not supported "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    config = ModelConfig.from_hf_dict(cfg, name=model_type)
+    config = ModelConfig.from_hf_dict(cfg, name=model_type, source=cfg_path)
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            eos = json.load(f).get("eos_token_id")
+        eos = read_json(gen_path).get("eos_token_id")
         for e in eos if isinstance(eos, list) else ([eos] if eos is not None else []):
             if e not in config.eos_token_ids:
                 config.eos_token_ids.append(e)
     return config
+
+
+def read_json(path: str) -> dict:
+    """The JSON object in the file at `path`; ValueError naming the file when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def safetensors_files(path: str) -> list[str]:

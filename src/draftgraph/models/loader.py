@@ -165,10 +165,13 @@ def missing_tokenizer_reason(model: str, loaded: bool = False) -> str | None:
 
     Before loading (`loaded=False`) a GGUF is not opened, so only random presets and HF
     directories without tokenizer files are known; once loaded without a tokenizer, the
-    reason for any source."""
-    source = model if model.startswith(RANDOM_PREFIX) else resolve_model_path(model)
+    reason for any source. FileNotFoundError / ValueError when `model` names no model (an
+    unknown preset, an HF directory without weights): that comes first."""
+    source = resolve_model_path(model)
     if source.startswith(RANDOM_PREFIX):
         return f"{model} has random weights and no tokenizer"
+    if os.path.isdir(source):
+        hf_loader.safetensors_files(source)  # no weights: say so, not that the tokenizer lacks
     if os.path.isdir(source) and not hf_loader.has_tokenizer(source):
         return (f"{source} has weights but no tokenizer files "
                 f"({', '.join(hf_loader.TOKENIZER_FILES)})")

@@ -55,7 +55,11 @@ class PagedAllocator:
         if self.num_pages < 2:
             raise ValueError(f"KV pool of {num_slots} slots is too small for page size {page_size}")
         # page 0 is reserved for the dummy slot
-        self._free_pages = list(range(self.num_pages - 1, 0, -1))
+        try:
+            self._free_pages = list(range(self.num_pages - 1, 0, -1))
+        except MemoryError:
+            raise ValueError(f"no memory for a KV pool of {num_slots} slots (--kv-cache-tokens "
+                             "plus a page): lower --kv-cache-tokens") from None
 
     @property
     def num_slots(self) -> int:
