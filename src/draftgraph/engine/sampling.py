@@ -95,7 +95,7 @@ class SamplingParams:
             self.top_k = -1
         if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K):
             raise SamplingParamsError(
-                "top_k", f"top_k must be -1 (off) or an integer in [1, {MAX_TOP_K}] (values "
+                "top_k", f"top_k must be -1 or 0 (off) or an integer in [1, {MAX_TOP_K}] (values "
                 f"past the vocabulary mean no limit), got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise SamplingParamsError(
