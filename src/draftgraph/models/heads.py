@@ -19,6 +19,7 @@ from torch import nn
 from draftgraph.models.block_head import BlockHead, BlockHeadConfig
 from draftgraph.models.chain_head import ChainHead, HeadConfig, default_layer_ids
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.hf_loader import read_json
 from draftgraph.models.presets import fill_random
 
 SHARD_BYTES = 16 * 2**20
@@ -64,13 +65,9 @@ def head_config(path: str) -> dict:
         raise ValueError(f"--draft-head {path!r}: no config.json there (a head directory "
                          "holds config.json and *.safetensors; or use `random`)")
     try:
-        with open(cfg_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--draft-head {path!r}: {cfg_path} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"--draft-head {path!r}: {cfg_path} is not a JSON object")
-    return raw
+        return read_json(cfg_path)
+    except ValueError as e:
+        raise ValueError(f"--draft-head {path!r}: {e}") from None
 
 
 def head_kind(path: str) -> str:
