@@ -324,3 +324,25 @@ def test_scheduler_observe_takes_the_decode_base_out_of_a_mixed_step():
     assert s._time_budget(256) == 112  # (0.5 - 0.05) / 0.004
     s.observe(100, 0, 0.8)  # no stream in that step: no base to take out
     assert abs(s.prefill_token_seconds - 0.008) < 1e-12
+
+
+def test_a_streams_outputs_carry_its_tokens_once_and_timing_where_it_is_read(hf, prompts):
+    """A running stream's outputs (the engine builds them on a fast path: no text, no
+    logprobs asked) hold only the step's new tokens; the first with tokens carries the
+    request's timing (TTFT), the ones between none, the final one every token and the
+    timing; the new tokens add up to the final ones."""
+    engine = tiny_engine(hf)
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=6, temperature=0,
+                                                        ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    with_tokens = [o for o in outs if o.new_token_ids]
+    first, *middle, final = with_tokens
+    assert final.finished and len(final.token_ids) == 6
+    assert sum((o.new_token_ids for o in with_tokens), []) == final.token_ids
+    assert first.metrics["ttft"] is not None and first.metrics["completion_tokens"] == 1
+    assert middle and all(o.metrics == {} and o.token_ids == [] and not o.finished
+                          for o in middle)
+    assert all(o.text == "" == o.delta_text and o.logprobs is None for o in outs)
+    assert final.metrics["completion_tokens"] == 6
