@@ -4,6 +4,7 @@ consecutively), all or nothing when the pool runs dry, pages given back whole.""
 import random
 
 import pytest
+import torch
 
 from draftgraph.runtime.kv_cache import OutOfKVSlots, PagedAllocator
 
@@ -62,3 +63,13 @@ def test_a_lone_request_gets_consecutive_slots():
     assert a.extend([], 0, 55) == list(range(9, 64))
     with pytest.raises(OutOfKVSlots):
         a.extend([], 0, 1)
+
+
+def test_a_kv_pool_past_the_memory_is_an_error_naming_the_flag():
+    """An allocation the machine cannot make (here ~4 PB) is a ValueError that says to lower
+    --kv-cache-tokens, not the allocator's RuntimeError."""
+    from draftgraph.attention.kv_pool import KVPool
+
+    with pytest.raises(ValueError, match="no memory for a KV pool of 100000000000 slots .*"
+                                         "lower --kv-cache-tokens"):
+        KVPool(30, 10**11, 3, 64, torch.float32, "cpu")

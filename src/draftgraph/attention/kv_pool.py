@@ -20,8 +20,17 @@ class KVPool:
     ) -> None:
         # one tensor [2, layers, slots, Hkv, D]: a layer's K or V is a contiguous view of it,
         # and a slot copy across every layer (`copy_slots`) is one gather and one scatter
-        self.kv = torch.zeros(2, num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype,
-                              device=device)
+        try:
+            self.kv = torch.zeros(2, num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype,
+                                  device=device)
+        except (MemoryError, RuntimeError) as e:  # the CPU allocator's or CUDA's out of memory
+            if isinstance(e, RuntimeError) and "alloc" not in str(e) and \
+                    "out of memory" not in str(e):
+                raise
+            size = 2 * num_layers * num_slots * num_kv_heads * head_dim * dtype.itemsize
+            raise ValueError(f"no memory for a KV pool of {num_slots} slots ({size / 2**30:.1f} "
+                             f"GiB on {device}): lower --kv-cache-tokens ({e.__class__.__name__})"
+                             ) from None
         self.k_buffers = [self.kv[0, i] for i in range(num_layers)]
         self.v_buffers = [self.kv[1, i] for i in range(num_layers)]
 
