@@ -552,13 +552,9 @@ class LLMEngine:
                     known.append(r)
                 else:
                     refs.append((ref, r, 1))
-        # rows that surely end with the tokens they refer to need no next step; a row's
-        # tokens once those arrive, counted once (this runs for every request of every step)
-        rows = []
-        for ref, r, n in refs:
-            length = r.num_tokens + n
-            if len(r.output_token_ids) + n < r.params.max_tokens and length < self.max_model_len:
-                rows.append((ref, r, length))
+        # rows that surely end with the tokens they refer to need no next step
+        rows = [(ref, r, length) for ref, r, n in refs
+                if (length := self._length_after(r, n)) is not None]
         ahead = [r for _, r, _ in rows] + known
         if not ahead:
             return False
@@ -672,9 +668,17 @@ class LLMEngine:
                 and self.config.tensor_parallel_size == 1 and not self.config.deterministic
                 and self._inflight_graphs not in self.extras_graphs.values()):
             return []
-        return [(j, r) for j, r in enumerate(step) if not r.finished
-                and len(r.output_token_ids) + 1 < r.params.max_tokens
-                and r.num_tokens + 1 < self.max_model_len]
+        return [(j, r) for j, r in enumerate(step)
+                if not r.finished and self._length_after(r, 1) is not None]
+
+    def _length_after(self, r: Request, n: int) -> int | None:
+        """`r`'s tokens once n more arrive, or None when those surely end it (max_tokens, the
+        context): a step after them is needed only otherwise (counted once: this runs for
+        every request of every step)."""
+        length = r.num_tokens + n
+        if len(r.output_token_ids) + n < r.params.max_tokens and length < self.max_model_len:
+            return length
+        return None
 
     def _riders(self, riding: list[tuple[int, Request]],
                 scheduled: list[ScheduledRequest]) -> list[tuple[Request, int, int]]:
