@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-MAX_SEED = 2**63 - 1  # as sampling.MAX_SEED: the engine's seed seeds torch and requests
+MAX_SEED = 2**63 - 1  # --engine-seed's and a request's seed (engine/sampling.py) bound
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from draftgraph.config import MAX_SEED
+
 # the device tables size these (min_tokens masks EOS and stop_token_ids: that many ids)
 from draftgraph.runtime.controls import MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
 from draftgraph.spec.extras import TOP_N_MAX
@@ -18,7 +20,6 @@ from draftgraph.spec.extras import TOP_N_MAX
 # NOTE: top_k is clamped to the vocabulary at admission (engine/admission.py); this bound only
 # keeps it far inside int64 for callers that build params without an engine.
 MAX_TOP_K = 2**31 - 1
-MAX_SEED = 2**63 - 1
 MAX_TOKENS = 2**31 - 1
 MAX_TEMPERATURE = 1000.0  # fp32 logits / T stay finite
 # temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 overflow fp32
