@@ -1,6 +1,6 @@
 """Extend attention (prefill, chunked prefill, a mixed step's rows) sweep: GPU us per layer of
 `extend_attention` per split count (split-KV: `num_splits`, and what `extend_num_splits`
-would pick at EXTEND_MAX_SPLITS 8) at the default tiles, and per (block_m, block_n,
+would pick at EXTEND_MAX_SPLITS 8) at the engine's plan of tiles, and per (block_m, block_n,
 num_warps, num_stages) unsplit with masks on the diagonal key tiles only (`unmasked_first`),
 and the engine's plan ("plan": kernels/attention.py's defaults), against the plan before
 stop 56 ("default" in the output: unsplit, 64 / 64, 4 warps, 2 stages, every tile masked).
@@ -110,7 +110,8 @@ def main() -> int:
     # the engine's plan now (kernels/attention.py extend_block_n, EXTEND_NUM_STAGES,
     # EXTEND_UNMASKED_FIRST)
     default = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, unmasked_first=False)
-    splits = [dict(default, num_splits=n) for n in (2, 4, 8)] + [{"plan": True}]
+    # split-KV (off in the engine: EXTEND_MAX_SPLITS) on the plan's tiles, as it would run
+    splits = [{"plan": True}] + [{"plan": True, "num_splits": n} for n in (2, 4, 8)]
     results = []
     for model in args.models.split(","):
         hq, hkv, d = SHAPES[model]

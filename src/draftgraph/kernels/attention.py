@@ -724,8 +724,9 @@ def extend_block_n(head_dim: int) -> int:
 # grid is small. EXTEND_MAX_SPLITS = 1 turns it off, the default: on the H100 (stop 56,
 # benchmarks/results/extend_stop56/extend_sweep_h100.json, 64-key tiles, 2 stages) 2 splits
 # took 15.9 -> 14.5 us at 512 tokens and every other case got slower, while the tuned tiles
-# above (3 stages) took 11.0 unsplit. The batch-invariant mode never splits (a row's
-# arithmetic would follow the step's token count).
+# above (3 stages) took 11.0 unsplit; splits on those tiles are unmeasured (the sweep's split
+# arms now take them). The batch-invariant mode never splits (a row's arithmetic would follow
+# the step's token count).
 EXTEND_MAX_SPLITS = 1
 EXTEND_TARGET_PROGRAMS = 512
 # tiles split beyond the step's tokens' own: requests whose last tile is partial (a step's
