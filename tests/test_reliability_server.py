@@ -387,9 +387,10 @@ def test_usage_counts_the_prompt_once_per_prompt_not_per_choice(server, chat_ser
 
 
 # ---- token ids (return_token_ids, issue 15) ----------------------------------------------------
-def _stream_events(st: ServerThread, path: str, body: dict) -> list[dict]:
+def _stream_events(st: ServerThread, path: str, body: dict,
+                   timeout: float = 60) -> list[dict]:
     with httpx.stream("POST", st.base_url + path, json={**body, "stream": True},
-                      timeout=60) as s:
+                      timeout=timeout) as s:
         assert s.status_code == 200, s.read()
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

@@ -5,14 +5,13 @@ held back. Each answer is checked for its status and the error's `param`."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from test_reliability_server import _stream_events  # noqa: E402
 from test_server import MESSAGES, MODEL, _serve  # noqa: E402
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
@@ -45,12 +44,7 @@ def _error(r: httpx.Response, param: str) -> dict:
 
 
 def _chunks(server, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True},
-                      timeout=120) as s:
-        assert s.status_code == 200, s.read()
-        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+    return _stream_events(server, path, body, timeout=120)  # the default model, on a CPU
 
 
 def _text(r: httpx.Response) -> str:
