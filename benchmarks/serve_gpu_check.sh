@@ -22,13 +22,15 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
     # processes: --api-server-count N), pg<N> (plain with --prefill-graph-tokens N),
     # mixed (--no-overlap-prefill: arrivals' prompts in a step with the decode rows, the
     # default until stop 53), solo (--no-decode-rides-prefill: a prefill behind the step in
-    # flight carries no decode rows, the default until stop 55)
+    # flight carries no decode rows, the default until stop 55), hold<MS> (arrivals wait up
+    # to MS ms to share a prefill behind: --prefill-coalesce-ms)
     extra=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
     [ $arm = solo ] && extra="--no-decode-rides-prefill"
     [ $arm = thread ] && extra="--engine-process off"
     [ $arm = mixed ] && extra="--no-overlap-prefill"
     case $arm in api*) extra="--api-server-count ${arm#api}" ;;
-      pg*) extra="--prefill-graph-tokens ${arm#pg}" ;; esac
+      pg*) extra="--prefill-graph-tokens ${arm#pg}" ;;
+      hold*) extra="--prefill-coalesce-ms ${arm#hold}" ;; esac
     python3 -m draftgraph.cli serve random:$m --port 8123 $extra \
       > "/tmp/server_${m}_$arm.log" 2>&1 &
     pid=$!

@@ -114,6 +114,8 @@ def test_more_prompts_than_rows_and_queue_all_run_in_prompt_order(capsys):
      "--kv-cache-tokens 16 is less than one page of --page-size 64: set --kv-cache-tokens "
      ">= 64 or a smaller --page-size"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--prefill-coalesce-ms", "-1"], "--prefill-coalesce-ms must be in [0, 1000.0], got -1"),
+    (["--prefill-coalesce-ms", "nan"], "--prefill-coalesce-ms must be in [0, 1000.0], got nan"),
 ])
 def test_out_of_range_flags_are_refused_naming_the_flag(flags, message, capsys, no_loading):
     err = fails_before_loading(["random:tiny", "--prompt-ids", "1", *flags], capsys)

@@ -276,3 +276,37 @@ def test_a_row_rides_only_beside_a_prefill_whose_keys_it_does_not_far_outnumber(
         if extra:  # some row outnumbered its prefill's keys and rode all the same
             assert any(ctx > longest for ctx, longest in seen)
     assert 0 < rode[0] < rode[512]
+
+
+def test_held_arrivals_share_one_prefill_behind(hf):
+    """--prefill-coalesce-ms: an arrival filling less than half the step's token budget waits
+    (the launches ahead go on) until another joins it, and both prefill in one step behind;
+    outputs stay the synchronous engine's. One that has waited past the hold since its
+    arrival goes at once."""
+    import time
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (m,), generator=g).tolist() for m in (9, 11, 20, 20)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (24, 22, 8, 8)]
+    reqs = [(f"r{i}", prompts[i], params[i]) for i in range(4)]
+    arrivals = {0: reqs[:2], 3: [reqs[2]], 5: [reqs[3]]}  # 20 + 20 tokens, a budget of 64
+    ref = drive(engine_for(hf, "sync"), arrivals)
+    runs = {}
+    for hold in (0.0, 1000.0):
+        runs[hold] = engine = engine_for(hf, "overlap")
+        engine.config.prefill_coalesce_ms = hold
+        assert drive(engine, arrivals) == ref
+    assert runs[0.0].stats["steps_behind"] == 2 and runs[0.0].stats["prefills_held"] == 0
+    # r2 held at steps 4 and 5; r3 joins it: 40 tokens, past half the budget
+    assert runs[1000.0].stats["steps_behind"] == 1 and runs[1000.0].stats["prefills_held"] == 2
+    engine = engine_for(hf, "overlap")
+    engine.config.prefill_coalesce_ms = 1000.0
+    for rid, prompt, sp in reqs[:2]:
+        engine.add_request(prompt, sp, request_id=rid)
+    for _ in range(3):
+        engine.step()
+    engine.add_request(prompts[2], params[2], request_id="late",
+                       arrival_time=time.perf_counter() - 2.0)
+    engine.step()
+    assert engine.step_kind == "behind" and engine.stats["prefills_held"] == 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_SEED = 2**63 - 1  # --engine-seed's and a request's seed (engine/sampling.py) bound
+MAX_COALESCE_MS = 1000.0  # --prefill-coalesce-ms: a hold past a second is a stall, not a batch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -230,6 +231,14 @@ class EngineConfig:
     # arrival costs the GPU one forward, not a prefill and a decode step (engine/engine.py
     # `_riders`)
     decode_rides_prefill: bool = True
+    # with it: prompts that arrive while requests decode wait up to this many milliseconds
+    # (from their arrival) for others to join their prefill behind the step in flight, unless
+    # they already fill half the step's token budget; 0: prefilled at the next step. Served
+    # SmolLM2 at 64 streams (H100, three runs of the same 512 prompts) ran 107 / 230 / 248
+    # such steps at 4.4 / 4.0 / 3.6 ms each (~1.1 of it the decode rows riding) for 42.4k /
+    # 33.0k / 38.8k tok/s: a step's cost hardly follows its prompts, so arrivals that trickle
+    # in one or two a step pay it each time (benchmarks/NOTES.md stop 57). Off until timed.
+    prefill_coalesce_ms: float = 0.0
     # captured prefill: extend steps (prefill chunks, mixed steps) of at most this many tokens
     # replay CUDA graphs of bucketed token counts instead of launching every kernel from the
     # host (GPU, with graphs, one rank); 0: every extend step eager. The GPU's default token
@@ -305,6 +314,9 @@ class EngineConfig:
               "--dtype bfloat16")
         _need(self.attention_backend in (None, "torch", "triton"),
               f"--attention-backend must be torch or triton, got {self.attention_backend!r}")
+        _need(0 <= self.prefill_coalesce_ms <= MAX_COALESCE_MS,
+              f"--prefill-coalesce-ms must be in [0, {MAX_COALESCE_MS}], got "
+              f"{self.prefill_coalesce_ms}")
         _need(isinstance(self.prefill_graph_tokens, int) and self.prefill_graph_tokens >= 0,
               f"--prefill-graph-tokens must be an integer >= 0, got "
               f"{self.prefill_graph_tokens!r}")

@@ -126,6 +126,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --overlap-prefill, plain decode: the running requests' next "
                         "decode rows ride in that prefill's forward instead of a decode step "
                         "of their own (default on)")
+    e.add_argument("--prefill-coalesce-ms", type=float, default=0.0,
+                   help="with --overlap-prefill: prompts that arrive while requests decode "
+                        "wait up to this long for others to share their prefill, unless they "
+                        "fill half the step's token budget (default 0: prefilled at once)")
     e.add_argument("--prefill-graph-tokens", type=int, default=8192,
                    help="extend steps (prefill chunks, mixed steps) of at most this many "
                         "tokens replay CUDA graphs of bucketed token counts (GPU; 0: eager)")
@@ -221,7 +225,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(faster than the chain there; on a CPU slower, so the chain); off: the "
                    "chain. --speculative block: 1xK:K+gG (K: the block's drafts, block size "
                    "- 1) verifies a prompt-lookup chain of G drafts beside the block, WxD:N+gG "
-                   "with W > 1 and D <= K a tree of the block's rows beside it; auto: "
+                   "with W > 1, D <= K and N + G >= K a tree of the block's rows beside "
+                   "it; auto: "
                    f"{auto_block_tree(7)} for a block of 7 drafts on one GPU in steps of up "
                    f"to {AUTO_TREE_MAX_BS} requests, none on a CPU")
     s.add_argument("--block-size", type=int, default=None,
@@ -377,6 +382,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=not args.no_async_scheduling,
         overlap_prefill=args.overlap_prefill,
         decode_rides_prefill=args.decode_rides_prefill,
+        prefill_coalesce_ms=args.prefill_coalesce_ms,
         prefill_graph_tokens=args.prefill_graph_tokens,
         attention_backend=args.attention_backend,
         exact_rows=args.exact_rows,

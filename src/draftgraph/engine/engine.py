@@ -141,7 +141,7 @@ class LLMEngine:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                       "accepted_per_pos": [0] * max(k, 1), "prompt_tokens": 0,
-                      "generation_tokens": 0, "rows_riding": 0,
+                      "generation_tokens": 0, "rows_riding": 0, "prefills_held": 0,
                       **{f"steps_{kind}": 0 for kind in STEP_KINDS},
                       **{f"step_seconds_{kind}": 0.0 for kind in STEP_KINDS},
                       **{f"wait_seconds_{kind}": 0.0 for kind in STEP_KINDS}}
@@ -599,7 +599,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         first = None
         try:
-            if self.scheduler.waiting and self.config.overlap_prefill:
+            if self.scheduler.waiting and self.config.overlap_prefill and self._prefill_due():
                 first = self._prefill_behind(outputs, reqs)
             ahead = self._launch_ahead(reqs, graphs, first)
             results = self._read(reqs, graphs, max_draft, back=1 if ahead else 0)
@@ -626,6 +626,23 @@ class LLMEngine:
         outputs += [self._append(req, [tok], [lp], [], num_fed=1)
                     for req, tok, lp in rode.values()]
         return outputs
+
+    def _prefill_due(self) -> bool:
+        """Whether the waiting prompts are prefilled behind this step: at once, or under
+        `--prefill-coalesce-ms` once the oldest has waited that long since its arrival or
+        their tokens fill half the step's budget (a prefill step's cost hardly follows its
+        prompts: config.py says what was measured)."""
+        hold = self.config.prefill_coalesce_ms / 1000
+        waiting = self.scheduler.waiting
+        if hold <= 0 or time.perf_counter() - waiting[0].arrival_time >= hold:
+            return True
+        need, tokens = self.config.scheduler.max_num_batched_tokens // 2, 0
+        for r in waiting:
+            tokens += r.num_tokens - r.num_computed_tokens
+            if tokens >= need:
+                return True
+        self.stats["prefills_held"] += 1
+        return False
 
     def _prefill_behind(self, outputs: list[RequestOutput],
                         step: list[Request]) -> FirstTokens | None:
