@@ -52,6 +52,26 @@ def test_uniforms_are_the_twins_bit_for_bit(width):
         assert bool(((got > 0) & (got < 1)).all())
 
 
+def test_a_hash_that_rounds_to_one_gives_a_uniform_below_one():
+    """(seed 674094508383, position 47, stream 0) hashes column 42297 to within 128 of 2^32,
+    which fp32 rounds to 2^32: its uniform was exactly 1, -log(u) 0, and a weight-0 column's
+    race key 0 / 0 = NaN won the draw (found by fuzzing the engine: seeded top_k = 1 emitted a
+    token off the cut). Uniforms stay below 1, so a point mass draws its token."""
+    vocab = 49152
+    seeds, positions = (torch.tensor([x], device=DEVICE) for x in (674094508383, 47))
+    for uniforms in (R.uniform_noise_ref, R.uniform_noise_triton):
+        assert float(uniforms(seeds, positions, 0, vocab).max()) == R.U_MAX < 1.0
+    w = torch.zeros(1, vocab, device=DEVICE)
+    w[0, 5] = 1.0
+    assert R.race_draw_ref(w, seeds, positions, 0).item() == 5
+    assert R.race_draw_triton(w, seeds, positions, 0).item() == 5
+    # a drafter's Gumbel-max draw: log(-log(1)) = -inf made that column win whatever its logit
+    logits = torch.full((1, vocab), -30.0, device=DEVICE)
+    logits[0, 5] = 30.0
+    t = torch.ones(1, device=DEVICE)
+    assert R.draft_sample_ref(logits, t, seeds, positions, 0)[0].item() == 5
+
+
 def test_unnormalised_weights_draw_as_their_normalised_row():
     logits, seeds, positions = _inputs(6, 1000, seed=1)
     probs = torch.softmax(logits, dim=-1)

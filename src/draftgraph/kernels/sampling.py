@@ -30,6 +30,11 @@ from draftgraph.kernels._triton import cdiv, next_pow2, tl, triton, triton_usabl
 
 CHUNK = 1024
 CHUNK_WARPS = 4
+# NOTE: uniforms are at most the largest fp32 below 1: a hash within 128 of 2^32 rounds to
+# 2^32 in fp32, so u would be 1 and -log(u) 0, and a weight-0 token's race key 0 / 0 = NaN
+# would win the argmax (a token outside the top-k / top-p cut in about one draw of 700 over
+# a 49k vocabulary); the kernels write the literal 0.99999994, which is this value in fp32
+U_MAX = 1.0 - 2.0**-24
 
 
 @triton.jit
@@ -51,7 +56,7 @@ def _uniform_at(seed, pos, cols, stream):
     rh = _mix32(seed * 0x9E3779B1 + _mix32(pos * 4 + stream))
     h = _mix32(rh ^ _mix32(cols.to(tl.uint32) + 0x632BE5AB))
     h = _mix32(h + rh)
-    return (h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
+    return tl.minimum((h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0), 0.99999994)  # U_MAX
 
 
 @triton.jit
@@ -439,7 +444,7 @@ def uniform_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, stream: int,
     row = _hash32(seeds * 0x9E3779B1 + _hash32(positions * 4 + stream))
     h = _hash32(row[:, None] ^ _hash32(col[None, :] + 0x632BE5AB))
     h = _hash32(h + row[:, None])
-    return (h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+    return ((h.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)).clamp_max(U_MAX)
 
 
 def race_draw_ref(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
