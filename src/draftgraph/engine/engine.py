@@ -828,11 +828,13 @@ class LLMEngine:
         if req.detokenizer is not None:
             delta = req.detokenizer.add([tok])
             req.text += delta
-            # NOTE: like vLLM, no stop string ends a request before min_tokens
+            # NOTE: like vLLM, no stop string ends a request before min_tokens, and a stop
+            # string must end in the new text: one that ended in the text before (streamed
+            # already) came before min_tokens
             if p.stop and delta and len(req.output_token_ids) >= p.min_tokens:
-                window = len(delta) + max(len(s) for s in p.stop)
-                tail_start = max(0, len(req.text) - window)
-                hits = [i for s in p.stop if (i := req.text.find(s, tail_start)) >= 0]
+                start = len(req.text) - len(delta) + 1
+                hits = [i for s in p.stop
+                        if (i := req.text.find(s, max(0, start - len(s)))) >= 0]
                 if hits:
                     req.text = req.text[: min(hits)]
                     req.stop_string_hit = True
