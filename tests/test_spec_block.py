@@ -486,6 +486,12 @@ def test_a_blocks_tree_shape_is_checked(hf):
         spec = dataclasses.replace(ok, tree=TreeShape.parse(bad))
         with pytest.raises(ValueError, match="--speculative-tree 1x4:4"):
             make_drafter(spec, target_config=cfg)
+    # fewer verified drafts than the block: its 5 rows' K/V would not fit the 1 + k reserved
+    # slots (every step of every request failed with a size mismatch; found by fuzzing)
+    for bad in ("2x2:3", "2x3:3", "2x2:2+g1"):
+        spec = dataclasses.replace(ok, tree=TreeShape.parse(bad))
+        with pytest.raises(ValueError, match=r"N \+ G >= 4"):
+            make_drafter(spec, target_config=cfg)
     with pytest.raises(ValueError, match="--speculative-tree is for"):
         SpecConfig(method="ngram", tree=BRANCH)
     # beam rows ((depth - 1) x width): a chain head's write KV into the verified drafts'

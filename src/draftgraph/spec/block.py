@@ -36,10 +36,11 @@ verify row (each into its node's slot, at its position) and the same copy list t
 the accepted nodes' head K/V to their positions' slots. Steps of more than `tree_max_bs`
 requests, or with top-N or penalties, draft the block alone (`chain_k` = K).
 
-A tree of the block's rows (`--speculative-tree WxD:N+gG`, W > 1, D <= K; `_grow`): EAGLE-2's
-dynamic tree (spec/tree.py) with row d of the one block forward in place of the chain head's
-step d: depth d's W best nodes each take the W likeliest tokens of row d with their own token
-in the Markov term, and the N best nodes are verified, the branch beside them. On one GPU
+A tree of the block's rows (`--speculative-tree WxD:N+gG`, W > 1, D <= K <= N + G: the
+block's rows write their K/V into the verify rows' slots; `_grow`): EAGLE-2's dynamic tree
+(spec/tree.py) with row d of the one block forward in place of the chain head's step d:
+depth d's W best nodes each take the W likeliest tokens of row d with their own token in the
+Markov term, and the N best nodes are verified, the branch beside them. On one GPU
 (flags.auto_block_tree) 4x7:27+g16 drafts the shipped head 2.00x / 2.66x plain decoding on
 MT-Bench / HumanEval against the branch alone's 1.69x / 2.20x (H100, batch 1).
 """
@@ -83,11 +84,14 @@ class BlockHeadDrafter(StagedDrafter):
             raise ValueError(f"--block-size must be in 2..17 (1..16 drafts), got "
                              f"{self.block_size}")
         self.nb = nb = self.block_size - 1  # the block's drafts
-        if tree is not None and not (tree.depth <= nb and (
+        # NOTE: the block's forward writes its block_size rows' K/V into a request's reserved
+        # slots, 1 + k of them (k = the verified drafts): a tree must verify at least nb
+        if tree is not None and not (tree.depth <= nb <= tree.verified and (
                 tree.width > 1 or tree.depth == tree.nodes == nb)):
             raise ValueError(f"--speculative block with a block of {nb}: --speculative-tree "
                              f"1x{nb}:{nb}+gG (the block and an n-gram branch) or WxD:N+gG "
-                             f"with W > 1 and D <= {nb} (a tree of the block's rows), got {tree}")
+                             f"with W > 1, D <= {nb} and N + G >= {nb} (a tree of the block's "
+                             f"rows), got {tree}")
         self.tree = tree
         # k: the drafts a step verifies, the block's (or its tree's) and an n-gram branch's
         super().__init__(tree.verified if tree is not None else nb)
