@@ -310,3 +310,30 @@ def test_held_arrivals_share_one_prefill_behind(hf):
                        arrival_time=time.perf_counter() - 2.0)
     engine.step()
     assert engine.step_kind == "behind" and engine.stats["prefills_held"] == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_a_request_whose_tokens_fail_to_record_fails_alone(hf, mode, monkeypatch, caplog):
+    """Fault injection in the host's bookkeeping of a step (`_append`: here its stop check
+    raises for r3's sixth token, in the step launched ahead or in the synchronous one): r3
+    ends "error", its batch-mates and later arrivals get their tokens (the synchronous
+    engine's), every KV slot comes back and the engine keeps stepping."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (24, 16, 12, 20, 3, 9, 14)]
+    arrivals = arrivals_of(params)
+    ref = drive(engine_for(hf, "sync"), arrivals)
+    engine = engine_for(hf, mode)
+    check = engine._check_stop
+
+    def failing(req, tok):
+        if req.request_id == "r3" and len(req.output_token_ids) == 6:
+            raise RuntimeError("boom")
+        return check(req, tok)
+
+    monkeypatch.setattr(engine, "_check_stop", failing)
+    got = drive(engine, arrivals)
+    assert got["r3"][2] == "error" and got["r3"][0] == ref["r3"][0][:6]
+    assert "recording the tokens of request r3 failed" in caplog.text
+    assert {k: v for k, v in got.items() if k != "r3"} == \
+        {k: v for k, v in ref.items() if k != "r3"}
+    assert mode == "sync" or engine.stats["steps_ahead"] > 0

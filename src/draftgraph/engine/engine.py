@@ -784,42 +784,50 @@ class LLMEngine:
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[float], top: list,
                 num_fed: int) -> RequestOutput:
-        """Record a step's result for one request: KV progress, new tokens, stops.
+        """Record a step's result for one request: KV progress, new tokens, stops. If that
+        raises, the request alone fails ("error"); its batch-mates' results are recorded.
 
         top: per token (top ids, their logprobs), or [] when the step computed none;
         num_fed: tokens of the sequence fed this step (drafts not counted)."""
-        num_tokens = req.num_tokens  # kept up to date below: this runs per request per step
-        if tokens:
-            # tokens fed this step now have KV: all but the newest sampled one
-            req.num_computed_tokens = num_tokens - 1 + len(tokens)
-        else:
-            req.num_computed_tokens += num_fed
-        new: list[int] = []
-        n_top = req.params.top_logprobs if req.params.logprobs else 0
-        for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
-            req.output_token_ids.append(tok)
-            req.output_logprobs.append(lp)
-            if n_top:
-                ids, tlp = top[i]
-                req.output_top_logprobs.append(list(zip(ids[:n_top], tlp[:n_top],
-                                                        strict=True)))
-            new.append(tok)
-            num_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = time.perf_counter()
-            reason = self._check_stop(req, tok)
-            if reason:
-                self._finish(req, reason)
-                break
-        if req.status is _RUNNING and num_tokens >= self.max_model_len:
-            self._finish(req, "length")
-        # drop KV slots of tokens past the sequence (rejected drafts); keep the slot a
-        # launched next step writes (async scheduling)
-        if not req.finished:
-            req.num_computed_tokens = min(req.num_computed_tokens, num_tokens - 1)
-            self.slots.allocator.truncate(req.pages, req.num_computed_tokens + req.ahead)
-        self.stats["generation_tokens"] += len(new)
-        return self._output(req, new)
+        try:
+            num_tokens = req.num_tokens  # kept up to date below: runs per request per step
+            if tokens:
+                # tokens fed this step now have KV: all but the newest sampled one
+                req.num_computed_tokens = num_tokens - 1 + len(tokens)
+            else:
+                req.num_computed_tokens += num_fed
+            new: list[int] = []
+            n_top = req.params.top_logprobs if req.params.logprobs else 0
+            for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+                req.output_token_ids.append(tok)
+                req.output_logprobs.append(lp)
+                if n_top:
+                    ids, tlp = top[i]
+                    req.output_top_logprobs.append(list(zip(ids[:n_top], tlp[:n_top],
+                                                            strict=True)))
+                new.append(tok)
+                num_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = time.perf_counter()
+                reason = self._check_stop(req, tok)
+                if reason:
+                    self._finish(req, reason)
+                    break
+            if req.status is _RUNNING and num_tokens >= self.max_model_len:
+                self._finish(req, "length")
+            # drop KV slots of tokens past the sequence (rejected drafts); keep the slot a
+            # launched next step writes (async scheduling)
+            if not req.finished:
+                req.num_computed_tokens = min(req.num_computed_tokens, num_tokens - 1)
+                self.slots.allocator.truncate(req.pages, req.num_computed_tokens + req.ahead)
+            self.stats["generation_tokens"] += len(new)
+            return self._output(req, new)
+        except Exception as e:  # one request's bookkeeping must not end the others' step
+            logger.exception("recording the tokens of request %s failed", req.request_id)
+            req.error = f"internal error: {e}"
+            if not req.finished:
+                self._finish(req, "error")
+            return self._output(req, [])
 
     def _check_stop(self, req: Request, tok: int) -> str | None:
         p = req.params
