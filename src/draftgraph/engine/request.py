@@ -37,8 +37,9 @@ class RequestOutput:
     # token_ids ([] before it); None when the request did not ask
     logprobs: list[float] | None = None
     new_logprobs: list[float] | None = None
-    # per output token its top alternatives [(token id, logprob)], most likely first (when
-    # the request asked for top_logprobs; [] entries otherwise); final output only, as above
+    # per output token its top alternatives [(token id, logprob)], most likely first, when
+    # the request asked for top_logprobs ([] as a whole when it asked for logprobs alone);
+    # final output only, as above
     top_logprobs: list[list[tuple[int, float]]] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     # per prompt token its logprob (None for the first), and (rank, top ids, top logprobs)
