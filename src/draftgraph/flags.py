@@ -226,9 +226,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "chain. --speculative block: 1xK:K+gG (K: the block's drafts, block size "
                    "- 1) verifies a prompt-lookup chain of G drafts beside the block, WxD:N+gG "
                    "with W > 1, D <= K and N + G >= K a tree of the block's rows beside "
-                   "it; auto: "
-                   f"{auto_block_tree(7)} for a block of 7 drafts on one GPU in steps of up "
-                   f"to {AUTO_TREE_MAX_BS} requests, none on a CPU")
+                   f"it; auto: {auto_block_tree(7)} for a block of 7 drafts on one GPU in "
+                   f"steps of up to {AUTO_TREE_MAX_BS} requests, none on a CPU")
     s.add_argument("--block-size", type=int, default=None,
                    help="--speculative block: the anchor + this many - 1 mask tokens, "
                    "block-size - 1 drafts per step (default: the head's)")
