@@ -12,11 +12,14 @@ time inside that step, kernel launches from the host, and the top kernels by GPU
 every kernel from the host (`--prefill-graph-tokens 0`).
 
 `--mixed P,N`: instead, the step that mixes P arriving prompts of each length with N decoding
-requests (512-token contexts), as a server runs it under `--no-overlap-prefill` (the default
-runs the prompts as a prefill behind the launched decode step: `serve_offline.py` and `bench
-serve` time those by step kind): its wall time with the GPU synchronised (median of
---repeats; the P requests end after their first token, the N keep decoding), then one such
-step profiled, beside the decode step of the N alone.
+requests (512-token contexts), as a server runs it under `--no-overlap-prefill`: its wall time
+with the GPU synchronised (median of --repeats; the P requests end after their first token,
+the N keep decoding), then one such step profiled, beside the decode step of the N alone.
+With `--behind`, the step the defaults run instead: the P prompts prefilled behind the
+launched decode step, the N's next decode rows riding in that forward. Synchronised first, its
+wall time is the host's work alone (a served behind step took 3.6-4.4 ms of which only
+0.7-2.3 ms was a wait for the device: benchmarks/NOTES.md stop 57), and the profiles say
+where it goes.
 """
 
 from __future__ import annotations
@@ -73,8 +76,10 @@ def profile(engine: LLMEngine, prompt: list[int], top: int) -> dict:
 
 def mixed(engine: LLMEngine, n: int, prompts: int, decoding: int, repeats: int, top: int,
           g: torch.Generator) -> dict:
-    """The extend step of `prompts` new prompts of n tokens beside `decoding` decoding requests,
+    """The extend step of `prompts` new prompts of n tokens beside `decoding` decoding requests
+    (with --overlap-prefill: the step that prefills them behind the decode step in flight),
     and the decode step of those alone, both timed with the GPU synchronised."""
+    kind = "behind" if engine.config.overlap_prefill else "extend"
     vocab = engine.model_config.vocab_size
     if not engine.has_unfinished():
         for _ in range(decoding):
@@ -101,11 +106,11 @@ def mixed(engine: LLMEngine, n: int, prompts: int, decoding: int, repeats: int, 
 
     def timed_extend() -> float:
         add_prompts()
-        for _ in range(4):  # a launched-ahead decode step is read first
+        for _ in range(4):  # a launched-ahead decode step is read first (mixed step)
             ms = timed_step()
-            if engine.step_kind == "extend":
+            if engine.step_kind == kind:
                 return ms
-        raise RuntimeError("no extend step after the prompts arrived")
+        raise RuntimeError(f"no {kind} step after the prompts arrived")
 
     for _ in range(2):
         timed_extend()  # warm-up: Triton compiles for this length
@@ -114,7 +119,7 @@ def mixed(engine: LLMEngine, n: int, prompts: int, decoding: int, repeats: int, 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof_ctx
     add_prompts()
-    for _ in range(4):  # up to the step that runs the extend, outside the profile
+    for _ in range(4 if kind == "extend" else 0):  # up to the extend step, not profiled
         engine._drain_inbox([])
         if engine._inflight is None:
             break
@@ -123,10 +128,11 @@ def mixed(engine: LLMEngine, n: int, prompts: int, decoding: int, repeats: int, 
     with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()
         sync()
-    assert engine.step_kind == "extend", engine.step_kind
+    assert engine.step_kind == kind, engine.step_kind
     host = sorted(({"op": e.key[:100], "count": e.count, "self_cpu_us": e.self_cpu_time_total}
                    for e in prof.key_averages()), key=lambda r: -r["self_cpu_us"])[:top]
-    return {"prompts": prompts, "decoding": decoding, "prompt_tokens": n,
+    return {"step": kind, "prompts": prompts, "decoding": decoding, "prompt_tokens": n,
+            "rows_riding": engine.stats["rows_riding"],
             "extend_ms_median": statistics.median(ext), "extend_ms": ext,
             "decode_ms_median": statistics.median(dec), "decode_ms": dec,
             **kernel_table(prof, top), "host_top": host, "python_top": python_profile(
@@ -138,7 +144,7 @@ def python_profile(engine: LLMEngine, add_prompts, top: int) -> list[dict]:
     import cProfile
     import pstats
     add_prompts()
-    for _ in range(4):
+    for _ in range(0 if engine.config.overlap_prefill else 4):
         engine._drain_inbox([])
         if engine._inflight is None:
             break
@@ -186,6 +192,9 @@ def main() -> int:
                     help="the graphs arms' captured prefill (default: the engine's)")
     ap.add_argument("--mixed", default="", metavar="P,N",
                     help="P prompts of each length arriving while N requests decode")
+    ap.add_argument("--behind", action="store_true",
+                    help="--mixed: the prompts prefilled behind the decode step in flight, "
+                         "decode rows riding (the default engine), not the mixed step")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     lens = [int(x) for x in args.tokens.split(",")]
@@ -207,7 +216,7 @@ def main() -> int:
             prefill_graph_tokens=(min(step_tokens, args.prefill_graph_tokens)
                                   if arm.startswith("graphs") else 0),
             deterministic=arm.endswith("_det"),
-            overlap_prefill=False,  # --mixed profiles the mixed step
+            overlap_prefill=args.behind,  # --mixed: the mixed step, else the step behind
             cache=CacheConfig(kv_cache_tokens=max(lens) * (prompts + 1)
                               + decoding * (512 + MIXED_DECODE_TOKENS + 64) + 1024),
             scheduler=SchedulerConfig(max_num_seqs=max(8, prompts + decoding),
@@ -219,6 +228,8 @@ def main() -> int:
 
     defaults = attention.EXTEND_MAX_SPLITS, attention.EXTEND_UNMASKED_FIRST
     engines = {arm: engine_for(arm) for arm in arms}
+    for e in engines.values():  # (async scheduling is off on a CPU, where --behind dry-runs)
+        e.async_scheduling = e.async_scheduling or args.behind
     attention.EXTEND_MAX_SPLITS, attention.EXTEND_UNMASKED_FIRST = defaults
     engine = engines[arms[0]]
     vocab = engine.model_config.vocab_size
@@ -231,7 +242,7 @@ def main() -> int:
                 r = {"arm": arm, **mixed(engine, n, prompts, decoding, args.repeats, args.top, g)}
                 results.append(r)
                 print(f"{args.model} {arm} {prompts} x {n} tokens beside {decoding} decoding: "
-                      f"extend step {r['extend_ms_median']:.2f} ms (decode step "
+                      f"{r['step']} step {r['extend_ms_median']:.2f} ms (decode step "
                       f"{r['decode_ms_median']:.2f}), GPU {r['gpu_ms']:.2f} ms, "
                       f"{r['kernel_launches']} launches", flush=True)
                 for k in r["top_kernels"][:8]:
