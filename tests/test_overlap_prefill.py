@@ -337,3 +337,33 @@ def test_a_request_whose_tokens_fail_to_record_fails_alone(hf, mode, monkeypatch
     assert {k: v for k, v in got.items() if k != "r3"} == \
         {k: v for k, v in ref.items() if k != "r3"}
     assert mode == "sync" or engine.stats["steps_ahead"] > 0
+
+
+def test_a_step_in_flight_that_fails_ends_its_requests_and_the_engine_goes_on(hf,
+                                                                            monkeypatch):
+    """Fault injection in reading the step in flight (`_step_ahead`): every running request
+    ends "error" once, with the tokens it had; requests that arrive later get the synchronous
+    engine's tokens, and every KV slot comes back."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (24, 16, 12, 20, 3, 9, 14)]
+    arrivals = arrivals_of(params)
+    ref = drive(engine_for(hf, "sync"), arrivals)
+    engine = engine_for(hf, "overlap")
+    read, calls, running = engine._read, [], set()
+
+    def failing(*args, **kwargs):
+        calls.append(engine.step_kind)
+        if len(calls) == 5:
+            assert engine.step_kind in ("ahead", "behind")
+            running.update(r.request_id for r in engine.scheduler.running)
+            raise RuntimeError("boom")
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_read", failing)
+    got = drive(engine, arrivals)
+    failed = {rid for rid, (_, _, reason) in got.items() if reason == "error"}
+    assert failed == running and len(failed) >= 2 and len(got) == 7
+    for rid in failed:
+        assert got[rid][0] == ref[rid][0][: len(got[rid][0])]
+    assert {k: v for k, v in got.items() if k not in failed} == \
+        {k: v for k, v in ref.items() if k not in failed}

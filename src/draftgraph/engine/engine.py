@@ -309,9 +309,7 @@ class LLMEngine:
         prefill behind (`_riders`)."""
         for sr, result in zip(scheduled, self._run_isolated(scheduled, riders), strict=True):
             if isinstance(result, Exception):
-                sr.req.error = f"internal error: {result}"
-                self._finish(sr.req, "error")
-                outputs.append(self._output(sr.req, []))
+                outputs.append(self._fail(sr.req, result))
             elif result is None:  # its first token waits on the device: appended later
                 sr.req.num_computed_tokens += sr.num_new_tokens
             else:
@@ -608,11 +606,9 @@ class LLMEngine:
             self._inflight = None
             if first is not None:  # its requests fail below with the running ones
                 first.clear()
-            for r in reqs + [r for r in list(self.scheduler.running) if r not in reqs]:
-                if not r.finished:
-                    r.error = f"internal error: {e}"
-                    self._finish(r, "error")
-                    outputs.append(self._output(r, []))
+            outputs += [self._fail(r, e) for r in
+                        reqs + [r for r in list(self.scheduler.running) if r not in reqs]
+                        if not r.finished]
             return outputs
         rode = self._take_first_tokens(first) if first is not None else {}
         for r, (tokens, logprobs, _, top) in zip(reqs, results, strict=True):
@@ -824,10 +820,14 @@ class LLMEngine:
             return self._output(req, new)
         except Exception as e:  # one request's bookkeeping must not end the others' step
             logger.exception("recording the tokens of request %s failed", req.request_id)
-            req.error = f"internal error: {e}"
-            if not req.finished:
-                self._finish(req, "error")
-            return self._output(req, [])
+            return self._fail(req, e)
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End `req` with "error" for an internal failure of its step (once); its output."""
+        req.error = f"internal error: {error}"
+        if not req.finished:
+            self._finish(req, "error")
+        return self._output(req, [])
 
     def _check_stop(self, req: Request, tok: int) -> str | None:
         p = req.params
