@@ -5,9 +5,9 @@
 # (default 0.7) and batch in BATCHES (default "1 32"; 12 prompts at batch 1, 64 above).
 # One process builds 4 engines a set, 8 a run: it also checks that graph capture survives
 # the earlier engines' garbage (`graph_set.gc_paused`).
-# The GGUF travels in eighths (benchmarks/gguf_parts.sh) over back-to-back calls:
-#   calls 1-7: `bash benchmarks/accept_real_gpu.sh stage N` with carry [".modeliN"];
-#   call 8:    `bash benchmarks/accept_real_gpu.sh run` with carry [".modeli8", ".whl_gguf"].
+# The GGUF travels in tenths (benchmarks/gguf_parts.sh) over back-to-back calls:
+#   calls 1-9: `bash benchmarks/accept_real_gpu.sh stage N` with carry [".modeljN"];
+#   call 10:   `bash benchmarks/accept_real_gpu.sh run` with carry [".modelj10", ".whl_gguf"].
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 . benchmarks/gguf_parts.sh  # D, M, gguf_stage_or_join

@@ -3,9 +3,9 @@
 #   `bash benchmarks/deterministic_gpu.sh kernels`: the GPU tests of the mode and of the
 #     kernels it changes, then the batch-invariant matmul's config sweep;
 #   `bash benchmarks/deterministic_gpu.sh engine [models]`: ms per step, on against off;
-#   `bash benchmarks/deterministic_gpu.sh stage N` for N = 1 .. 7 (carry [".modeliN"]): the
-#     real default model in eighths (benchmarks/gguf_parts.sh);
-#   `bash benchmarks/deterministic_gpu.sh real` (carry [".modeli8", ".whl_gguf"]): the real
+#   `bash benchmarks/deterministic_gpu.sh stage N` for N = 1 .. 9 (carry [".modeljN"]): the
+#     real default model in tenths (benchmarks/gguf_parts.sh);
+#   `bash benchmarks/deterministic_gpu.sh real` (carry [".modelj10", ".whl_gguf"]): the real
 #     model in bf16 with --deterministic, n-gram greedy vs plain greedy on the 164 HumanEval
 #     prompts at batch 32, and the first prompt alone vs among 31 others, 20 trials.
 set -uo pipefail

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Verify rows computed exactly as decode rows (issue 16), on the H200. The real default model
-# is staged in eighths (benchmarks/gguf_parts.sh). Back-to-back calls to the same warm machine:
-#   `bash benchmarks/exact_rows_gpu.sh tests` (carry [".modeli1"]): the kernel and GPU tests,
+# is staged in tenths (benchmarks/gguf_parts.sh). Back-to-back calls to the same warm machine:
+#   `bash benchmarks/exact_rows_gpu.sh tests` (carry [".modelj1"]): the kernel and GPU tests,
 #     the verify-step profile (n-gram k = 4 vs decode, batch 1, 512-token context, random
 #     smollm2-135m / llama-3.2-1b / llama-3.1-8b);
-#   `bash benchmarks/exact_rows_gpu.sh stage N` for N = 2 .. 7 (carry [".modeliN"]);
-#   `bash benchmarks/exact_rows_gpu.sh real` (carry [".modeli8", ".whl_gguf"]): the real default
+#   `bash benchmarks/exact_rows_gpu.sh stage N` for N = 2 .. 9 (carry [".modeljN"]);
+#   `bash benchmarks/exact_rows_gpu.sh real` (carry [".modelj10", ".whl_gguf"]): the real default
 #     model in bf16 with `--exact-rows on`, n-gram greedy against plain greedy on the 164
 #     HumanEval prompts (128 tokens) at batch 1 and at batch 32.
 set -uo pipefail

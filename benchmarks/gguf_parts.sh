@@ -1,14 +1,16 @@
 # Sourced by the device scripts that need the real default model (train_head_gpu.sh,
 # real_model_gpu.sh, deterministic_gpu.sh). A device call carries at most 64 MiB with the
-# working tree (~48 MiB tracked), so the GGUF (94 MiB) travels in eighths over back-to-back calls
-# to one warm machine (given back 30 s after a call: send the next at once):
-#   once, here: G=<the GGUF>; for i in 1 .. 8: mkdir .modeli$i; `split -n 8 -d $G part` puts
-#     part0(i-1) into .modeli$i; `sha256sum $G | cut -d' ' -f1 > .modeli8/sha256` (all ignored);
-#   calls 1-7: `SCRIPT stage N` with carry [".modeliN"]: gguf_stage N copies the part to D;
-#   the call that runs carries [".modeli8", ".whl_gguf"]: gguf_join puts the file together at
+# working tree (~52 MiB tracked since 2026-12-07: eighths of 11.7 MiB no longer fit), so the
+# GGUF (94 MiB) travels in tenths over back-to-back calls to one warm machine (given back 30 s
+# after a call: send the next at once):
+#   once, here: G=<the GGUF>; for i in 1 .. 10: mkdir .modelj$i; `split -n 10 -d $G part`
+#     puts part0(i-1) into .modelj$i; `sha256sum $G | cut -d' ' -f1 > .modelj10/sha256` (all
+#     ignored);
+#   calls 1-9: `SCRIPT stage N` with carry [".modeljN"]: gguf_stage N copies the part to D;
+#   the call that runs carries [".modelj10", ".whl_gguf"]: gguf_join puts the file together at
 #     $M, checks its sha256 and installs the gguf wheel under /tmp/site.
-# PARTS / NPARTS name another split (e.g. PARTS=.modelp NPARTS=6: sixths, for a smaller tree).
-P=${PARTS:-.modeli} NP=${NPARTS:-8} WHL=${WHL:-.whl_gguf}
+# PARTS / NPARTS name another split (e.g. PARTS=.modeli NPARTS=8: eighths, for a smaller tree).
+P=${PARTS:-.modelj} NP=${NPARTS:-10} WHL=${WHL:-.whl_gguf}
 D=${GGUF_DIR:-/tmp/dg_model}
 M=$D/smollm2.gguf
 

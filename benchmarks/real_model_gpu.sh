@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The real default model (SmolLM2-135M-Instruct, GGUF Q4_1, 98 MB) on the H200, staged in
-# eighths over back-to-back calls to one warm machine (benchmarks/gguf_parts.sh), joined under
+# tenths over back-to-back calls to one warm machine (benchmarks/gguf_parts.sh), joined under
 # /tmp, checked, then measured in bf16:
 #   - eval_lossless.py: share of the 164 HumanEval prompts (+ chat prompts) whose n-gram
 #     speculative output equals plain greedy decoding, 128 new tokens;
 #   - the same in fp32 (how much of a bf16 mismatch is rounding, not logic);
 #   - bench_spec.py (unless SKIP_SPEC=1): ms per step and acceptance length, code-edit and free-form, batch 1 and 32.
-# Calls 1-7: `bash benchmarks/real_model_gpu.sh stage N` with carry [".modeliN"];
-# call 8: `bash benchmarks/real_model_gpu.sh run` with carry [".modeli8", ".whl_gguf"].
+# Calls 1-9: `bash benchmarks/real_model_gpu.sh stage N` with carry [".modeljN"];
+# call 10: `bash benchmarks/real_model_gpu.sh run` with carry [".modelj10", ".whl_gguf"].
 # On nvidia-h200-x2, `... tp` instead of `run`: TP = 2 against TP = 1 (tp_compare.py, bf16),
 # then the bf16 HumanEval share alone.
 set -uo pipefail

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Train drafter heads for the default model on the H200 over back-to-back calls to one warm
-# machine; the GGUF is staged in eighths (benchmarks/gguf_parts.sh):
-#   calls 1-7: `bash benchmarks/train_head_gpu.sh stage N`, N = 1 .. 7, carry [".modeliN"];
-#   call 8:    `bash benchmarks/train_head_gpu.sh regen` with carry [".modeli8", ".whl_gguf"]:
+# machine; the GGUF is staged in tenths (benchmarks/gguf_parts.sh):
+#   calls 1-9: `bash benchmarks/train_head_gpu.sh stage N`, N = 1 .. 9, carry [".modeljN"];
+#   call 10:   `bash benchmarks/train_head_gpu.sh regen` with carry [".modelj10", ".whl_gguf"]:
 #              joins and checks the GGUF, unpacks the sequences of SEQDIR (`pack_sequences.py`:
 #              seqs.npz and eval/seqs.npz; default the shipped chain head's, tracked in
 #              benchmarks/data/smollm2_allturns1024_seqs/) or, with SEQDIR empty (and DATA's
 #              folder carried), regenerates the responses of DATA's prompts and of EVAL's
 #              held-out prompts with the engine (bf16, greedy, 256 new tokens, SEQS requests at
-#              a time: 5.6 minutes for the default 20,722) and returns them packed, then trains
+#              a time: 5.6 minutes for the default 20,722) and returns them packed; EXTRA
+#              (prompt ids to regenerate, or a folder of packed sequences, e.g. the code
+#              completions benchmarks/data/smollm2_code10k_seqs) adds to them; then trains
 #              the ARMS until END seconds;
 #   call 9+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
 #              from their checkpoints until END seconds;
@@ -60,15 +62,21 @@ if [ "${1:-}" = regen ]; then
     python3 benchmarks/pack_sequences.py pack $S/eval_sequences.json "$OUT/eval" | tee -a "$LOG"
   fi
   if [ -n "${EXTRA:-}" ] && [ ! -f $S/extra.merged ]; then
-    echo "== regenerate EXTRA $EXTRA from $(date +%T)" | tee -a "$LOG"
-    sha256sum $EXTRA | tee -a "$LOG"
-    timeout $(( END - 120 )) python3 -m draftgraph.cli train-drafter $M --out $S/extra \
-      --data $EXTRA --num-prompts 1000000 $COMMON --steps 0 --eval-prompts 0 \
-      --max-num-seqs ${SEQS:-1024} 2>&1 | quiet | tail -6 | tee -a "$LOG"
-    [ -f $S/extra/sequences.json ] || { echo "no EXTRA sequences"; exit 5; }
-    echo "== regenerated EXTRA by ${SECONDS}s" | tee -a "$LOG"
-    python3 benchmarks/pack_sequences.py pack $S/extra/sequences.json "$OUT/extra" \
-      | tee -a "$LOG"
+    if [ -d "$EXTRA" ]; then  # sequences packed by an earlier run: merged as they are
+      mkdir -p $S/extra
+      python3 benchmarks/pack_sequences.py unpack $EXTRA $S/extra/sequences.json \
+        | tee -a "$LOG"
+    else
+      echo "== regenerate EXTRA $EXTRA from $(date +%T)" | tee -a "$LOG"
+      sha256sum $EXTRA | tee -a "$LOG"
+      timeout $(( END - 120 )) python3 -m draftgraph.cli train-drafter $M --out $S/extra \
+        --data $EXTRA --num-prompts 1000000 $COMMON --steps 0 --eval-prompts 0 \
+        --max-num-seqs ${SEQS:-1024} 2>&1 | quiet | tail -6 | tee -a "$LOG"
+      [ -f $S/extra/sequences.json ] || { echo "no EXTRA sequences"; exit 5; }
+      echo "== regenerated EXTRA by ${SECONDS}s" | tee -a "$LOG"
+      python3 benchmarks/pack_sequences.py pack $S/extra/sequences.json "$OUT/extra" \
+        | tee -a "$LOG"
+    fi
     python3 benchmarks/pack_sequences.py merge $S/sequences.json $S/extra/sequences.json \
       $S/merged.json | tee -a "$LOG" && mv $S/merged.json $S/sequences.json \
       && touch $S/extra.merged

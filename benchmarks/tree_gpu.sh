@@ -36,9 +36,9 @@
 #           arms (e.g. "block|$B|in_graph/chain3": chain steps verifying 3 of the block).
 #   kernels: GPU time per kernel name over graph-replayed rounds (`bench_block.py --kernels`),
 #           chain k = 4 and the trees TREES, plain decode in the same run.
-#   real:   the real default model (GGUF staged in eighths as accept_real_gpu.sh does:
-#           calls 1-7 `bash benchmarks/tree_gpu.sh stage N` with carry [".modeliN"], then
-#           `bash benchmarks/tree_gpu.sh real` with carry [".modeli8", ".whl_gguf"]): greedy
+#   real:   the real default model (GGUF staged in tenths as accept_real_gpu.sh does:
+#           calls 1-9 `bash benchmarks/tree_gpu.sh stage N` with carry [".modeljN"], then
+#           `bash benchmarks/tree_gpu.sh real` with carry [".modelj10", ".whl_gguf"]): greedy
 #           MT-Bench and HumanEval at batch BS (1), plain / chain / trees, accept length,
 #           tokens/s and equality with plain (`bench_accept.py`); TEMP=0.7 for sampled steps;
 #           SETS=mtbench (or humaneval): one set a process, N prompts (20); K: --k (a block
