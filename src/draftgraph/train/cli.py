@@ -53,9 +53,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-data", default=None,
                    help="held-out prompts (formats as --data; default with --data sharegpt "
                         "or sharegpt-code: its held-out split, sharegpt's first turns); their "
-                        "regenerated "
-                        "responses are scored every --eval-every steps and the best head "
-                        "kept in best/")
+                        "regenerated responses are scored every --eval-every steps and the "
+                        "best head kept in best/")
     p.add_argument("--eval-prompts", type=int, default=256,
                    help="held-out prompts to regenerate and score (0: no held-out evaluation)")
     p.add_argument("--eval-every", type=int, default=200,
