@@ -108,7 +108,8 @@ def test_code_prompts_are_the_opening_lines_of_the_assistants_code_blocks(tmp_pa
 def test_train_drafter_regenerates_code_prompts_as_raw_text(tmp_path, monkeypatch,
                                                              default_gguf_path):
     """--data sharegpt-code: the prompts reach the target as bare text, not as a user's chat
-    turn (the chat template would wrap them in <|im_start|>user ...)."""
+    turn (the chat template would wrap them in <|im_start|>user ...); with other sources
+    after a comma, theirs follow in turn, as they are, up to --num-prompts in all."""
     from draftgraph.cli import main
     from draftgraph.models.loader import load_model
     from draftgraph.train import data
@@ -116,14 +117,17 @@ def test_train_drafter_regenerates_code_prompts_as_raw_text(tmp_path, monkeypatc
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(_code_conversations(6)))
     monkeypatch.setattr(data, "sharegpt_path", lambda: str(path))
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[5, 6, 7, 8], [9, 10, 11], [12, 13]]))
+    code = sharegpt_code_prompts("train", path=str(path))
     out = tmp_path / "run"
     assert main(["train-drafter", default_gguf_path, "--out", str(out), "--data",
-                 "sharegpt-code", "--max-new-tokens", "3", "--max-len", "96",
-                 "--steps", "0", "--eval-prompts", "0"]) == 0
+                 f"sharegpt-code,{ids}", "--num-prompts", str(len(code) + 2),
+                 "--max-new-tokens", "3", "--max-len", "96", "--steps", "0",
+                 "--eval-prompts", "0"]) == 0
     saved = json.loads((out / "sequences.json").read_text())["sequences"]
     tok = load_model(default_gguf_path).tokenizer
-    want = [tok.encode(p, add_special_tokens=False)
-            for p in sharegpt_code_prompts("train", path=str(path))]
+    want = [tok.encode(p, add_special_tokens=False) for p in code] + [[5, 6, 7, 8], [9, 10, 11]]
     assert [s["ids"][:s["prompt_len"]] for s in saved] == want
     assert all(s["prompt_len"] < len(s["ids"]) for s in saved)  # responses regenerated
 

