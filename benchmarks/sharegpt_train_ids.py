@@ -56,6 +56,10 @@ def main() -> int:
                     "assistant turns' code blocks instead of chat turns")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.only_fitted and not a.fit_history:
+        ap.error("--only-fitted needs --fit-history")
+    if a.code and a.fit_history:
+        ap.error("--fit-history drops chat history: --code prompts have none")
     engine = LLMEngine(EngineConfig(model=a.model, device="cpu",
                                     scheduler=SchedulerConfig(max_model_len=a.max_len)))
     limit = a.max_len - a.max_new_tokens
@@ -65,8 +69,6 @@ def main() -> int:
     if a.exclude:
         with open(a.exclude) as f:
             excluded = {tuple(p) for ps in json.load(f).values() for p in ps}
-    if a.only_fitted and not a.fit_history:
-        ap.error("--only-fitted needs --fit-history")
     ids, refused, too_long, dropped, fitted = [], 0, 0, 0, 0
     for m in messages:
         try:

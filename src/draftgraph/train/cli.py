@@ -105,20 +105,15 @@ def _prompts(data: str, limit: int, turns: str = "all", split: str = "train",
              flag: str = "--data") -> list:
     """The prompts of --data (or --eval-data: `flag`), at most `limit`; a file that cannot be
     read or parsed raises ValueError naming `flag`, the file and (JSONL) the line."""
-    if data == "sharegpt":
-        from draftgraph.train.data import sharegpt_prompts
+    if data in SHAREGPT_SETS:
+        from draftgraph.train.data import sharegpt_code_prompts, sharegpt_prompts
 
         try:
-            return sharegpt_prompts(split, limit=limit, turns=turns)
-        except (OSError, ValueError) as e:  # the package missing, or its file damaged
-            raise ValueError(f"{flag} sharegpt: {e}") from e
-    if data == "sharegpt-code":
-        from draftgraph.train.data import sharegpt_code_prompts
-
-        try:
+            if data == "sharegpt":
+                return sharegpt_prompts(split, limit=limit, turns=turns)
             return sharegpt_code_prompts(split, limit=limit)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{flag} sharegpt-code: {e}") from e
+        except (OSError, ValueError) as e:  # the package missing, or its file damaged
+            raise ValueError(f"{flag} {data}: {e}") from e
     if data.endswith(".jsonl"):
         from draftgraph.train.data import jsonl_prompts
 
@@ -202,7 +197,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 def _sequences(engine, prompts: list | None, path: str, args, model: str, what: str,
-               raw_text: list[bool] | None = None) -> list:
+               raw_text: list[bool] | None) -> list:
     """The target's greedy responses to `prompts`, read from `path` when an earlier run wrote
     it (resume: `prompts` is None, not read), else regenerated and written
     there with their sha256; prompts the context cannot hold with --max-new-tokens are skipped
@@ -219,7 +214,7 @@ def _sequences(engine, prompts: list | None, path: str, args, model: str, what: 
         return seqs
     limit = args.max_len - args.max_new_tokens
     kept, skipped = [], 0
-    for x, raw in zip(prompts, raw_text or [False] * len(prompts), strict=True):
+    for x, raw in zip(prompts, raw_text, strict=True):
         try:
             p = engine.encode_prompt(x, use_chat_template=not raw)
         except EngineError:  # longer than the context (--max-len), or not valid text

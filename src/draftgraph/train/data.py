@@ -73,20 +73,26 @@ def held_out(conv_id: str) -> bool:
     return int(hashlib.sha256(conv_id.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
 
 
+def _split(split: str, path: str | None) -> Iterator[tuple[str, dict]]:
+    """(id, conversation) of each conversation of `split` (train or held_out)."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be train or held_out, got {split!r}")
+    for i, conv in enumerate(sharegpt_conversations(path)):
+        conv_id = str(conv.get("id", i))
+        if held_out(conv_id) == (split == "held_out"):
+            yield conv_id, conv
+
+
 def sharegpt_prompts(split: str = "train", limit: int | None = None,
                      path: str | None = None, turns: str = "first") -> list[list[dict]]:
     """Chat messages ending in a human turn: the first human turn of each conversation
     (turns="first"), or every human turn with the conversation before it as history
     (turns="all": about 3.5 prompts a conversation)."""
-    if split not in ("train", "held_out"):
-        raise ValueError(f"split must be train or held_out, got {split!r}")
     if turns not in ("first", "all"):
         raise ValueError(f"turns must be first or all, got {turns!r}")
     roles = {"human": "user", "gpt": "assistant"}
     out: list[list[dict]] = []
-    for i, conv in enumerate(sharegpt_conversations(path)):
-        if held_out(str(conv.get("id", i))) != (split == "held_out"):
-            continue
+    for _, conv in _split(split, path):
         history: list[dict] = []
         for turn in conv.get("conversations") or []:
             role, text = roles.get(turn.get("from")), (turn.get("value") or "").strip()
@@ -114,14 +120,9 @@ def sharegpt_code_prompts(split: str = "train", limit: int | None = None,
     the target to continue as raw text; a prompt met before is not repeated. The split is
     sharegpt_prompts'. 17,319 prompts in the train split of the PyPI file (the shipped chain
     head's 10,000 are the first of them)."""
-    if split not in ("train", "held_out"):
-        raise ValueError(f"split must be train or held_out, got {split!r}")
     out: list[str] = []
     seen: set[str] = set()
-    for i, conv in enumerate(sharegpt_conversations(path)):
-        conv_id = str(conv.get("id", i))
-        if held_out(conv_id) != (split == "held_out"):
-            continue
+    for conv_id, conv in _split(split, path):
         block = 0
         for turn in conv.get("conversations") or []:
             if turn.get("from") != "gpt":
