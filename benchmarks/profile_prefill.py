@@ -16,10 +16,10 @@ requests (512-token contexts), as a server runs it under `--no-overlap-prefill`:
 with the GPU synchronised (median of --repeats; the P requests end after their first token,
 the N keep decoding), then one such step profiled, beside the decode step of the N alone.
 With `--behind`, the step the defaults run instead: the P prompts prefilled behind the
-launched decode step, the N's next decode rows riding in that forward. Synchronised first, its
-wall time is the host's work alone (a served behind step took 3.6-4.4 ms of which only
-0.7-2.3 ms was a wait for the device: benchmarks/NOTES.md stop 57), and the profiles say
-where it goes.
+launched decode step, the N's next decode rows riding in that forward. Its wall time is
+taken as every step's here, with the GPU synchronised before and after, so it holds the
+device work the step waits on (the decode step it launches ahead included), not the host's
+work alone; the profiles split it (kernels by GPU time, the host's by op and by function).
 """
 
 from __future__ import annotations
