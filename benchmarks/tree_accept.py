@@ -177,7 +177,6 @@ class BlockTree:
     def __init__(self, head, embed_w: torch.Tensor, target_lm: torch.Tensor) -> None:
         self.head, self.embed_w = head, embed_w
         self.lm_w = head.lm_head_weight(target_lm)  # [V', H]
-        self.markov_w = head.markov_weight() if head.markov_in is not None else None
         self.d2t = head.d2t if head.reduced_vocab else torch.arange(self.lm_w.shape[0])
 
     def context(self, streams: torch.Tensor, ids: list[int], prompt_len: int):
@@ -194,8 +193,8 @@ class BlockTree:
 
         def children(j: int, prev_ids: list[int]):
             lg = rows[j].expand(len(prev_ids), -1)
-            if self.markov_w is not None:
-                lg = lg + self.head.markov(torch.tensor(prev_ids), self.markov_w)
+            if self.head.markov_in is not None:
+                lg = lg + self.head.markov(torch.tensor(prev_ids))
             return torch.log_softmax(lg, -1).topk(width, dim=-1)
 
         parent, token, score = [], [], []

@@ -316,6 +316,35 @@ def test_a_reduced_vocabulary_drafts_the_heads_argmax_within_it(hf, plain, spec)
                                                           d.flatten()}) > 4
 
 
+def test_a_reduced_heads_markov_rows_are_stored_and_loaded_over_its_vocabulary(hf, tmp_path):
+    """A reduced block head keeps the Markov head's rows d2t alone (V' x r, not V x r: the
+    shipped head's files 4 MB smaller), its term the whole head's on d2t; a head saved with
+    every row (before 2026-12-07) loads to the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    from draftgraph.models.heads import reduce_vocab
+
+    cfg = tiny_loaded(hf).config
+    head = _head(hf, "block_size=6,markov_rank=8")
+    even = torch.arange(0, cfg.vocab_size, 2)
+    small = reduce_vocab(head, even, cfg)
+    assert small.markov_out.weight.shape == (len(even), 8)
+    prev = torch.tensor([3, 4, 11])
+    torch.testing.assert_close(small.markov(prev), head.markov(prev)[:, even])
+    save_head(small, str(tmp_path / "new"))
+    (shard,) = (tmp_path / "new").glob("*.safetensors")
+    assert load_file(shard)["markov_out.weight"].shape[0] == len(even)
+    old = tmp_path / "old"
+    save_head(small, str(old))
+    (shard,) = old.glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors["markov_out.weight"] = head.markov_out.weight.detach().clone()  # every row
+    save_file(tensors, shard)
+    for path in (tmp_path / "new", old):
+        loaded = load_head(str(path), cfg)
+        torch.testing.assert_close(loaded.markov(prev), small.markov(prev))
+
+
 @pytest.mark.parametrize("bias,expect", [(8.0, "all"), (-8.0, "none")])
 def test_the_confidence_head_cuts_the_block(hf, plain, bias, expect):
     engine, drafter = _engine(hf, "block_size=5,confidence=1", confidence_threshold=0.5)

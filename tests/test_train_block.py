@@ -405,3 +405,4 @@ def test_train_drafter_cli_trains_a_block_head(tmp_path, capsys):
     d2t = reduced.d2t.tolist()
     assert reduced.head_config.draft_vocab_size == 32 and d2t == sorted(set(d2t))
     assert top in d2t and d2t != list(range(32))
+    assert reduced.markov_out.weight.shape[0] == 32  # the Markov head's rows d2t alone

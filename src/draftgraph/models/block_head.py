@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftgraph.attention.backend import AttentionBackend, ForwardBatch
@@ -91,7 +90,9 @@ class BlockHead(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.markov_in = nn.Embedding(target.vocab_size, r) if r else None
-        self.markov_out = nn.Linear(r, target.vocab_size, bias=False) if r else None
+        # over the draft vocabulary: a reduced head keeps the rows d2t alone
+        self.markov_out = nn.Linear(r, head_cfg.draft_vocab_size or target.vocab_size,
+                                    bias=False) if r else None
         self.confidence = nn.Linear(h + r, 1) if head_cfg.confidence else None
         if head_cfg.draft_vocab_size:  # (absent otherwise: older heads load as they were)
             self.register_buffer("d2t", torch.arange(head_cfg.draft_vocab_size))  # [V'] int64
@@ -140,22 +141,15 @@ class BlockHead(nn.Module):
         return target_lm_head.index_select(0, self.d2t) if self.reduced_vocab \
             else target_lm_head
 
-    def markov_weight(self) -> torch.Tensor:
-        """The Markov head's output map [V', r] over the draft vocabulary (rows d2t)."""
-        w = self.markov_out.weight
-        return w.index_select(0, self.d2t) if self.reduced_vocab else w
-
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] (normed) -> logits [rows, V'] fp32 through `lm_head`
         (`lm_head_weight`: the target's LM head or its rows d2t)."""
         return gemv.gemv(hidden, lm_head).float()
 
-    def markov(self, prev_tokens: torch.Tensor, weight: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """The Markov head's logit correction [rows, V] fp32 for the (target) tokens before
-        them; over the draft vocabulary [rows, V'] with `weight` = `markov_weight()`."""
-        z = self.markov_in(prev_tokens)
-        return (self.markov_out(z) if weight is None else F.linear(z, weight)).float()
+    def markov(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """The Markov head's logit correction [rows, V'] fp32 over the draft vocabulary for
+        the (target) tokens before them."""
+        return self.markov_out(self.markov_in(prev_tokens)).float()
 
     def accept_prob(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         """The confidence head: [rows] fp32 in (0, 1)."""

@@ -102,6 +102,10 @@ def load_head(path: str, target: ModelConfig, device="cpu",
             parts.setdefault(base, []).append((int(idx), tensors.pop(name)))
     for base, chunks in parts.items():
         tensors[base] = torch.cat([t for _, t in sorted(chunks, key=lambda c: c[0])])
+    mk = tensors.get("markov_out.weight")
+    if mk is not None and "d2t" in tensors and mk.shape[0] != tensors["d2t"].numel():
+        # a reduced block head saved before 2026-12-07 kept the Markov head's every row
+        tensors["markov_out.weight"] = mk.index_select(0, tensors["d2t"])
     missing, unexpected = head.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"--draft-head {path!r}: missing weights {missing[:3]}, "
@@ -168,5 +172,7 @@ def reduce_vocab(head: nn.Module, d2t: torch.Tensor, target: ModelConfig) -> nn.
     with torch.device(dev):
         out = type(head)(cfg, target)
     state = {k: t for k, t in head.state_dict().items() if k != "d2t"}
+    if "markov_out.weight" in state:  # the Markov head's rows d2t alone
+        state["markov_out.weight"] = state["markov_out.weight"].index_select(0, d2t.to(dev))
     out.load_state_dict({**state, "d2t": d2t.to(dev)})
     return out.to(head.fc.weight.dtype).eval()

@@ -148,9 +148,6 @@ class BlockHeadDrafter(StagedDrafter):
         self.executor.meta.add_block_lists(hc.window, self.block_size)
         self.capture = target.capture_hidden(tuple(hc.hidden_layer_ids))
         self.bind_vocab(head, target)
-        # the Markov head's output rows over the draft vocabulary (d2t's, when reduced)
-        self.markov_w = head.markov_weight().contiguous() if head.markov_in is not None \
-            else None
         m, g, dev = target.max_bs, self.block_size, target.device
         # the block's raw inputs: [last token, mask, ..., mask] per request, its slots
         self.block_ids = torch.full((m, g), hc.mask_token_id, dtype=torch.int64,
@@ -217,7 +214,7 @@ class BlockHeadDrafter(StagedDrafter):
             self.drafts[:bs, :n].copy_(self.draft_argmax(logits))
         else:
             for j in range(n):  # left to right: the Markov head reads the draft before
-                lj = logits[:, j] + head.markov(prev, self.markov_w) if markov \
+                lj = logits[:, j] + head.markov(prev) if markov \
                     else logits[:, j]  # [bs, V']
                 if greedy:
                     tok = self.draft_argmax(lj)  # [bs] int64
@@ -251,7 +248,7 @@ class BlockHeadDrafter(StagedDrafter):
             else:  # the beam's tokens, staged by the last grow
                 prev, lg = self.bufs.t_ids[: bs * w], logits[:, d].repeat_interleave(w, 0)
             if head.markov_in is not None:
-                lg = lg + head.markov(prev, self.markov_w)
+                lg = lg + head.markov(prev)
             top_lp, top_idx = top_logprobs(lg, w)
             tree_grow(d, top_lp, top_idx, self.vocab, self.bufs.t_feat[: lg.shape[0]],
                       self.bufs, tctx, stage=d + 1 < self.tree.depth)

@@ -156,7 +156,7 @@ def draft_logits(head: BlockHead, hidden: torch.Tensor, lm_w: torch.Tensor,
     Markov head's correction for `prev` [..., g - 1] (the token before each draft) added."""
     logits = F.linear(hidden[..., 1:, :], lm_w).float()
     if head.markov_in is not None:
-        logits = logits + head.markov_out(head.markov_in(prev)).float()
+        logits = logits + head.markov(prev)
     return logits
 
 
@@ -284,13 +284,15 @@ def default_mask_token_id(tokenizer, embed_weight: torch.Tensor | None, vocab_si
 
 def train_block_head(head: BlockHead, target_model, seqs: list[Sequence],
                      cfg: BlockTrainConfig, out_dir: str, device, dtype, backend: str,
-                     progress: bool = True,
-                     eval_seqs: list[Sequence] | None = None) -> TrainState:
+                     progress: bool = True, eval_seqs: list[Sequence] | None = None,
+                     export=None) -> TrainState:
     """Train `head` in place (fp32 master weights) for cfg.steps steps over `seqs` with the
     DSpark loss; writes checkpoint.pt, head/, history.json and loss.png to out_dir; resumes
     from out_dir/checkpoint.pt when it is there. Anchors are drawn from a generator seeded by
     (cfg.seed, step), so a resumed run draws what the uninterrupted one would have. With
-    `eval_seqs`, the same loss on them every cfg.eval_every steps, the best head in `best/`."""
+    `eval_seqs`, the same loss on them every cfg.eval_every steps, the best head in `best/`.
+    `export` (head -> head): what the saved heads are made from the trained one, e.g. its
+    reduced-vocabulary form (`models.heads.reduce_vocab`)."""
     if not isinstance(head, BlockHead):
         raise ValueError(f"train_block_head trains block heads, got {type(head).__name__}")
     head.head_config.validate_for(target_model.config)
@@ -314,5 +316,5 @@ def train_block_head(head: BlockHead, target_model, seqs: list[Sequence],
                       desc="train block head",
                       loss_label="DSpark loss (0.1 CE + 0.9 TV + BCE, position-weighted)",
                       agree_label="top-1 agree, draft {}", agree_first=1, min_response=2,
-                      progress=progress, eval_seqs=eval_seqs)
+                      progress=progress, eval_seqs=eval_seqs, export=export)
 

@@ -8,6 +8,7 @@ checkpoint.pt (resumable: run the same command again), head/ (the head directory
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -340,11 +341,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             ("intermediate_size", args.intermediate_size),
             ("share_lm_head", args.share_lm_head)) if v)  # layers >= 1 (checked); else 0: off
         head = random_head(target.config, spec, device, torch.float32, seed=args.seed)
-    if args.draft_vocab:  # the most frequent response tokens (a block head trains over all)
-        from draftgraph.train.loop import init_draft_vocab
+    export = None  # what a saved head is made from the trained one (None: itself)
+    if args.draft_vocab:  # the most frequent response tokens
+        from draftgraph.train.loop import frequent_response_tokens, init_draft_vocab
 
-        init_draft_vocab(head, seqs, args.draft_vocab, target.config.vocab_size,
-                         target.lm_head_weight.detach())
+        if args.kind == "block":  # trains over the whole vocabulary, saved reduced
+            from draftgraph.models.heads import reduce_vocab
+
+            d2t = frequent_response_tokens(seqs, args.draft_vocab, target.config.vocab_size)
+            export = functools.partial(reduce_vocab, d2t=d2t, target=target.config)
+        else:
+            init_draft_vocab(head, seqs, args.draft_vocab, target.config.vocab_size,
+                             target.lm_head_weight.detach())
     if args.kind == "block":
         from draftgraph.train.block import BlockTrainConfig, train_block_head
 
@@ -355,7 +363,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                   "the training sequences (--mask-token-id)", file=sys.stderr)
         cfg = BlockTrainConfig(**common, anchors=args.anchors, max_blocks=args.max_blocks)
         state = train_block_head(head, target, seqs, cfg, args.out, device, dtype, backend,
-                                 eval_seqs=eval_seqs)
+                                 eval_seqs=eval_seqs, export=export)
     else:
         cfg = TrainConfig(**common, ttt_steps=args.ttt_steps)
         state = train_head(head, target, seqs, cfg, args.out, device, dtype, backend,
@@ -397,8 +405,7 @@ def _block_head(args, engine, device):
     spec = (f"layers={args.head_layers},block_size={args.block_size},window={args.window},"
             f"markov_rank={args.markov_rank},confidence={int(args.confidence)},"
             f"mask_token_id={mask_id}"
-            + (f",intermediate_size={args.intermediate_size}" if args.intermediate_size else "")
-            + (f",draft_vocab={args.draft_vocab}" if args.draft_vocab else ""))
+            + (f",intermediate_size={args.intermediate_size}" if args.intermediate_size else ""))
     try:
         head = random_head(cfg, spec, device, torch.float32, seed=args.seed, kind="block")
     except ValueError as e:

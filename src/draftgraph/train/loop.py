@@ -254,13 +254,15 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
                out_dir: str, device, dtype, backend: str, loss_fn: LossFn, *,
                desc: str, loss_label: str, agree_label: str, agree_first: int = 0,
                min_response: int = 1, progress: bool = True,
-               eval_seqs: list[Sequence] | None = None) -> TrainState:
+               eval_seqs: list[Sequence] | None = None, export=None) -> TrainState:
     """Train `head` in place (fp32 master weights) for cfg.steps steps of `loss_fn` over
     `seqs`; writes checkpoint.pt, the head directory `head/`, history.json and loss.png to
     out_dir; resumes from out_dir/checkpoint.pt when it is there. With `eval_seqs`, evaluates
-    on them (see `evaluate`) and keeps the best head in `best/`."""
+    on them (see `evaluate`) and keeps the best head in `best/`. `export` (head -> head, default
+    the head itself) makes the saved heads from the trained one."""
     from tqdm import tqdm
 
+    export = export or (lambda h: h)
     os.makedirs(out_dir, exist_ok=True)
     dev = torch.device(device)
     torch.manual_seed(cfg.seed)
@@ -316,7 +318,8 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
         score = ev.get("accept_replayed", ev["accept_estimate"])
         if score > best:
             best = score
-            save_head(copy.deepcopy(head).to(torch.bfloat16), os.path.join(out_dir, "best"))
+            save_head(export(copy.deepcopy(head).to(torch.bfloat16)),
+                      os.path.join(out_dir, "best"))
         replayed = (f", replayed {ev['accept_replayed']:.3f}" if "accept_replayed" in ev
                     else "")
         bar.write(f"step {rec['step']}: held-out loss {ev['loss']:.3f}, agree "
@@ -352,7 +355,7 @@ def train_loop(head: nn.Module, target_model, seqs: list[Sequence], cfg: LoopCon
             break
     bar.close()
     head.eval()
-    save_head(head.to(torch.bfloat16), os.path.join(out_dir, "head"))
+    save_head(export(head.to(torch.bfloat16)), os.path.join(out_dir, "head"))
     head.float()
     with open(os.path.join(out_dir, "history.json"), "w") as f:
         json.dump({"config": asdict(cfg), "history": state.history}, f)
