@@ -21,6 +21,8 @@ sha256 of the ids' JSON (the value the head READMEs quote).
         --only-fitted --out .traindata_fit/sharegpt_train_fitted_ids.json.gz
     python benchmarks/sharegpt_train_ids.py --code --max-len 1024 \
         --out .traindata_code/sharegpt_train_code_ids.json.gz
+    python benchmarks/sharegpt_train_ids.py --code --max-len 1024 --skip 10000 \
+        --out .traindata_code/sharegpt_train_code_rest_ids.json.gz  # past --limit 10000
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=640)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--limit", type=int, default=None, help="keep at most this many prompts")
+    ap.add_argument("--skip", type=int, default=0, help="drop the first N prompts kept (an "
+                    "earlier run's --limit N) before --limit")
     ap.add_argument("--split", choices=["train", "held_out"], default="train")
     ap.add_argument("--exclude", default=None, help="JSON {set: [prompt ids, ...]}: prompts "
                     "to leave out")
@@ -92,7 +96,7 @@ def main() -> int:
             dropped += 1
             continue
         ids.append(p)
-    ids = ids[: a.limit]
+    ids = ids[a.skip:][: a.limit]
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     blob = json.dumps(ids)
     with gzip.open(a.out, "wt") as f:
@@ -100,7 +104,7 @@ def main() -> int:
     print(json.dumps({"split": a.split, "turns": "code" if a.code else a.turns,
                       "conversation_prompts": len(messages),
                       "refused_by_engine": refused, "over_limit": too_long,
-                      "excluded": dropped, "fitted": fitted,
+                      "excluded": dropped, "fitted": fitted, "skipped": a.skip,
                       "kept": len(ids), "tokens": sum(map(len, ids)), "max_prompt_len": limit,
                       "sha256": hashlib.sha256(blob.encode()).hexdigest(),
                       "file_bytes": os.path.getsize(a.out)}))

@@ -9,9 +9,10 @@
 #              folder carried), regenerates the responses of DATA's prompts and of EVAL's
 #              held-out prompts with the engine (bf16, greedy, 256 new tokens, SEQS requests at
 #              a time: 5.6 minutes for the default 20,722) and returns them packed; EXTRA
-#              (prompt ids to regenerate, or a folder of packed sequences, e.g. the code
-#              completions benchmarks/data/smollm2_code10k_seqs) adds to them; then trains
-#              the ARMS until END seconds;
+#              (comma-separated: prompt ids to regenerate, returned packed as extraN/, or
+#              folders of packed sequences, e.g. the code completions
+#              benchmarks/data/smollm2_code10k_seqs) adds to them in order; then trains the
+#              ARMS until END seconds;
 #   call 9+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
 #              from their checkpoints until END seconds;
 #   last call: `RETURN=arm bash benchmarks/train_head_gpu.sh train` also returns that arm's
@@ -61,26 +62,28 @@ if [ "${1:-}" = regen ]; then
     mkdir -p "$OUT/eval"
     python3 benchmarks/pack_sequences.py pack $S/eval_sequences.json "$OUT/eval" | tee -a "$LOG"
   fi
-  if [ -n "${EXTRA:-}" ] && [ ! -f $S/extra.merged ]; then
-    if [ -d "$EXTRA" ]; then  # sequences packed by an earlier run: merged as they are
-      mkdir -p $S/extra
-      python3 benchmarks/pack_sequences.py unpack $EXTRA $S/extra/sequences.json \
-        | tee -a "$LOG"
+  IFS=',' read -ra extras <<< "${EXTRA:-}"
+  n=0
+  for extra in "${extras[@]}"; do  # each merged once, in order
+    n=$((n + 1)) x=$S/extra$n
+    [ -f $x.merged ] && continue
+    mkdir -p $x
+    if [ -d "$extra" ]; then  # sequences packed by an earlier run: merged as they are
+      python3 benchmarks/pack_sequences.py unpack $extra $x/sequences.json | tee -a "$LOG"
     else
-      echo "== regenerate EXTRA $EXTRA from $(date +%T)" | tee -a "$LOG"
-      sha256sum $EXTRA | tee -a "$LOG"
-      timeout $(( END - 120 )) python3 -m draftgraph.cli train-drafter $M --out $S/extra \
-        --data $EXTRA --num-prompts 1000000 $COMMON --steps 0 --eval-prompts 0 \
+      echo "== regenerate EXTRA $extra from $(date +%T)" | tee -a "$LOG"
+      sha256sum $extra | tee -a "$LOG"
+      timeout $(( END - 120 )) python3 -m draftgraph.cli train-drafter $M --out $x \
+        --data $extra --num-prompts 1000000 $COMMON --steps 0 --eval-prompts 0 \
         --max-num-seqs ${SEQS:-1024} 2>&1 | quiet | tail -6 | tee -a "$LOG"
-      [ -f $S/extra/sequences.json ] || { echo "no EXTRA sequences"; exit 5; }
-      echo "== regenerated EXTRA by ${SECONDS}s" | tee -a "$LOG"
-      python3 benchmarks/pack_sequences.py pack $S/extra/sequences.json "$OUT/extra" \
+      [ -f $x/sequences.json ] || { echo "no sequences for $extra"; exit 5; }
+      echo "== regenerated EXTRA $extra by ${SECONDS}s" | tee -a "$LOG"
+      python3 benchmarks/pack_sequences.py pack $x/sequences.json "$OUT/extra$n" \
         | tee -a "$LOG"
     fi
-    python3 benchmarks/pack_sequences.py merge $S/sequences.json $S/extra/sequences.json \
-      $S/merged.json | tee -a "$LOG" && mv $S/merged.json $S/sequences.json \
-      && touch $S/extra.merged
-  fi
+    python3 benchmarks/pack_sequences.py merge $S/sequences.json $x/sequences.json \
+      $S/merged.json | tee -a "$LOG" && mv $S/merged.json $S/sequences.json && touch $x.merged
+  done
 elif [ "${1:-}" != train ]; then
   echo "usage: $0 stage N | regen | train"; exit 2
 fi
