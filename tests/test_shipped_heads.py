@@ -39,7 +39,8 @@ def _run(loaded, prompts, spec: SpecConfig):
     return [o.token_ids for o in outs], accept, engine
 
 
-# (method, accept length at least): measured on these prompts chain 1.86, block 1.77
+# (method, accept length at least): measured on these prompts chain 1.96, block 1.79 (the
+# heads of stops 58 and 59)
 @pytest.mark.parametrize("method, floor", [("chain", 1.6), ("block", 1.5)])
 def test_a_shipped_head_is_lossless_and_trained(default_model, prompts, plain, method, floor):
     spec = SpecConfig(method=method, adaptive=False)

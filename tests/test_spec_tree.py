@@ -563,19 +563,31 @@ def test_the_shipped_head_drafts_trees_losslessly_and_accepts_more(default_model
     assert tree > chain + 0.4, (chain, tree)
 
 
-OFFLINE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / \
-    "tree_accept_engine_check_cpu_fp32.json"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+# each shipped head's offline walks (`tree_accept.py --head <head> --sets <these sets' first 3
+# prompts> --num-prompts 3 --max-tokens 48 --trees <keys>`, CPU fp32), and the engine's arms
+OFFLINE = {
+    "chain": ("tree_accept_engine_check_cpu_fp32.json",
+              ((SpecConfig(method="chain", adaptive=False), "1x4:4"),
+               (SpecConfig(method="chain", tree=TREE), "4x5:16"))),
+    "block": ("tree_accept_engine_check_block_cpu_fp32.json",
+              ((SpecConfig(method="block", adaptive=False), "1x7:7"),
+               (SpecConfig(method="block", tree=TreeShape(4, 7, 16)), "4x7:16"))),
+}
 
 
+@pytest.mark.parametrize("kind", ["chain", "block"])
 @pytest.mark.parametrize("name", ["mtbench", "humaneval"])
-def test_the_engines_trees_accept_what_the_offline_walk_measured(default_model, name):
+def test_the_engines_trees_accept_what_the_offline_walk_measured(default_model, kind, name):
     """benchmarks/tree_accept.py grows the same trees from scratch (the head's entries over
-    the whole sequence, a tree mask) along the target's outputs; the engine, one request at
-    a time, must make the same rounds and accept the same tokens, for the chain too."""
-    offline = json.loads(OFFLINE.read_text())["sets"][name]
+    the whole sequence, a tree mask; for the block head its one forward at every position,
+    the training loss's `block_forward`) along the target's outputs; the engine, one request
+    at a time, must make the same rounds and accept the same tokens, for the head's chain
+    (the block of 8) too."""
+    file, arms = OFFLINE[kind]
+    offline = json.loads((RESULTS / file).read_text())["sets"][name]
     prompts = json.loads(SETS.read_text())[name][:3]
-    for spec, key in ((SpecConfig(method="chain", adaptive=False), "1x4:4"),
-                      (SpecConfig(method="chain", tree=TREE), "4x5:16")):
+    for spec, key in arms:
         s = _run(default_model, prompts, spec, max_num_seqs=1, stats=True)
         assert (s["num_drafts"], s["num_accepted_tokens"]) == (
             offline[key]["rounds"], offline[key]["accepted"]), key
