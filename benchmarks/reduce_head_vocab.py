@@ -5,13 +5,14 @@ each draft reads N rows instead of the vocabulary).
 
     python benchmarks/reduce_head_vocab.py HEAD_DIR --sequences RUN/sequences.json \
         --vocab 16384 --out DIR [--eval-sequences RUN/eval_sequences.json]
-    python benchmarks/reduce_head_vocab.py src/draftgraph/heads/smollm2-135m-block \
+    python benchmarks/reduce_head_vocab.py RUN/best \
         --vocab-from src/draftgraph/heads/smollm2-135m-chain --out DIR
 
 Prints the share of the training (and held-out) response tokens the reduced vocabulary covers,
-and the sequences' sha256 (record both next to the head). The second command is how the
-default model's block head got the chain head's 16,384 tokens (2026-12-03, run on the
-whole-vocabulary head of git 742215f; the same bytes as the shipped files).
+and the sequences' sha256 (record both next to the head). HEAD_DIR is a whole-vocabulary head
+(a reduced one is refused). The second command is how the default model's block head got the
+chain head's 16,384 tokens (2026-12-07, on train-drafter's best/ of that run; the shipped
+files' bytes).
 """
 
 from __future__ import annotations
