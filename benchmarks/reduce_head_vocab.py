@@ -9,10 +9,11 @@ each draft reads N rows instead of the vocabulary).
         --vocab-from src/draftgraph/heads/smollm2-135m-chain --out DIR
 
 Prints the share of the training (and held-out) response tokens the reduced vocabulary covers,
-and the sequences' sha256 (record both next to the head). HEAD_DIR is a whole-vocabulary head
-(a reduced one is refused). The second command is how the default model's block head got the
-chain head's 16,384 tokens (2026-12-07, on train-drafter's best/ of that run; the shipped
-files' bytes).
+and the sequences' sha256 (record both next to the head). HEAD_DIR is a whole-vocabulary head,
+or a reduced chain head (its weights do not depend on its vocabulary: the shipped one over
+`--vocab 32768` is how stop 60 measured what its 16,384 tokens cost; a reduced block head is
+refused). The second command is how the default model's block head got the chain head's
+16,384 tokens (2026-12-07, on train-drafter's best/ of that run; the shipped files' bytes).
 """
 
 from __future__ import annotations
@@ -46,21 +47,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("head")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--sequences", default=None, help="train-drafter's sequences.json")
+    ap.add_argument("--sequences", default=None, help="train-drafter's sequences.json (with "
+                    "--vocab-from: only to report its coverage)")
     ap.add_argument("--eval-sequences", default=None, help="held-out sequences (coverage)")
     ap.add_argument("--vocab", type=int, default=0, help="with --sequences: N")
     ap.add_argument("--vocab-from", default=None, help="instead: a head directory whose d2t "
                     "to take")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    if (a.vocab_from is None) == (a.sequences is None and not a.vocab):
-        ap.error("give --sequences with --vocab, or --vocab-from")
+    if bool(a.vocab_from) == bool(a.vocab) or (a.vocab and not a.sequences):
+        ap.error("give --vocab with --sequences, or --vocab-from")
     target = load_model(a.model).config
+    seqs, sha = _read(a.sequences) if a.sequences else (None, None)
     if a.vocab_from:
         d2t = load_head(a.vocab_from, target).d2t
-        seqs = None
     else:
-        seqs, sha = _read(a.sequences)
         d2t = frequent_response_tokens(seqs, a.vocab, target.vocab_size)
     head = reduce_vocab(load_head(a.head, target), d2t, target)
     save_head(head.to(torch.bfloat16), a.out)

@@ -310,6 +310,29 @@ def test_a_reduced_shared_vocabulary_drafts_the_heads_argmax_within_it(hf, plain
     torch.testing.assert_close(even[0, ::2], runs["full"][0, ::2])
 
 
+def test_a_reduced_shared_head_is_reduced_anew_as_its_whole_head_would_be(hf, tmp_path):
+    """A chain head sharing the target's LM head has no weights per draft token, so a reduced
+    one (as shipped) is its whole head's weights and d2t: reduced anew over another vocabulary
+    (even a wider one) it is what reducing the whole head gives, through save and load too.
+    A block head's Markov rows exist only over its d2t: a reduced one is refused."""
+    from draftgraph.models.heads import reduce_vocab
+
+    cfg = tiny_loaded(hf).config
+    head = random_head(cfg, "", seed=3)
+    even, thirds = torch.arange(0, cfg.vocab_size, 2), torch.arange(0, cfg.vocab_size, 3)
+    save_head(reduce_vocab(head, even, cfg), str(tmp_path / "even"))
+    shipped = load_head(str(tmp_path / "even"), cfg)
+    again, direct = reduce_vocab(shipped, thirds, cfg), reduce_vocab(head, thirds, cfg)
+    assert again.head_config == direct.head_config
+    want = direct.state_dict()
+    assert again.state_dict().keys() == want.keys()
+    for name, t in again.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    block = random_head(cfg, "block_size=4,markov_rank=8", seed=3, kind="block")
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        reduce_vocab(reduce_vocab(block, even, cfg), thirds, cfg)
+
+
 def test_a_drafter_with_its_own_kv_keeps_its_draft_length_under_the_adaptive_policy():
     """The default (adaptive) policy shortens an n-gram drafter's drafts after rejections, but
     a chain head runs all its k steps every step anyway: its draft length stays k, so it never

@@ -159,9 +159,13 @@ def reduce_vocab(head: nn.Module, d2t: torch.Tensor, target: ModelConfig) -> nn.
     """`head` (a chain or block head over the target's whole shared LM head) drafting over
     the target tokens `d2t` alone [V'], its LM head the target's rows d2t (a block head's
     Markov head: its rows d2t too): the same weights and the same drafts wherever its argmax
-    is in d2t; each draft's LM head V' rows instead of V."""
-    if head.reduced_vocab or getattr(head, "lm_head", None) is not None:
-        raise ValueError("reduce_vocab takes a head over the target's whole vocabulary")
+    is in d2t; each draft's LM head V' rows instead of V. A reduced head whose weights do not
+    depend on its vocabulary (no Markov rows, as a chain head's) is its whole-vocabulary
+    head's weights and d2t, so it is reduced anew over `d2t` just the same."""
+    rows = "markov_out.weight" in head.state_dict()
+    if getattr(head, "lm_head", None) is not None or (head.reduced_vocab and rows):
+        raise ValueError("reduce_vocab takes a head over the target's whole vocabulary (or "
+                         "a reduced one without weights of its own per draft token)")
     d2t = torch.as_tensor(d2t, dtype=torch.int64).sort().values
     v = head.head_config.target_vocab_size
     if d2t.numel() == 0 or d2t[0] < 0 or d2t[-1] >= v or d2t.unique().numel() != d2t.numel():
