@@ -10,9 +10,9 @@ each draft reads N rows instead of the vocabulary).
 
 Prints the share of the training (and held-out) response tokens the reduced vocabulary covers,
 and the sequences' sha256 (record both next to the head). HEAD_DIR is a whole-vocabulary head,
-or a reduced chain head (its weights do not depend on its vocabulary: the shipped one over
-`--vocab 32768` is how 2026-12-07 measured what its 16,384 tokens cost; a reduced block head is
-refused). The second command is how the default model's block head got the chain head's
+or a reduced chain head (its weights do not depend on its vocabulary; the shipped one over
+`--vocab 32768` measured what its 16,384 tokens cost, 2026-12-07); a reduced block head is
+refused. The second command is how the default model's block head got the chain head's
 16,384 tokens (2026-12-07, on train-drafter's best/ of that run; the shipped files' bytes).
 """
 
