@@ -162,7 +162,7 @@ def reduce_vocab(head: nn.Module, d2t: torch.Tensor, target: ModelConfig) -> nn.
     is in d2t; each draft's LM head V' rows instead of V. A reduced head whose weights do not
     depend on its vocabulary (no Markov rows, as a chain head's) is its whole-vocabulary
     head's weights and d2t, so it is reduced anew over `d2t` just the same."""
-    rows = "markov_out.weight" in head.state_dict()
+    rows = getattr(head, "markov_out", None) is not None  # weights per draft token
     if getattr(head, "lm_head", None) is not None or (head.reduced_vocab and rows):
         raise ValueError("reduce_vocab takes a head over the target's whole vocabulary (or "
                          "a reduced one without weights of its own per draft token)")
