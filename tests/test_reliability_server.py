@@ -165,7 +165,8 @@ def test_up_to_20_logprobs_return_that_many_alternatives_and_21_is_refused(serve
     ("repetition_penalty", 0, "0"), ("logit_bias", {"5": 150}, "100"),
     ("logit_bias", {"abc": 1}, "token ids"), ("logit_bias", {"100000": 1}, "vocabulary"),
     ("logit_bias", {str(i): 1 for i in range(301)}, "300"), ("min_tokens", -1, "0"),
-    ("min_tokens", 5, "max_tokens"), ("prompt_logprobs", 21, "20"),
+    ("min_tokens", 5, "max_tokens"), ("prompt_logprobs", 21, "20"), ("min_p", 1.5, "1"),
+    ("min_p", -0.1, "0"),
 ])
 def test_sampling_controls_out_of_bounds_get_400_naming_the_field(server, field, value, word):
     r = _post(server, "/v1/completions", {**INNOCENT, "max_tokens": 2, field: value})
@@ -173,9 +174,23 @@ def test_sampling_controls_out_of_bounds_get_400_naming_the_field(server, field,
     assert word in err["message"], err
 
 
+def test_min_p_is_applied_on_both_endpoints(server, chat_server):
+    """min_p = 1 at a high temperature leaves only the likeliest token: greedy's tokens
+    (without it the same seed strays)."""
+    hot = {**INNOCENT, "temperature": 5.0, "logprobs": 0}
+    greedy = _tokens(_post(server, "/v1/completions", {**hot, "temperature": 0}))
+    assert _tokens(_post(server, "/v1/completions", {**hot, "min_p": 1.0})) == greedy
+    assert _tokens(_post(server, "/v1/completions", hot)) != greedy
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 5.0, "seed": 3, "ignore_eos": True}
+    text = lambda r: r.json()["choices"][0]["message"]["content"]  # noqa: E731
+    greedy = text(_post(chat_server, "/v1/chat/completions", {**chat, "temperature": 0}))
+    assert text(_post(chat_server, "/v1/chat/completions", {**chat, "min_p": 1.0})) == greedy
+
+
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("min_p", 0.1), ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
+    ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
 ])
 def test_unsupported_fields_get_400_naming_them(server, field, value):
     r = _post(server, "/v1/completions", {**INNOCENT, field: value})

@@ -1,5 +1,5 @@
 """Sampling controls on the device (runtime/controls.py): logit bias, min_tokens, repetition /
-frequency / presence penalties, applied inside the one sampling tail (spec.verify.emit) to
+frequency / presence penalties and min_p, applied inside the one sampling tail (spec.verify.emit) to
 every row, verify rows included; and top-N logprobs from the same tail."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from draftgraph.spec.verify import emit
 def controlled_ref(logits: torch.Tensor, prompt: list[int], outputs: list[int],
                    p: SamplingParams, stop_ids: list[int] = ()) -> torch.Tensor:
     """vLLM's order on one row of logits [V]: logit bias, min_tokens mask, repetition penalty
-    (prompt + output tokens), frequency and presence penalties (output tokens)."""
+    (prompt + output tokens), frequency and presence penalties (output tokens), then min_p
+    on the probabilities at the request's temperature."""
     x = logits.clone().double()
     for t, b in p.logit_bias.items():
         x[t] += b
@@ -34,6 +35,9 @@ def controlled_ref(logits: torch.Tensor, prompt: list[int], outputs: list[int],
     for t in set(outputs):
         c = outputs.count(t)
         x[t] -= p.frequency_penalty * c + p.presence_penalty
+    if p.min_p and p.temperature:
+        probs = torch.softmax(x / p.temperature, -1)
+        x[probs < p.min_p * probs.max()] = float("-inf")
     return x.float()
 
 
@@ -48,7 +52,8 @@ def _step_controls(tables, rows, params, prompt_lens):
                         f([p.frequency_penalty for p in params]),
                         f([p.repetition_penalty for p in params]),
                         torch.tensor([p.min_tokens for p in params]), torch.tensor(prompt_lens),
-                        torch.tensor([len(p.logit_bias) for p in params]))
+                        torch.tensor([len(p.logit_bias) for p in params]),
+                        f([p.min_p for p in params]), f([p.temperature for p in params]))
 
 
 def _admit(tables, row, seq, prompt_len, params, stop_ids):
@@ -60,8 +65,8 @@ def _admit(tables, row, seq, prompt_len, params, stop_ids):
 PARAMS = [
     SamplingParams(repetition_penalty=1.7, frequency_penalty=0.8, presence_penalty=-0.5,
                    logit_bias={3: 4.0, 9: -30.0}, min_tokens=6),
-    SamplingParams(frequency_penalty=1.5, presence_penalty=1.0),
-    SamplingParams(repetition_penalty=0.6, logit_bias={0: 2.5}),
+    SamplingParams(frequency_penalty=1.5, presence_penalty=1.0, min_p=0.3, temperature=0.5),
+    SamplingParams(repetition_penalty=0.6, logit_bias={0: 2.5}, min_p=0.1),
     SamplingParams(),  # no controls: unchanged
 ]
 
@@ -99,6 +104,8 @@ def test_controlled_logits_equal_the_reference_on_every_row(k) -> None:
                                  outs[b] + drafts[b, :j].tolist(), PARAMS[b], stop_ids[b])
             torch.testing.assert_close(got[b, j], ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[3], logits.view(bs, T, vocab)[3])  # no controls: unchanged
+    # min_p masked tokens of its rows (the test sees it), on every verify row
+    assert got[1].isinf().any(dim=-1).all() and got[2].isinf().any(dim=-1).all()
 
 
 def test_fold_counts_only_new_positions_and_is_bounded() -> None:
@@ -176,6 +183,19 @@ def test_min_tokens_masks_stop_tokens_until_reached(hf) -> None:
         out.token_ids
 
 
+def test_min_p_of_one_samples_only_the_likeliest_token(hf) -> None:
+    """min_p = 1 keeps only the tokens as likely as the likeliest: a sampled request at a high
+    temperature then emits greedy decoding's tokens, plain and speculative (drafts verified
+    against the min_p distribution); without min_p the same seed strays."""
+    greedy = tiny_engine(hf).generate([PROMPT], SamplingParams(
+        max_tokens=16, temperature=0, ignore_eos=True))[0].token_ids
+    hot = dict(max_tokens=16, temperature=5.0, seed=7, ignore_eos=True)
+    for spec in (None, SpecConfig(method="ngram", num_draft_tokens=3)):
+        engine = tiny_engine(hf, spec=spec)
+        assert engine.generate([PROMPT], SamplingParams(min_p=1.0, **hot))[0].token_ids == greedy
+        assert engine.generate([PROMPT], SamplingParams(**hot))[0].token_ids != greedy
+
+
 def test_controls_do_not_leak_into_batch_mates(hf) -> None:
     engine = tiny_engine(hf)
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -203,7 +223,8 @@ def test_sampling_controls_are_validated_naming_the_field() -> None:
     cases = [dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")),
              dict(repetition_penalty=0.0), dict(logit_bias={1: 101.0}),
              dict(logit_bias={-1: 1.0}), dict(logit_bias={i: 1.0 for i in range(301)}),
-             dict(min_tokens=65, max_tokens=64), dict(top_logprobs=21)]
+             dict(min_tokens=65, max_tokens=64), dict(top_logprobs=21), dict(min_p=1.5),
+             dict(min_p=-0.1)]
     for kw in cases:
         with pytest.raises(SamplingParamsError) as e:
             SamplingParams(**kw)
@@ -236,7 +257,7 @@ def _tv(tokens: torch.Tensor, p: torch.Tensor) -> float:
 def _sampled_round(k: int):
     """N requests sharing logits, prompt and controls; k point-mass drafts (token 2 first)."""
     params = SamplingParams(frequency_penalty=1.2, presence_penalty=0.3, repetition_penalty=1.5,
-                            logit_bias={4: 1.0})
+                            logit_bias={4: 1.0}, min_p=0.5)
     prompt = [1, 2]
     tables = _tables(VOCAB, N + 1, k + 1)
     tables.token_table[1:, :2] = torch.tensor(prompt)
@@ -264,6 +285,8 @@ def test_sampled_first_token_follows_the_processed_distribution() -> None:
     assert _tv(tokens[:, 0], target) < TV_THRESHOLD
     raw = torch.softmax(torch.tensor([0.5, 1.0, 1.5, 0.2, -0.3, 0.8]), -1)
     assert _tv(tokens[:, 0], raw) > 3 * TV_THRESHOLD  # the test sees the controls
+    # min_p 0.5 masks token 3 (0.45 of the likeliest's probability): never drawn
+    assert target[3] == 0 and not (tokens[:, 0] == 3).any()
 
 
 def test_rejection_sampling_verifies_against_the_processed_distribution(monkeypatch) -> None:
@@ -354,7 +377,8 @@ def test_gpu_extras_graphs_equal_the_eager_tail(spec) -> None:
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True,
                              top_logprobs=5, repetition_penalty=1.3, frequency_penalty=0.5,
                              logit_bias={9: 3.0}, min_tokens=4),
-              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)]
+              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True,
+                             min_p=0.05)]
     graph = engine(True)
     counts = graph.controls.token_counts.data_ptr()
     a = engine(False).generate(prompts, params)

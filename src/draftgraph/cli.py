@@ -51,6 +51,8 @@ def add_generate_args(g: argparse.ArgumentParser) -> None:
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     s.add_argument("--top-k", type=int, default=-1, help="-1 or 0 keeps every token")
+    s.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the likeliest one (0: off)")
     s.add_argument("--seed", type=int, default=None,
                    help="sampling seed (default: drawn from --engine-seed)")
     s.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
@@ -178,7 +180,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              f"{args.top_k}")
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
+            ignore_eos=args.ignore_eos,
         )
         config = engine_config_from_args(args)
         prompts = read_prompts(args)

@@ -497,7 +497,8 @@ class LLMEngine:
             num_logit_bias=[len(x.logit_bias) if x else 0 for x in p],
             presence_penalty=[x.presence_penalty if x else 0.0 for x in p],
             frequency_penalty=[x.frequency_penalty if x else 0.0 for x in p],
-            repetition_penalty=[x.repetition_penalty if x else 1.0 for x in p])
+            repetition_penalty=[x.repetition_penalty if x else 1.0 for x in p],
+            min_p=[x.min_p if x else 0.0 for x in p])
 
     # ---- async scheduling: launch step N + 1 before reading step N --------------------------
     # What step N emits stays on the device: the next step's last tokens are staged as
@@ -745,6 +746,7 @@ class LLMEngine:
             ints += [[r.req_pool_idx for r in reqs], lanes["min_tokens"], lanes["prompt_lens"],
                      lanes["num_logit_bias"]]
             floats += [lanes[f"{n}_penalty"] for n in ("presence", "frequency", "repetition")]
+            floats.append(lanes["min_p"])
         i64, f32 = _lanes_to(dev, ints, floats)
         extras = {}
         if with_extras:
@@ -752,7 +754,7 @@ class LLMEngine:
                 out_top_ids=torch.empty(bs, TOP_N_MAX, dtype=torch.int64, device=dev),
                 out_top_logprobs=torch.empty(bs, TOP_N_MAX, dtype=torch.float32, device=dev),
                 controls=StepControls(self.controls, i64[4], f32[2], f32[3], f32[4],
-                                      i64[5], i64[6], i64[7]))
+                                      i64[5], i64[6], i64[7], f32[5], f32[0]))
         tokens, _, lps = emit(
             logits, torch.zeros(bs, 0, dtype=torch.int64, device=dev), i64[0], None,
             f32[0], f32[1], i64[1], i64[2], i64[3], all(x.temperature == 0 for x in p),

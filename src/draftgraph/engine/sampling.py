@@ -82,6 +82,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    # tokens whose probability (at the temperature) is below min_p times the likeliest one's
+    # are not sampled (vLLM's min_p, before top-k / top-p); 0: off
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
@@ -144,6 +147,7 @@ class SamplingParams:
                                           f"(non-negative integers), got {t!r}")
             bias[tid] = _check_number("logit_bias", b, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
         self.logit_bias = bias
+        self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingParamsError("min_tokens", f"min_tokens must be an integer in "
                                       f"[0, max_tokens = {self.max_tokens}], got "
@@ -157,7 +161,8 @@ class SamplingParams:
     def has_controls(self) -> bool:
         """Any control that changes the distribution (runtime/controls.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
+                    or self.repetition_penalty != 1.0 or self.min_tokens
+                    or (self.min_p and self.temperature))
 
     @property
     def needs_extras(self) -> bool:

@@ -1,6 +1,6 @@
-"""Sampling controls on the device: logit bias, min_tokens, and repetition / frequency /
-presence penalties, applied to the logits of every row of a step (the 1 + k target rows of a
-verify step too), graph-safe.
+"""Sampling controls on the device: logit bias, min_tokens, repetition / frequency /
+presence penalties and min_p, applied to the logits of every row of a step (the 1 + k target
+rows of a verify step too), graph-safe.
 
 Per-request state lives in `ControlTables`, one row per request row (`req_pool_indices`):
 
@@ -19,8 +19,9 @@ one step can emit), so counts follow the emitted tokens with bounded work, and f
 
 Order (vLLM's): logit bias and the min_tokens mask, then the repetition penalty (prompt and
 output tokens: positive logits divided, negative multiplied), then frequency (x count) and
-presence (x [count > 0]) penalties (output tokens only). Temperature, top-k and top-p come
-after, in `runtime/sampling.processed_probs`.
+presence (x [count > 0]) penalties (output tokens only), then min_p at the row's temperature
+(a token less likely than min_p times the likeliest is masked). Temperature, top-k and top-p
+come after, in `runtime/sampling.processed_probs`.
 
 Verify rows: target row j decides the token after drafts 0..j-1, so its counts include them;
 `apply_controls` corrects the few entries those drafts touch (static shape [bs, 1 + k, k]), so
@@ -101,6 +102,8 @@ class StepControls:
     min_tokens: torch.Tensor  # [bs] int64: stop ids masked while fewer outputs exist
     prompt_lens: torch.Tensor  # [bs] int64
     num_logit_bias: torch.Tensor  # [bs] int64: entries of the row's bias table in use
+    min_p: torch.Tensor | None = None  # [bs] fp32, 0: off; None: no row asks
+    temperature: torch.Tensor | None = None  # [bs] fp32, the step's (min_p is taken at it)
 
 
 def _penalize(x: torch.Tensor, count: torch.Tensor, seen: torch.Tensor, rep: torch.Tensor,
@@ -156,4 +159,17 @@ def apply_controls(logits: torch.Tensor, ctl: StepControls, draft_tokens: torch.
         seen_d = seen.gather(1, d)[:, None, :] | (extra > 0)
         # equal drafts get equal values, so duplicate scatter indices agree
         x = x.scatter(2, idx, _penalize(before.gather(2, idx), c_d, seen_d, rep, freq, pres))
+    if ctl.min_p is not None:
+        x = _min_p(x, ctl.min_p, ctl.temperature)
     return x.reshape(bs * T, V)
+
+
+def _min_p(x: torch.Tensor, min_p: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """vLLM's min_p on logits x [bs, T, V]: token i of a row is masked (-inf) when its
+    probability at the request's temperature is below min_p times the row's likeliest token's,
+    exp((x_i - max) / t) < min_p, i.e. x_i - max < t ln(min_p). Rows with min_p 0 or
+    temperature 0 (greedy: the argmax is never masked anyway) keep every token."""
+    on = (min_p > 0) & (temperature > 0)
+    floor = torch.where(on, temperature * torch.log(min_p.clamp_min(1e-30)), float("-inf"))
+    gap = x - x.amax(dim=-1, keepdim=True)
+    return torch.where(gap < floor[:, None, None], float("-inf"), x)

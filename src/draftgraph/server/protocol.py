@@ -4,7 +4,7 @@ Types are strict (`max_tokens: true` or `"4"` is a 400 naming the field, not 1 o
 are finite, text is valid Unicode (a lone UTF-16 surrogate is a 400, not a crash in the
 tokenizer or the error handler); a field the OpenAI API lets be null takes null as its default.
 Unknown fields are ignored (clients send many optional ones), but fields of the OpenAI API this
-server does not implement (`tools`, `response_format`, `min_p`, `chat_template`, ...) are
+server does not implement (`tools`, `response_format`, `chat_template`, ...) are
 refused by name rather than silently ignored, and so are fields valid alone but not together
 (`stream_options` without `stream`, `top_logprobs` without `logprobs`).
 
@@ -12,9 +12,9 @@ Logprobs: `logprobs` (completions) / `top_logprobs` (chat) up to 20 alternatives
 the device; `echo` + `logprobs` scores the prompt too (null only for its first token), as does
 vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequency_penalty`
 ([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
-`min_tokens` (vLLM's), applied on the device (runtime/controls.py). Token ids: vLLM's
-`return_token_ids` adds the generated ids to each choice (a stream's chunks: the ids each one
-adds) and the prompt's ids once (serving.py says where).
+`min_tokens` and `min_p` ([0, 1]) (vLLM's), applied on the device (runtime/controls.py).
+Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
+the ids each one adds) and the prompt's ids once (serving.py says where).
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "web_search_options": (None,),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "min_p": (None, 0, 0.0),
     "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False),
     "guided_json": (None,),
@@ -117,13 +116,14 @@ class _SamplingRequest(BaseModel):
     # bounded by SamplingParams (errors then name `logit_bias`, not `logit_bias.<key>`)
     logit_bias: dict[StrictStr, Any] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    min_p: Annotated[Finite, Field(ge=0, le=1)] = 0.0  # vLLM's extra
     prompt_logprobs: NumLogprobs | None = None  # vLLM's extra
     return_token_ids: StrictBool = False  # vLLM's extra: output (and prompt) token ids
 
     # OpenAI (and vLLM) let these be null: null means the default, any other value is checked
     @field_validator("ignore_eos", "stream", "n", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "min_tokens", "return_token_ids", "echo", "logprobs",
-                     mode="before", check_fields=False)
+                     "repetition_penalty", "min_tokens", "min_p", "return_token_ids", "echo",
+                     "logprobs", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         return cls.model_fields[info.field_name].default if v is None else v
@@ -174,6 +174,7 @@ class _SamplingRequest(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             min_tokens=self.min_tokens,
+            min_p=self.min_p,
         )
 
     @property

@@ -53,7 +53,8 @@ def step_inputs(max_bs: int, k: int, controls: bool = False) -> Lanes:
     """controls: also the sampling controls' lanes (spec/extras.py, runtime/controls.py)."""
     extra = [Field("min_tokens"), Field("prompt_lens"), Field("num_logit_bias"),
              *(Field(f"{p}_penalty", dtype=torch.float32)
-               for p in ("presence", "frequency", "repetition"))] if controls else []
+               for p in ("presence", "frequency", "repetition")),
+             Field("min_p", dtype=torch.float32)] if controls else []
     return Lanes(max_bs, [
         Field("input_ids"), Field("req_pool_indices"), Field("seq_lens"), Field("max_draft"),
         Field("top_k"), Field("seeds"), Field("reserved_slots", 1 + 2 * k), Field("seq_limit"),
