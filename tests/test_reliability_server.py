@@ -191,6 +191,9 @@ def test_min_p_is_applied_on_both_endpoints(server, chat_server):
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
+    ("include_stop_str_in_output", True), ("truncate_prompt_tokens", 2),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["the"]), ("skip_special_tokens", False),
+    ("detokenize", False),
 ])
 def test_unsupported_fields_get_400_naming_them(server, field, value):
     r = _post(server, "/v1/completions", {**INNOCENT, field: value})
@@ -200,7 +203,8 @@ def test_unsupported_fields_get_400_naming_them(server, field, value):
 
 def test_unsupported_fields_with_their_off_value_and_unknown_fields_are_accepted(server):
     body = {**INNOCENT, "logprobs": 0, "tools": [], "logit_bias": {}, "user": "me",
-            "response_format": {"type": "text"}}
+            "response_format": {"type": "text"}, "include_stop_str_in_output": False,
+            "skip_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": []}
     assert _tokens(_post(server, "/v1/completions", body)) == \
         _tokens(_post(server, "/v1/completions", {**INNOCENT, "logprobs": 0}))
 
