@@ -191,7 +191,7 @@ def test_min_p_is_applied_on_both_endpoints(server, chat_server):
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
-    ("include_stop_str_in_output", True), ("truncate_prompt_tokens", 2),
+    ("truncate_prompt_tokens", 2),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["the"]), ("skip_special_tokens", False),
     ("detokenize", False),
 ])

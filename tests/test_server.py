@@ -133,6 +133,14 @@ def test_stop_string_cuts_the_text_before_it(client):
     streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
                                          temperature=0, stop=" 7,", stream=True)
     assert "".join(c.choices[0].text for c in streamed) == stopped.choices[0].text
+    # vLLM's include_stop_str_in_output keeps the stop string, streamed or not
+    kept = dict(extra_body=dict(include_stop_str_in_output=True))
+    with_stop = full[: full.index(" 7,") + 3]
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                     stop=[" 7,", " 9"], **kept).choices[0].text == with_stop
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                         temperature=0, stop=" 7,", stream=True, **kept)
+    assert "".join(c.choices[0].text for c in streamed) == with_stop
 
 
 def test_logprobs_of_sampled_tokens(client):

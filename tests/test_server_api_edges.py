@@ -22,7 +22,8 @@ BOTH = [(COMPLETIONS_PATH, COMPLETION), (CHAT_PATH, CHAT)]
 # fields OpenAI (or vLLM, for its extras) lets be null, on both endpoints
 NULLABLE = ["stream", "stream_options", "n", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "ignore_eos", "min_tokens", "min_p", "return_token_ids", "seed",
-            "stop", "stop_token_ids", "logit_bias", "prompt_logprobs", "logprobs", "echo"]
+            "stop", "stop_token_ids", "logit_bias", "prompt_logprobs", "logprobs", "echo",
+            "include_stop_str_in_output"]
 
 
 @pytest.fixture(scope="module")

@@ -843,10 +843,11 @@ class LLMEngine:
             # already) came before min_tokens
             if p.stop and delta and len(req.output_token_ids) >= p.min_tokens:
                 start = len(req.text) - len(delta) + 1
-                hits = [i for s in p.stop
+                hits = [(i, len(s)) for s in p.stop
                         if (i := req.text.find(s, max(0, start - len(s)))) >= 0]
                 if hits:
-                    req.text = req.text[: min(hits)]
+                    i, n = min(hits)  # the earliest; at one place, the shorter string
+                    req.text = req.text[: i + n if p.include_stop_str_in_output else i]
                     req.stop_string_hit = True
                     return "stop"
         if len(req.output_token_ids) >= p.max_tokens:

@@ -12,7 +12,8 @@ Logprobs: `logprobs` (completions) / `top_logprobs` (chat) up to 20 alternatives
 the device; `echo` + `logprobs` scores the prompt too (null only for its first token), as does
 vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequency_penalty`
 ([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
-`min_tokens` and `min_p` ([0, 1]) (vLLM's), applied on the device (runtime/controls.py).
+`min_tokens` and `min_p` ([0, 1]) (vLLM's), applied on the device (runtime/controls.py);
+`include_stop_str_in_output` (vLLM's) keeps the stop string a text ends at.
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
 the ids each one adds) and the prompt's ids once (serving.py says where).
 """
@@ -60,7 +61,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False),
     # vLLM's extras that change the text, the prompt or the tokens allowed
-    "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "detokenize": (None, True),
@@ -117,6 +117,7 @@ class _SamplingRequest(BaseModel):
     stop: Text | list[Text] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False  # vLLM's extra
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
@@ -132,9 +133,10 @@ class _SamplingRequest(BaseModel):
     return_token_ids: StrictBool = False  # vLLM's extra: output (and prompt) token ids
 
     # OpenAI (and vLLM) let these be null: null means the default, any other value is checked
-    @field_validator("ignore_eos", "stream", "n", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "min_tokens", "min_p", "return_token_ids", "echo",
-                     "logprobs", mode="before", check_fields=False)
+    @field_validator("ignore_eos", "include_stop_str_in_output", "stream", "n",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                     "min_p", "return_token_ids", "echo", "logprobs", mode="before",
+                     check_fields=False)
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         return cls.model_fields[info.field_name].default if v is None else v
@@ -177,6 +179,7 @@ class _SamplingRequest(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
