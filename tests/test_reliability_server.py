@@ -192,8 +192,7 @@ def test_min_p_is_applied_on_both_endpoints(server, chat_server):
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
     ("truncate_prompt_tokens", 2),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["the"]), ("skip_special_tokens", False),
-    ("detokenize", False),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["the"]), ("detokenize", False),
 ])
 def test_unsupported_fields_get_400_naming_them(server, field, value):
     r = _post(server, "/v1/completions", {**INNOCENT, field: value})

@@ -143,6 +143,19 @@ def test_stop_string_cuts_the_text_before_it(client):
     assert "".join(c.choices[0].text for c in streamed) == with_stop
 
 
+def test_special_tokens_are_in_the_text_only_when_asked(client):
+    """vLLM's skip_special_tokens: a generated special token (here <|im_end|>, biased to the
+    top and not a stop with ignore_eos) is left out of the text by default, written when the
+    request says false."""
+    im_end = 2
+    body = dict(model=MODEL, prompt="Hi", max_tokens=3, temperature=0,
+                extra_body=dict(ignore_eos=True, logit_bias={str(im_end): 100}))
+    default = client.completions.create(**body)
+    assert default.choices[0].text == ""
+    kept = dict(body, extra_body=dict(body["extra_body"], skip_special_tokens=False))
+    assert client.completions.create(**kept).choices[0].text == "<|im_end|>" * 3
+
+
 def test_logprobs_of_sampled_tokens(client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0,
                                   logprobs=1)

@@ -220,7 +220,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             from draftgraph.engine.detokenizer import IncrementalDetokenizer
 
-            detok = IncrementalDetokenizer(self.tokenizer, ids)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         req = Request(request_id, ids, params, seed, self.eos_token_ids, detok, arrival_time)
         with self._lock:
             self._inbox.append(("add", req))

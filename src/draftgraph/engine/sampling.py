@@ -75,6 +75,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string it hit
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per output token, 0..MAX_TOP_LOGPROBS (with logprobs)
     prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob + top N
@@ -119,7 +120,8 @@ class SamplingParams:
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids",
                                       "stop_token_ids must be non-negative integers")
-        for name in ("ignore_eos", "include_stop_str_in_output", "logprobs"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be true or false, "
                                           f"got {getattr(self, name)!r}")

@@ -13,7 +13,8 @@ the device; `echo` + `logprobs` scores the prompt too (null only for its first t
 vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequency_penalty`
 ([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
 `min_tokens` and `min_p` ([0, 1]) (vLLM's), applied on the device (runtime/controls.py);
-`include_stop_str_in_output` (vLLM's) keeps the stop string a text ends at.
+`include_stop_str_in_output` (vLLM's) keeps the stop string a text ends at,
+`skip_special_tokens` false (vLLM's) writes special tokens into the text.
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
 the ids each one adds) and the prompt's ids once (serving.py says where).
 """
@@ -61,7 +62,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "use_beam_search": (None, False),
     # vLLM's extras that change the text, the prompt or the tokens allowed
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "detokenize": (None, True),
     "truncate_prompt_tokens": (None,),
@@ -118,6 +118,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False  # vLLM's extra
+    skip_special_tokens: StrictBool = True  # vLLM's extra
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
@@ -133,7 +134,8 @@ class _SamplingRequest(BaseModel):
     return_token_ids: StrictBool = False  # vLLM's extra: output (and prompt) token ids
 
     # OpenAI (and vLLM) let these be null: null means the default, any other value is checked
-    @field_validator("ignore_eos", "include_stop_str_in_output", "stream", "n",
+    @field_validator("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "stream", "n",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                      "min_p", "return_token_ids", "echo", "logprobs", mode="before",
                      check_fields=False)
@@ -180,6 +182,7 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
