@@ -166,7 +166,8 @@ def test_up_to_20_logprobs_return_that_many_alternatives_and_21_is_refused(serve
     ("logit_bias", {"abc": 1}, "token ids"), ("logit_bias", {"100000": 1}, "vocabulary"),
     ("logit_bias", {str(i): 1 for i in range(301)}, "300"), ("min_tokens", -1, "0"),
     ("min_tokens", 5, "max_tokens"), ("prompt_logprobs", 21, "20"), ("min_p", 1.5, "1"),
-    ("min_p", -0.1, "0"),
+    ("min_p", -0.1, "0"), ("allowed_token_ids", [3, 100000], "vocabulary"),
+    ("allowed_token_ids", [], "1 to 1024"),
 ])
 def test_sampling_controls_out_of_bounds_get_400_naming_the_field(server, field, value, word):
     r = _post(server, "/v1/completions", {**INNOCENT, "max_tokens": 2, field: value})
@@ -188,11 +189,20 @@ def test_min_p_is_applied_on_both_endpoints(server, chat_server):
     assert text(_post(chat_server, "/v1/chat/completions", {**chat, "min_p": 1.0})) == greedy
 
 
+def test_allowed_token_ids_bound_what_is_emitted(server):
+    allowed = [7, 11, 13]
+    r = _post(server, "/v1/completions", {**INNOCENT, "logprobs": 0, "return_token_ids": True,
+                                          "allowed_token_ids": allowed})
+    assert r.status_code == 200, r.text
+    ids = r.json()["choices"][0]["token_ids"]
+    assert len(ids) == INNOCENT["max_tokens"] and set(ids) <= set(allowed)
+
+
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
     ("truncate_prompt_tokens", 2),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["the"]), ("detokenize", False),
+    ("bad_words", ["the"]), ("detokenize", False),
 ])
 def test_unsupported_fields_get_400_naming_them(server, field, value):
     r = _post(server, "/v1/completions", {**INNOCENT, field: value})

@@ -21,10 +21,14 @@ from draftgraph.spec.verify import emit
 
 def controlled_ref(logits: torch.Tensor, prompt: list[int], outputs: list[int],
                    p: SamplingParams, stop_ids: list[int] = ()) -> torch.Tensor:
-    """vLLM's order on one row of logits [V]: logit bias, min_tokens mask, repetition penalty
-    (prompt + output tokens), frequency and presence penalties (output tokens), then min_p
-    on the probabilities at the request's temperature."""
+    """vLLM's order on one row of logits [V]: allowed ids, logit bias, min_tokens mask,
+    repetition penalty (prompt + output tokens), frequency and presence penalties (output
+    tokens), then min_p on the probabilities at the request's temperature."""
     x = logits.clone().double()
+    if p.allowed_token_ids:
+        banned = torch.ones_like(x, dtype=torch.bool)
+        banned[p.allowed_token_ids] = False
+        x[banned] = float("-inf")
     for t, b in p.logit_bias.items():
         x[t] += b
     if len(outputs) < p.min_tokens:
@@ -53,20 +57,24 @@ def _step_controls(tables, rows, params, prompt_lens):
                         f([p.repetition_penalty for p in params]),
                         torch.tensor([p.min_tokens for p in params]), torch.tensor(prompt_lens),
                         torch.tensor([len(p.logit_bias) for p in params]),
-                        f([p.min_p for p in params]), f([p.temperature for p in params]))
+                        num_allowed=torch.tensor([len(p.allowed_token_ids or ()) for p in params]),
+                        min_p=f([p.min_p for p in params]),
+                        temperature=f([p.temperature for p in params]))
 
 
 def _admit(tables, row, seq, prompt_len, params, stop_ids):
     """Write a request's row the way the engine does, its tokens into the token table."""
     tables.token_table[row, : len(seq)] = torch.tensor(seq)
-    tables.admit(row, seq[:prompt_len], [], params.logit_bias, stop_ids)
+    tables.admit(row, seq[:prompt_len], [], params.logit_bias, stop_ids,
+                 params.allowed_token_ids or ())
 
 
 PARAMS = [
     SamplingParams(repetition_penalty=1.7, frequency_penalty=0.8, presence_penalty=-0.5,
                    logit_bias={3: 4.0, 9: -30.0}, min_tokens=6),
     SamplingParams(frequency_penalty=1.5, presence_penalty=1.0, min_p=0.3, temperature=0.5),
-    SamplingParams(repetition_penalty=0.6, logit_bias={0: 2.5}, min_p=0.1),
+    SamplingParams(repetition_penalty=0.6, logit_bias={0: 2.5}, min_p=0.1,
+                   allowed_token_ids=[0, 3, 5, 7, 9, 10]),
     SamplingParams(),  # no controls: unchanged
 ]
 
@@ -84,7 +92,8 @@ def test_controlled_logits_equal_the_reference_on_every_row(k) -> None:
     rows = [1, 2, 3, 4]
     for r, prompt, out, params, stops in zip(rows, prompts, outs, PARAMS, stop_ids,
                                              strict=True):
-        tables.admit(r, prompt, out[:-1], params.logit_bias, stops)
+        tables.admit(r, prompt, out[:-1], params.logit_bias, stops,
+                     params.allowed_token_ids or ())
     seqs = [p + o for p, o in zip(prompts, outs, strict=True)]
     for r, seq in zip(rows, seqs, strict=True):
         tables.token_table[r, : len(seq)] = torch.tensor(seq)
@@ -106,6 +115,8 @@ def test_controlled_logits_equal_the_reference_on_every_row(k) -> None:
     assert torch.equal(got[3], logits.view(bs, T, vocab)[3])  # no controls: unchanged
     # min_p masked tokens of its rows (the test sees it), on every verify row
     assert got[1].isinf().any(dim=-1).all() and got[2].isinf().any(dim=-1).all()
+    # and allowed_token_ids every other token, on every verify row
+    assert got[2][:, [1, 2, 4, 6, 8, 11]].isneginf().all()
 
 
 def test_fold_counts_only_new_positions_and_is_bounded() -> None:
@@ -196,6 +207,22 @@ def test_min_p_of_one_samples_only_the_likeliest_token(hf) -> None:
         assert engine.generate([PROMPT], SamplingParams(**hot))[0].token_ids != greedy
 
 
+def test_allowed_token_ids_are_all_a_request_emits(hf) -> None:
+    """vLLM's allowed_token_ids: greedy picks the likeliest allowed token at every step (a torch
+    loop's tokens), plain and speculative; a sampled request draws only allowed tokens."""
+    allowed = [4, 9, 17, 30, 41]
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                            allowed_token_ids=allowed)
+    ref = _reference_greedy(hf, PROMPT, greedy, 16)
+    assert set(ref) <= set(allowed) and len(set(ref)) > 1
+    for spec in (None, SpecConfig(method="ngram", num_draft_tokens=3)):
+        engine = tiny_engine(hf, spec=spec)
+        assert engine.generate([PROMPT], greedy)[0].token_ids == ref
+        sampled = engine.generate([PROMPT] * 4, SamplingParams(
+            max_tokens=16, temperature=1.0, seed=5, ignore_eos=True, allowed_token_ids=allowed))
+        assert all(set(o.token_ids) <= set(allowed) for o in sampled)
+
+
 def test_controls_do_not_leak_into_batch_mates(hf) -> None:
     engine = tiny_engine(hf)
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -224,7 +251,8 @@ def test_sampling_controls_are_validated_naming_the_field() -> None:
              dict(repetition_penalty=0.0), dict(logit_bias={1: 101.0}),
              dict(logit_bias={-1: 1.0}), dict(logit_bias={i: 1.0 for i in range(301)}),
              dict(min_tokens=65, max_tokens=64), dict(top_logprobs=21), dict(min_p=1.5),
-             dict(min_p=-0.1)]
+             dict(min_p=-0.1), dict(allowed_token_ids=[]), dict(allowed_token_ids=[-1]),
+             dict(allowed_token_ids=list(range(1025)))]
     for kw in cases:
         with pytest.raises(SamplingParamsError) as e:
             SamplingParams(**kw)
@@ -233,7 +261,9 @@ def test_sampling_controls_are_validated_naming_the_field() -> None:
 
 
 @pytest.mark.parametrize("param, kwargs", [("logit_bias", dict(logit_bias={64: 1.0})),
-                                           ("stop_token_ids", dict(stop_token_ids=[3, 64]))])
+                                           ("stop_token_ids", dict(stop_token_ids=[3, 64])),
+                                           ("allowed_token_ids",
+                                            dict(allowed_token_ids=[3, 64]))])
 def test_token_ids_past_the_vocabulary_are_refused(hf, param, kwargs) -> None:
     engine = tiny_engine(hf)
     with pytest.raises(SamplingParamsError, match="vocabulary size 64") as e:

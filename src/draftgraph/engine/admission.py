@@ -106,13 +106,15 @@ def check_fits_kv(engine, prompt_len: int, params: SamplingParams) -> None:
 
 def bound_params(engine, params: SamplingParams) -> SamplingParams:
     """Params with the model-dependent bounds applied (a copy when anything changes);
-    logit_bias keys and stop_token_ids must be token ids of the vocabulary; prompt logprobs
-    need one rank."""
+    logit_bias keys, stop_token_ids and allowed_token_ids must be token ids of the
+    vocabulary; prompt logprobs need one rank."""
     from draftgraph.engine.sampling import SamplingParamsError
 
     vocab = engine.model_config.vocab_size
     for name, ids, what in (("logit_bias", params.logit_bias, "logit_bias keys"),
-                            ("stop_token_ids", params.stop_token_ids, "stop_token_ids")):
+                            ("stop_token_ids", params.stop_token_ids, "stop_token_ids"),
+                            ("allowed_token_ids", params.allowed_token_ids or (),
+                             "allowed_token_ids")):
         bad = [t for t in ids if t >= vocab]
         if bad:
             raise SamplingParamsError(name, f"{what} must be token ids below the vocabulary "

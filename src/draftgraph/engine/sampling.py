@@ -14,7 +14,11 @@ from dataclasses import dataclass, field, replace
 from draftgraph.config import MAX_SEED
 
 # the device tables size these (min_tokens masks EOS and stop_token_ids: that many ids)
-from draftgraph.runtime.controls import MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
+from draftgraph.runtime.controls import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_MIN_TOKENS_STOP_IDS,
+)
 from draftgraph.spec.extras import TOP_N_MAX
 
 # NOTE: top_k is clamped to the vocabulary at admission (engine/admission.py); this bound only
@@ -87,6 +91,8 @@ class SamplingParams:
     # tokens whose probability (at the temperature) is below min_p times the likeliest one's
     # are not sampled (vLLM's min_p, before top-k / top-p); 0: off
     min_p: float = 0.0
+    # vLLM's: the only tokens the request may emit (greedy or sampled); None: any
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
@@ -151,6 +157,14 @@ class SamplingParams:
             bias[tid] = _check_number("logit_bias", b, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
         self.logit_bias = bias
         self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS \
+                    or any(not _is_int(t) or t < 0 for t in ids):
+                raise SamplingParamsError(
+                    "allowed_token_ids", f"allowed_token_ids must be 1 to "
+                    f"{MAX_ALLOWED_TOKEN_IDS} token ids (non-negative integers)")
+            self.allowed_token_ids = sorted(set(ids))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingParamsError("min_tokens", f"min_tokens must be an integer in "
                                       f"[0, max_tokens = {self.max_tokens}], got "
@@ -165,7 +179,7 @@ class SamplingParams:
         """Any control that changes the distribution (runtime/controls.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.min_tokens
-                    or (self.min_p and self.temperature))
+                    or (self.min_p and self.temperature) or self.allowed_token_ids)
 
     @property
     def needs_extras(self) -> bool:

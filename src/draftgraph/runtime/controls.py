@@ -1,6 +1,6 @@
-"""Sampling controls on the device: logit bias, min_tokens, repetition / frequency /
-presence penalties and min_p, applied to the logits of every row of a step (the 1 + k target
-rows of a verify step too), graph-safe.
+"""Sampling controls on the device: allowed token ids, logit bias, min_tokens, repetition /
+frequency / presence penalties and min_p, applied to the logits of every row of a step (the
+1 + k target rows of a verify step too), graph-safe.
 
 Per-request state lives in `ControlTables`, one row per request row (`req_pool_indices`):
 
@@ -10,6 +10,8 @@ Per-request state lives in `ControlTables`, one row per request row (`req_pool_i
   bias_ids     [rows, MAX_LOGIT_BIAS] int64, bias_values [rows, MAX_LOGIT_BIAS] fp32
   stop_ids     [rows, MAX_MIN_TOKENS_STOP_IDS] int64: tokens masked until min_tokens is reached
                                  (EOS and the request's stop_token_ids), -1 padding
+  allowed_ids  [rows, MAX_ALLOWED_TOKEN_IDS] int64: the only tokens a request may emit
+                                 (vLLM's allowed_token_ids), -1 padding
 
 `admit` writes a row on the host once, when a request gets its row (first schedule, or again
 after a preemption); no step rebuilds anything on the host. Each controlled step first `fold`s
@@ -17,11 +19,11 @@ the positions the token table gained since the last one (at most `fold_width` = 
 one step can emit), so counts follow the emitted tokens with bounded work, and folding twice
 (a step re-run after a failure) adds nothing.
 
-Order (vLLM's): logit bias and the min_tokens mask, then the repetition penalty (prompt and
-output tokens: positive logits divided, negative multiplied), then frequency (x count) and
-presence (x [count > 0]) penalties (output tokens only), then min_p at the row's temperature
-(a token less likely than min_p times the likeliest is masked). Temperature, top-k and top-p
-come after, in `runtime/sampling.processed_probs`.
+Order (vLLM's): the allowed_token_ids mask, logit bias and the min_tokens mask, then the
+repetition penalty (prompt and output tokens: positive logits divided, negative multiplied),
+then frequency (x count) and presence (x [count > 0]) penalties (output tokens only), then
+min_p at the row's temperature (a token less likely than min_p times the likeliest is
+masked). Temperature, top-k and top-p come after, in `runtime/sampling.processed_probs`.
 
 Verify rows: target row j decides the token after drafts 0..j-1, so its counts include them;
 `apply_controls` corrects the few entries those drafts touch (static shape [bs, 1 + k, k]), so
@@ -38,6 +40,7 @@ PROMPT_FLAG = 1 << 24  # added once to the count of a token that is in the promp
 COUNT_MASK = PROMPT_FLAG - 1
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI caps it about there)
 MAX_MIN_TOKENS_STOP_IDS = 64  # EOS + stop_token_ids that min_tokens can hold back
+MAX_ALLOWED_TOKEN_IDS = 1024  # allowed_token_ids per request
 
 
 class ControlTables:
@@ -54,11 +57,14 @@ class ControlTables:
                                        device=device)
         self.stop_ids = torch.full((num_rows, MAX_MIN_TOKENS_STOP_IDS), -1, dtype=torch.int64,
                                    device=device)
+        self.allowed_ids = torch.full((num_rows, MAX_ALLOWED_TOKEN_IDS), -1,
+                                      dtype=torch.int64, device=device)
 
     def admit(self, row: int, prompt_ids: list[int], output_ids: list[int],
-              logit_bias: dict[int, float], stop_ids: list[int]) -> None:
+              logit_bias: dict[int, float], stop_ids: list[int],
+              allowed_ids: list[int] = ()) -> None:
         """A request's row, written once (host): prompt flags, the counts of the outputs it
-        already has (after a preemption), its bias and min_tokens stop ids."""
+        already has (after a preemption), its bias, min_tokens stop ids and allowed ids."""
         dev = self.token_counts.device
         counts = torch.zeros(self.vocab, dtype=torch.int32)
         counts[torch.tensor(prompt_ids, dtype=torch.int64)] = PROMPT_FLAG
@@ -76,6 +82,9 @@ class ControlTables:
         stops = torch.full((MAX_MIN_TOKENS_STOP_IDS,), -1, dtype=torch.int64)
         stops[: len(stop_ids)] = torch.tensor(sorted(stop_ids), dtype=torch.int64)
         self.stop_ids[row].copy_(stops.to(dev))
+        allowed = torch.full((MAX_ALLOWED_TOKEN_IDS,), -1, dtype=torch.int64)
+        allowed[: len(allowed_ids)] = torch.tensor(sorted(allowed_ids), dtype=torch.int64)
+        self.allowed_ids[row].copy_(allowed.to(dev))
 
     def fold(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Count the token-table positions [counted_lens, seq_lens) of each row (at most
@@ -102,6 +111,7 @@ class StepControls:
     min_tokens: torch.Tensor  # [bs] int64: stop ids masked while fewer outputs exist
     prompt_lens: torch.Tensor  # [bs] int64
     num_logit_bias: torch.Tensor  # [bs] int64: entries of the row's bias table in use
+    num_allowed: torch.Tensor | None = None  # [bs] int64: allowed ids in use, 0: every token
     min_p: torch.Tensor | None = None  # [bs] fp32, 0: off; None: no row asks
     temperature: torch.Tensor | None = None  # [bs] fp32, the step's (min_p is taken at it)
 
@@ -126,6 +136,12 @@ def apply_controls(logits: torch.Tensor, ctl: StepControls, draft_tokens: torch.
     t = ctl.tables
     rows = ctl.req_pool_indices
     x = logits.view(bs, T, V)
+    if ctl.num_allowed is not None:  # allowed_token_ids: every other token masked
+        allowed = t.allowed_ids[rows]  # [bs, A], -1 padding
+        keep = torch.zeros(bs, V + 1, dtype=torch.bool, device=x.device)
+        keep.scatter_(1, torch.where(allowed >= 0, allowed, V).clamp_max(V), True)
+        keep = keep[:, :V] | (ctl.num_allowed == 0)[:, None]
+        x = torch.where(keep[:, None, :], x, float("-inf"))
     # logit bias: unique ids per row; padding goes to a spare column V
     slot = torch.arange(t.bias_ids.shape[1], device=rows.device)[None, :]
     bias_ids = torch.where(slot < ctl.num_logit_bias[:, None], t.bias_ids[rows], V)

@@ -12,7 +12,8 @@ Logprobs: `logprobs` (completions) / `top_logprobs` (chat) up to 20 alternatives
 the device; `echo` + `logprobs` scores the prompt too (null only for its first token), as does
 vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequency_penalty`
 ([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
-`min_tokens` and `min_p` ([0, 1]) (vLLM's), applied on the device (runtime/controls.py);
+`min_tokens`, `min_p` ([0, 1]) and `allowed_token_ids` (at most 1024; vLLM's), applied on the
+device (runtime/controls.py);
 `include_stop_str_in_output` (vLLM's) keeps the stop string a text ends at,
 `skip_special_tokens` false (vLLM's) writes special tokens into the text.
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
@@ -65,7 +66,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "spaces_between_special_tokens": (None, True),
     "detokenize": (None, True),
     "truncate_prompt_tokens": (None,),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
@@ -119,6 +119,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False  # vLLM's extra
     skip_special_tokens: StrictBool = True  # vLLM's extra
+    allowed_token_ids: TokenIds | None = None  # vLLM's extra
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
@@ -183,6 +184,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
