@@ -13,9 +13,8 @@ the device; `echo` + `logprobs` scores the prompt too (null only for its first t
 vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequency_penalty`
 ([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
 `min_tokens`, `min_p` ([0, 1]) and `allowed_token_ids` (at most 1024; vLLM's), applied on the
-device (runtime/controls.py);
-`include_stop_str_in_output` (vLLM's) keeps the stop string a text ends at,
-`skip_special_tokens` false (vLLM's) writes special tokens into the text.
+device (runtime/controls.py). Text: `include_stop_str_in_output` (vLLM's) keeps the stop
+string a text ends at, `skip_special_tokens` false (vLLM's) writes special tokens into it.
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
 the ids each one adds) and the prompt's ids once (serving.py says where).
 """
@@ -136,9 +135,8 @@ class _SamplingRequest(BaseModel):
 
     # OpenAI (and vLLM) let these be null: null means the default, any other value is checked
     @field_validator("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "stream", "n",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                     "min_p", "return_token_ids", "echo", "logprobs", mode="before",
+                     "stream", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "min_tokens", "min_p", "return_token_ids", "echo", "logprobs", mode="before",
                      check_fields=False)
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
