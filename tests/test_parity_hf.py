@@ -127,6 +127,20 @@ def test_smollm2_chat_template_renders_im_start_structure(ours):
     assert not tok.render_chat(msgs, add_generation_prompt=False).endswith("assistant\n")
 
 
+@pytest.mark.parametrize("reply", ["1, 2, 3,", "def f(x):\n    return ", "  Sure  "])
+def test_continue_final_message_renders_as_transformers_does(ours, hf_tokenizer, reply):
+    """The last message continued (vLLM's continue_final_message): the text ends after its
+    content, as transformers renders it."""
+    msgs = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": reply}]
+    text = ours.tokenizer.render_chat(msgs, add_generation_prompt=False,
+                                      continue_final_message=True)
+    assert text == hf_tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                    continue_final_message=True)
+    assert text.endswith(reply)  # this template keeps the content as it is
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        ours.tokenizer.render_chat(msgs, continue_final_message=True)
+
+
 def test_smollm2_stops_on_im_end(ours):
     tok = ours.tokenizer
     assert tok.convert_ids_to_tokens([2]) == ["<|im_end|>"]

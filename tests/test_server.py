@@ -370,6 +370,28 @@ def test_tokenizer_info_gives_what_lm_evals_remote_tokenizer_reads(server, loade
     assert ids == [tok.hf.eos_token_id] and ids[0] in tok.eos_token_ids
 
 
+def test_chat_continues_the_final_message_when_asked(server, loaded):
+    """vLLM's continue_final_message: the reply continues the assistant message the client
+    began (the prompt is the template's text cut after it, as /tokenize gives it), and its
+    completion of those ids is the same; add_generation_prompt must be false with it."""
+    base = server.base_url
+    msgs = [{"role": "user", "content": "Count from 1 to 10."},
+            {"role": "assistant", "content": "1, 2, 3,"}]
+    how = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(base + "/tokenize", json={"messages": msgs, **how}).json()["tokens"]
+    assert loaded.tokenizer.decode(ids).endswith("assistant\n1, 2, 3,")
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    chat = httpx.post(base + "/v1/chat/completions", json={**body, "messages": msgs, **how})
+    assert chat.status_code == 200, chat.text
+    done = httpx.post(base + "/v1/completions", json={**body, "prompt": ids}).json()
+    assert chat.json()["choices"][0]["message"]["content"] == done["choices"][0]["text"]
+    assert chat.json()["usage"]["prompt_tokens"] == len(ids)
+    both = httpx.post(base + "/v1/chat/completions",
+                      json={**body, "messages": msgs, "continue_final_message": True})
+    assert both.status_code == 400
+    assert both.json()["error"]["param"] == "continue_final_message"
+
+
 def test_tokenize_detokenize_version_and_ping_routes(server, loaded):
     base = server.base_url
     text = "The capital of France is"

@@ -155,7 +155,6 @@ def test_chat_messages_with_empty_text_or_no_tool_calls_are_accepted(server):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("add_generation_prompt", False), ("continue_final_message", True),
     ("chat_template", "{{ messages[0]['content'] }}"),
     ("chat_template_kwargs", {"enable_thinking": False}), ("echo", True),
 ])

@@ -128,11 +128,14 @@ def bound_params(engine, params: SamplingParams) -> SamplingParams:
 
 
 def encode_prompt(engine, prompt: str | list[int] | list[dict], use_chat_template: bool = True,
-                  add_special_tokens: bool | None = None) -> list[int]:
+                  add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> list[int]:
     """Token ids of a prompt given as text, token ids, or chat messages. Text that cannot fit
     the context is refused before it is tokenised; tokenising releases the GIL.
     add_special_tokens: whether the tokenizer adds its own (a BOS, for Llama 3); None: for
-    plain text yes, for a chat template's text no (the template writes them)."""
+    plain text yes, for a chat template's text no (the template writes them).
+    add_generation_prompt / continue_final_message: how chat messages end
+    (`Tokenizer.render_chat`)."""
     import os
 
     from draftgraph.engine.errors import EngineError
@@ -161,7 +164,7 @@ def encode_prompt(engine, prompt: str | list[int] | list[dict], use_chat_templat
             if not prompt:
                 raise EngineError("messages must not be empty")
             check_messages(engine, prompt)
-            text = tokenizer.render_chat(prompt, add_generation_prompt=True)
+            text = tokenizer.render_chat(prompt, add_generation_prompt, continue_final_message)
         else:
             check_text(engine, prompt, "prompt")
             text = (tokenizer.render_chat([{"role": "user", "content": prompt}],

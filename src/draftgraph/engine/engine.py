@@ -187,13 +187,14 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict],
-                      use_chat_template: bool = True,
-                      add_special_tokens: bool | None = None) -> list[int]:
+                      use_chat_template: bool = True, add_special_tokens: bool | None = None,
+                      **chat) -> list[int]:
         """Token ids of a prompt given as text, token ids, or chat messages
-        (`admission.encode_prompt`)."""
+        (`admission.encode_prompt`; chat: add_generation_prompt, continue_final_message)."""
         from draftgraph.engine import admission
 
-        return admission.encode_prompt(self, prompt, use_chat_template, add_special_tokens)
+        return admission.encode_prompt(self, prompt, use_chat_template, add_special_tokens,
+                                       **chat)
 
     def add_request(self, prompt: str | list[int] | list[dict],
                     params: SamplingParams | None = None, request_id: str | None = None,

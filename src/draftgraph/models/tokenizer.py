@@ -54,13 +54,37 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered to text (it writes BOS itself where the model wants one)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The chat template rendered to text (it writes BOS itself where the model wants one).
+        continue_final_message (vLLM's / transformers'): the text ends inside the last message,
+        right after its content (whatever the template writes after it, an end-of-turn token,
+        is cut), so generation continues that message: an assistant reply begun by the
+        client. Not with add_generation_prompt."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain "
                              "completion prompt instead of chat messages")
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+        if not continue_final_message:
+            return self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each "
+                             "other: set add_generation_prompt to false")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=False,
                                            tokenize=False)
+        last = messages[-1].get("content")
+        if not isinstance(last, str) or not last.strip():
+            raise ValueError("continue_final_message needs a last message with text to continue")
+        # the template may strip the content's surrounding spaces: find it stripped, then keep
+        # its trailing spaces only where the template kept them
+        core = last.strip()
+        at = text.rfind(core)
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template does not write the last "
+                             "message's content as it is, so there is no place to continue it")
+        body = last.lstrip()
+        end = at + (len(body) if text.startswith(body, at) else len(core))
+        return text[:end]
 
     def apply_chat_template(self, messages: list[dict],
                             add_generation_prompt: bool = True) -> list[int]:

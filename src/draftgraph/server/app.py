@@ -195,15 +195,16 @@ class OpenAIServer:
                            param=param)
 
     def encode(self, prompt, use_chat_template: bool,
-               add_special_tokens: bool | None = None) -> list[int]:
-        """Token ids of a prompt (runs on a worker thread)."""
+               add_special_tokens: bool | None = None, **chat) -> list[int]:
+        """Token ids of a prompt (runs on a worker thread; chat: how messages end,
+        `admission.encode_prompt`)."""
         import jinja2
 
         param = ("messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
                  else "prompt")
         try:
             return self.engine.encode_prompt(prompt, use_chat_template=use_chat_template,
-                                             add_special_tokens=add_special_tokens)
+                                             add_special_tokens=add_special_tokens, **chat)
         except (EngineError, jinja2.TemplateError, ValueError) as e:
             raise APIError(400, _safe_str(e), param=param) from None
 
@@ -399,7 +400,9 @@ class OpenAIServer:
         model = self.check_model(body.model)
         self.check_queue_fits(body.n, "n")
         messages = body.chat_messages()
-        ids = await self.run_blocking(lambda: self.encode(messages, use_chat_template=True))
+        ids = await self.run_blocking(lambda: self.encode(
+            messages, use_chat_template=True, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message))
         params = self.sampling_params(body, len(ids), body.requested_max_tokens,
                                       body.max_tokens_param)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -778,8 +781,10 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
             raise APIError(400, str(e), param="prompt") from None
         if server.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (random weights)", param="prompt")
+        how = dict(add_generation_prompt=body.add_generation_prompt,
+                   continue_final_message=body.continue_final_message) if chat else {}
         ids = await server.run_blocking(lambda: server.encode(
-            prompt, use_chat_template=chat, add_special_tokens=body.add_special_tokens))
+            prompt, use_chat_template=chat, add_special_tokens=body.add_special_tokens, **how))
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}
 
     @app.get("/tokenizer_info")

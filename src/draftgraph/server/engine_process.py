@@ -374,10 +374,11 @@ class EngineClient:
 
     # ---- what the server reads ---------------------------------------------------------
     def encode_prompt(self, prompt, use_chat_template: bool = True,
-                      add_special_tokens: bool | None = None) -> list[int]:
+                      add_special_tokens: bool | None = None, **chat) -> list[int]:
         from draftgraph.engine import admission
 
-        return admission.encode_prompt(self, prompt, use_chat_template, add_special_tokens)
+        return admission.encode_prompt(self, prompt, use_chat_template, add_special_tokens,
+                                       **chat)
 
     def num_running(self) -> int:
         return self._counts[0]

@@ -74,9 +74,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
-    # chat: the prompt is the messages through the model's own template, ready for a reply
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
+    # chat: the prompt is the messages through the model's own template
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "echo": (None, False),  # a field of completions, not of chat
@@ -277,6 +275,10 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Count | None = None  # deprecated alias in the OpenAI API
     logprobs: StrictBool = False
     top_logprobs: NumLogprobs | None = None
+    # vLLM's: the template's reply opening after the messages (default), or none and the last
+    # message continued (an assistant reply begun by the client)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -294,6 +296,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def conflicting_field(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs is only allowed when logprobs is true"
+        if self.continue_final_message and self.add_generation_prompt:
+            return ("continue_final_message", "continue_final_message continues the last "
+                    "message: set add_generation_prompt to false with it")
         return super().conflicting_field()
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -305,12 +310,15 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt (text, chat template off) or chat messages (template on).
     add_special_tokens (vLLM's): whether the tokenizer adds its own (a BOS, for Llama 3);
-    by default yes for a prompt, no for messages (the template writes them)."""
+    by default yes for a prompt, no for messages (the template writes them).
+    add_generation_prompt / continue_final_message: as for chat completions."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: Messages | None = None
     add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
     def target(self) -> tuple[str | list[dict[str, Any]], bool]:
         if (self.prompt is None) == (self.messages is None):
