@@ -201,7 +201,6 @@ def test_allowed_token_ids_bound_what_is_emitted(server):
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
-    ("truncate_prompt_tokens", 2),
     ("bad_words", ["the"]), ("detokenize", False),
 ])
 def test_unsupported_fields_get_400_naming_them(server, field, value):

@@ -252,7 +252,7 @@ def test_sampling_controls_are_validated_naming_the_field() -> None:
              dict(logit_bias={-1: 1.0}), dict(logit_bias={i: 1.0 for i in range(301)}),
              dict(min_tokens=65, max_tokens=64), dict(top_logprobs=21), dict(min_p=1.5),
              dict(min_p=-0.1), dict(allowed_token_ids=[]), dict(allowed_token_ids=[-1]),
-             dict(allowed_token_ids=list(range(1025)))]
+             dict(allowed_token_ids=list(range(1025))), dict(truncate_prompt_tokens=0)]
     for kw in cases:
         with pytest.raises(SamplingParamsError) as e:
             SamplingParams(**kw)

@@ -392,6 +392,35 @@ def test_chat_continues_the_final_message_when_asked(server, loaded):
     assert both.json()["error"]["param"] == "continue_final_message"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, loaded):
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens run (usage counts N, echo
+    writes them, the output is the completion of those ids); a text too long for the context
+    is accepted when it is truncated; chat messages are truncated after the template."""
+    base = server.base_url
+    body = {"model": MODEL, "max_tokens": 5, "temperature": 0}
+    text = "The capital of France is Paris. The capital of Italy is"
+    ids = loaded.tokenizer.encode(text)
+    r = httpx.post(base + "/v1/completions",
+                   json={**body, "prompt": text, "truncate_prompt_tokens": 4, "echo": True})
+    assert r.status_code == 200, r.text
+    tail = loaded.tokenizer.decode(ids[-4:])
+    same = httpx.post(base + "/v1/completions", json={**body, "prompt": ids[-4:]}).json()
+    assert r.json()["usage"]["prompt_tokens"] == 4
+    assert r.json()["choices"][0]["text"] == tail + same["choices"][0]["text"]
+    long = "word " * 60_000  # past what a 2048-token context can hold, unless truncated
+    assert httpx.post(base + "/v1/completions", json={**body, "prompt": long}).status_code == 400
+    r = httpx.post(base + "/v1/completions",
+                   json={**body, "prompt": long, "truncate_prompt_tokens": 16})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 16
+    r = httpx.post(base + "/v1/chat/completions", json={
+        **body, "messages": [{"role": "user", "content": text}], "truncate_prompt_tokens": 6})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 6
+    bad = httpx.post(base + "/v1/completions",
+                     json={**body, "prompt": text, "truncate_prompt_tokens": -1})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_tokenize_detokenize_version_and_ping_routes(server, loaded):
     base = server.base_url
     text = "The capital of France is"

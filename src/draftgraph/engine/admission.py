@@ -59,11 +59,13 @@ def check_prompt_chars(engine, num_chars: int, what: str = "prompt") -> None:
                           f"(at most {limit} characters)")
 
 
-def check_text(engine, text: str, what: str) -> None:
-    """A prompt text that can be tokenised: not too long for the context, valid Unicode."""
+def check_text(engine, text: str, what: str, length: bool = True) -> None:
+    """A prompt text that can be tokenised: not too long for the context (unless `length` is
+    false: a prompt that will be truncated), valid Unicode."""
     from draftgraph.engine.errors import EngineError
 
-    check_prompt_chars(engine, len(text), what)
+    if length:
+        check_prompt_chars(engine, len(text), what)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -71,13 +73,15 @@ def check_text(engine, text: str, what: str) -> None:
                           f"{e.start}") from None
 
 
-def check_messages(engine, messages: list[dict]) -> None:
-    """Chat messages whose contents pass `check_text`, their total length bounded too."""
+def check_messages(engine, messages: list[dict], length: bool = True) -> None:
+    """Chat messages whose contents pass `check_text`, their total length bounded too (unless
+    `length` is false)."""
     contents = [m.get("content") for m in messages]
     texts = [c for c in contents if isinstance(c, str)]
-    check_prompt_chars(engine, sum(len(t) for t in texts), "messages")
+    if length:
+        check_prompt_chars(engine, sum(len(t) for t in texts), "messages")
     for t in texts:
-        check_text(engine, t, "messages")
+        check_text(engine, t, "messages", length)
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -129,13 +133,16 @@ def bound_params(engine, params: SamplingParams) -> SamplingParams:
 
 def encode_prompt(engine, prompt: str | list[int] | list[dict], use_chat_template: bool = True,
                   add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False) -> list[int]:
+                  continue_final_message: bool = False, truncate: int | None = None
+                  ) -> list[int]:
     """Token ids of a prompt given as text, token ids, or chat messages. Text that cannot fit
     the context is refused before it is tokenised; tokenising releases the GIL.
     add_special_tokens: whether the tokenizer adds its own (a BOS, for Llama 3); None: for
     plain text yes, for a chat template's text no (the template writes them).
     add_generation_prompt / continue_final_message: how chat messages end
-    (`Tokenizer.render_chat`)."""
+    (`Tokenizer.render_chat`). truncate: keep the last `truncate` tokens (vLLM's
+    truncate_prompt_tokens); the text is then not refused for its length before tokenising
+    (the HTTP body limit bounds it)."""
     import os
 
     from draftgraph.engine.errors import EngineError
@@ -163,14 +170,16 @@ def encode_prompt(engine, prompt: str | list[int] | list[dict], use_chat_templat
         if isinstance(prompt, list):
             if not prompt:
                 raise EngineError("messages must not be empty")
-            check_messages(engine, prompt)
+            check_messages(engine, prompt, length=truncate is None)
             text = tokenizer.render_chat(prompt, add_generation_prompt, continue_final_message)
         else:
-            check_text(engine, prompt, "prompt")
+            check_text(engine, prompt, "prompt", length=truncate is None)
             text = (tokenizer.render_chat([{"role": "user", "content": prompt}],
                                           add_generation_prompt=True)
                     if templated else prompt)
         ids = encode_text(tokenizer, text, add_special_tokens=special)
+    if truncate is not None:
+        ids = ids[-truncate:]
     if not ids:
         raise EngineError("prompt is empty")
     if len(ids) >= engine.max_model_len:
@@ -185,7 +194,8 @@ def admit(engine, prompt, params: SamplingParams,
     """(token ids, bounded params) of a request that can run, or EngineError /
     SamplingParamsError saying why not: the checks every request passes before it is queued,
     by the engine itself or by a server whose engine runs in another process."""
-    ids = encode_prompt(engine, prompt, use_chat_template)
+    ids = encode_prompt(engine, prompt, use_chat_template,
+                        truncate=params.truncate_prompt_tokens)
     params = bound_params(engine, params)
     check_fits_kv(engine, len(ids), params)
     return ids, params

@@ -93,6 +93,8 @@ class SamplingParams:
     min_p: float = 0.0
     # vLLM's: the only tokens the request may emit (greedy or sampled); None: any
     allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the prompt's last N tokens (left truncation); None: the whole prompt
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
@@ -157,6 +159,10 @@ class SamplingParams:
             bias[tid] = _check_number("logit_bias", b, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
         self.logit_bias = bias
         self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
+        n = self.truncate_prompt_tokens
+        if n is not None and (not _is_int(n) or not 1 <= n <= MAX_TOKENS):
+            raise SamplingParamsError("truncate_prompt_tokens", "truncate_prompt_tokens must be "
+                                      f"a number of tokens to keep, at least 1, got {n!r}")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS \

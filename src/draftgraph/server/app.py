@@ -322,9 +322,12 @@ class OpenAIServer:
                            "(the prompt scored, with logprobs)", param="max_tokens")
         tok = self.engine.tokenizer
 
+        cut = body.truncate_prompt_tokens
+
         def prepare() -> tuple[list[list[int]], list[str]]:
-            encoded = [self.encode(p, use_chat_template=False) for p in prompts]
-            texts = [p if isinstance(p, str) else
+            encoded = [self.encode(p, use_chat_template=False, truncate=cut) for p in prompts]
+            # echo writes the prompt as it ran: decoded where it was truncated
+            texts = [p if isinstance(p, str) and cut is None else
                      (tok.decode(ids) if tok is not None and body.echo else "")
                      for p, ids in zip(prompts, encoded, strict=True)]
             return encoded, texts
@@ -402,7 +405,8 @@ class OpenAIServer:
         messages = body.chat_messages()
         ids = await self.run_blocking(lambda: self.encode(
             messages, use_chat_template=True, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message))
+            continue_final_message=body.continue_final_message,
+            truncate=body.truncate_prompt_tokens))
         params = self.sampling_params(body, len(ids), body.requested_max_tokens,
                                       body.max_tokens_param)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -14,7 +14,8 @@ vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequenc
 ([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
 `min_tokens`, `min_p` ([0, 1]) and `allowed_token_ids` (at most 1024; vLLM's), applied on the
 device (runtime/controls.py). Text: `include_stop_str_in_output` (vLLM's) keeps the stop
-string a text ends at, `skip_special_tokens` false (vLLM's) writes special tokens into it.
+string a text ends at, `skip_special_tokens` false (vLLM's) writes special tokens into it;
+`truncate_prompt_tokens` (vLLM's) keeps a prompt's last N tokens.
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
 the ids each one adds) and the prompt's ids once (serving.py says where).
 """
@@ -64,7 +65,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # vLLM's extras that change the text, the prompt or the tokens allowed
     "spaces_between_special_tokens": (None, True),
     "detokenize": (None, True),
-    "truncate_prompt_tokens": (None,),
     "bad_words": (None, []),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
@@ -117,6 +117,9 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: StrictBool = False  # vLLM's extra
     skip_special_tokens: StrictBool = True  # vLLM's extra
     allowed_token_ids: TokenIds | None = None  # vLLM's extra
+    # vLLM's extra: keep the prompt's last N tokens (its -1, "the model's length", is refused:
+    # a prompt that long leaves no room to generate)
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
@@ -181,6 +184,7 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
