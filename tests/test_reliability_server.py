@@ -201,7 +201,7 @@ def test_allowed_token_ids_bound_what_is_emitted(server):
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
-    ("bad_words", ["the"]), ("detokenize", False),
+    ("bad_words", ["the"]), ("spaces_between_special_tokens", False),
 ])
 def test_unsupported_fields_get_400_naming_them(server, field, value):
     r = _post(server, "/v1/completions", {**INNOCENT, field: value})

@@ -421,6 +421,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, loaded):
     assert bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_detokenize_false_returns_the_tokens_without_text(server):
+    """vLLM's detokenize: false leaves the text empty, the same tokens generated; stop
+    strings need the text, so with them it is a 400 naming `stop`."""
+    base = server.base_url
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6,
+            "temperature": 0, "return_token_ids": True}
+    text = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]
+    bare = httpx.post(base + "/v1/completions", json={**body, "detokenize": False})
+    assert bare.status_code == 200, bare.text
+    choice = bare.json()["choices"][0]
+    assert text["text"] and choice["text"] == "" and choice["token_ids"] == text["token_ids"]
+    r = httpx.post(base + "/v1/completions", json={**body, "detokenize": False, "stop": ["."]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+
+
 def test_tokenize_detokenize_version_and_ping_routes(server, loaded):
     base = server.base_url
     text = "The capital of France is"

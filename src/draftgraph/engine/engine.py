@@ -218,7 +218,7 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             from draftgraph.engine.detokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)

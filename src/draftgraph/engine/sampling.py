@@ -80,6 +80,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string it hit
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
+    detokenize: bool = True  # vLLM's: false leaves the text empty (token ids only)
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per output token, 0..MAX_TOP_LOGPROBS (with logprobs)
     prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob + top N
@@ -129,10 +130,13 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids",
                                       "stop_token_ids must be non-negative integers")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "logprobs"):
+                     "detokenize", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be true or false, "
                                           f"got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError("stop", "stop strings are matched in the text: they need "
+                                      "detokenize (use stop_token_ids without it)")
         self._check_extras()
 
     def _check_extras(self) -> None:

@@ -15,7 +15,8 @@ vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequenc
 `min_tokens`, `min_p` ([0, 1]) and `allowed_token_ids` (at most 1024; vLLM's), applied on the
 device (runtime/controls.py). Text: `include_stop_str_in_output` (vLLM's) keeps the stop
 string a text ends at, `skip_special_tokens` false (vLLM's) writes special tokens into it;
-`truncate_prompt_tokens` (vLLM's) keeps a prompt's last N tokens.
+`detokenize` false (vLLM's) leaves it empty; `truncate_prompt_tokens` (vLLM's) keeps a
+prompt's last N tokens.
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
 the ids each one adds) and the prompt's ids once (serving.py says where).
 """
@@ -64,7 +65,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (None, False),
     # vLLM's extras that change the text, the prompt or the tokens allowed
     "spaces_between_special_tokens": (None, True),
-    "detokenize": (None, True),
     "bad_words": (None, []),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
@@ -116,6 +116,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False  # vLLM's extra
     skip_special_tokens: StrictBool = True  # vLLM's extra
+    detokenize: StrictBool = True  # vLLM's extra: false, no text (token ids only)
     allowed_token_ids: TokenIds | None = None  # vLLM's extra
     # vLLM's extra: keep the prompt's last N tokens (its -1, "the model's length", is refused:
     # a prompt that long leaves no room to generate)
@@ -136,9 +137,9 @@ class _SamplingRequest(BaseModel):
 
     # OpenAI (and vLLM) let these be null: null means the default, any other value is checked
     @field_validator("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "stream", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "min_tokens", "min_p", "return_token_ids", "echo", "logprobs", mode="before",
-                     check_fields=False)
+                     "detokenize", "stream", "n", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens", "min_p", "return_token_ids", "echo",
+                     "logprobs", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         return cls.model_fields[info.field_name].default if v is None else v
@@ -183,6 +184,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            detokenize=self.detokenize,
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprobs=logprobs,
