@@ -209,6 +209,18 @@ def test_unsupported_fields_get_400_naming_them(server, field, value):
     assert err["code"] == "unsupported_field"
 
 
+def test_continuous_usage_stats_is_refused_unless_off(server):
+    stream = {**INNOCENT, "stream": True}
+    r = _post(server, "/v1/completions",
+              {**stream, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    err = _assert_error(r, 400, "stream_options.continuous_usage_stats")
+    assert err["code"] == "unsupported_field"
+    r = _post(server, "/v1/completions",
+              {**stream, "stream_options": {"include_usage": True,
+                                            "continuous_usage_stats": False}})
+    assert r.status_code == 200, r.text
+
+
 def test_unsupported_fields_with_their_off_value_and_unknown_fields_are_accepted(server):
     body = {**INNOCENT, "logprobs": 0, "tools": [], "logit_bias": {}, "user": "me",
             "response_format": {"type": "text"}, "include_stop_str_in_output": False,

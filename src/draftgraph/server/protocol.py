@@ -101,6 +101,7 @@ Penalty = Annotated[Finite, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # vLLM's: refused unless off
 
 
 class _SamplingRequest(BaseModel):
@@ -157,9 +158,12 @@ class _SamplingRequest(BaseModel):
         """Names of the fields sent that this server does not implement (with a value other
         than the one meaning "off")."""
         extra = self.model_extra or {}
-        return [k for k, off in UNSUPPORTED_FIELDS.items()
-                if k in extra and not any(extra[k] == v and type(extra[k]) is type(v)
-                                          for v in off)]
+        names = [k for k, off in UNSUPPORTED_FIELDS.items()
+                 if k in extra and not any(extra[k] == v and type(extra[k]) is type(v)
+                                           for v in off)]
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            names.append("stream_options.continuous_usage_stats")
+        return names
 
     def conflicting_field(self) -> tuple[str, str] | None:
         """(name, why) of a field valid alone but not with the others sent, or None."""
