@@ -201,7 +201,7 @@ def test_allowed_token_ids_bound_what_is_emitted(server):
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
     ("tool_choice", "auto"), ("suffix", "x"), ("best_of", 3),
-    ("bad_words", ["the"]), ("spaces_between_special_tokens", False),
+    ("spaces_between_special_tokens", False),
 ])
 def test_unsupported_fields_get_400_naming_them(server, field, value):
     r = _post(server, "/v1/completions", {**INNOCENT, field: value})
@@ -224,7 +224,7 @@ def test_continuous_usage_stats_is_refused_unless_off(server):
 def test_unsupported_fields_with_their_off_value_and_unknown_fields_are_accepted(server):
     body = {**INNOCENT, "logprobs": 0, "tools": [], "logit_bias": {}, "user": "me",
             "response_format": {"type": "text"}, "include_stop_str_in_output": False,
-            "skip_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": []}
+            "skip_special_tokens": True, "truncate_prompt_tokens": None}
     assert _tokens(_post(server, "/v1/completions", body)) == \
         _tokens(_post(server, "/v1/completions", {**INNOCENT, "logprobs": 0}))
 

@@ -25,6 +25,10 @@ def controlled_ref(logits: torch.Tensor, prompt: list[int], outputs: list[int],
     repetition penalty (prompt + output tokens), frequency and presence penalties (output
     tokens), then min_p on the probabilities at the request's temperature."""
     x = logits.clone().double()
+    for w in p.bad_words_token_ids or ():  # outputs only, never the prompt
+        if len(w) == 1 or (len(outputs) >= len(w) - 1 and outputs[len(outputs) - len(w) + 1:]
+                           == w[:-1]):
+            x[w[-1]] = float("-inf")
     if p.allowed_token_ids:
         banned = torch.ones_like(x, dtype=torch.bool)
         banned[p.allowed_token_ids] = False
@@ -58,6 +62,8 @@ def _step_controls(tables, rows, params, prompt_lens):
                         torch.tensor([p.min_tokens for p in params]), torch.tensor(prompt_lens),
                         torch.tensor([len(p.logit_bias) for p in params]),
                         num_allowed=torch.tensor([len(p.allowed_token_ids or ()) for p in params]),
+                        num_bad_words=torch.tensor([len(p.bad_words_token_ids or ())
+                                                    for p in params]),
                         min_p=f([p.min_p for p in params]),
                         temperature=f([p.temperature for p in params]))
 
@@ -66,12 +72,14 @@ def _admit(tables, row, seq, prompt_len, params, stop_ids):
     """Write a request's row the way the engine does, its tokens into the token table."""
     tables.token_table[row, : len(seq)] = torch.tensor(seq)
     tables.admit(row, seq[:prompt_len], [], params.logit_bias, stop_ids,
-                 params.allowed_token_ids or ())
+                 params.allowed_token_ids or (), params.bad_words_token_ids or ())
 
 
 PARAMS = [
     SamplingParams(repetition_penalty=1.7, frequency_penalty=0.8, presence_penalty=-0.5,
-                   logit_bias={3: 4.0, 9: -30.0}, min_tokens=6),
+                   logit_bias={3: 4.0, 9: -30.0}, min_tokens=6,
+                   # one token always; 9 3 -> 11 after the draft 3 (row 1); 7 3 9 -> 10 at row 0
+                   bad_words_token_ids=[[4], [9, 3, 11], [7, 3, 9, 10], [5, 3, 6]]),
     SamplingParams(frequency_penalty=1.5, presence_penalty=1.0, min_p=0.3, temperature=0.5),
     SamplingParams(repetition_penalty=0.6, logit_bias={0: 2.5}, min_p=0.1,
                    allowed_token_ids=[0, 3, 5, 7, 9, 10]),
@@ -93,7 +101,7 @@ def test_controlled_logits_equal_the_reference_on_every_row(k) -> None:
     for r, prompt, out, params, stops in zip(rows, prompts, outs, PARAMS, stop_ids,
                                              strict=True):
         tables.admit(r, prompt, out[:-1], params.logit_bias, stops,
-                     params.allowed_token_ids or ())
+                     params.allowed_token_ids or (), params.bad_words_token_ids or ())
     seqs = [p + o for p, o in zip(prompts, outs, strict=True)]
     for r, seq in zip(rows, seqs, strict=True):
         tables.token_table[r, : len(seq)] = torch.tensor(seq)
@@ -117,6 +125,23 @@ def test_controlled_logits_equal_the_reference_on_every_row(k) -> None:
     assert got[1].isinf().any(dim=-1).all() and got[2].isinf().any(dim=-1).all()
     # and allowed_token_ids every other token, on every verify row
     assert got[2][:, [1, 2, 4, 6, 8, 11]].isneginf().all()
+    # bad words: the one-token word everywhere; 7 3 9 -> 10 at row 0; 9 3 -> 11 at row 1
+    assert got[0][:, 4].isneginf().all() and got[0][0, 10].isneginf()
+    assert k == 0 or got[0][1, 11].isneginf()
+
+
+def test_bad_words_match_the_outputs_not_the_prompt() -> None:
+    """A bad word's prefix is matched against outputs only (vLLM's rule): the prompt's last
+    token followed by nothing bans nothing; once the output has it, the word's end is banned."""
+    params = SamplingParams(bad_words_token_ids=[[6, 7], [5, 6, 3]])
+    tables = _tables(8, 2, 1)
+    logits = torch.zeros(1, 8)
+    no_drafts = torch.zeros(1, 0, dtype=torch.int64)
+    for seq, banned in (([5, 6], []), ([5, 6, 6], [7])):
+        _admit(tables, 1, seq, 2, params, [])
+        ctl = _step_controls(tables, [1], [params], [2])
+        x = apply_controls(logits, ctl, no_drafts, torch.tensor([len(seq)]))
+        assert x[0].isneginf().nonzero().flatten().tolist() == banned
 
 
 def test_fold_counts_only_new_positions_and_is_bounded() -> None:
@@ -223,6 +248,22 @@ def test_allowed_token_ids_are_all_a_request_emits(hf) -> None:
         assert all(set(o.token_ids) <= set(allowed) for o in sampled)
 
 
+def test_bad_words_are_never_completed(hf) -> None:
+    """vLLM's bad_words as token sequences: a two-token word taken from greedy's own output
+    never appears in it again, and the output is a torch loop's with the word's last token
+    banned after its first; plain and speculative."""
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    out = tiny_engine(hf).generate([PROMPT], plain)[0].token_ids
+    word = out[2:4]
+    banned = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                            bad_words_token_ids=[word])
+    ref = _reference_greedy(hf, PROMPT, banned, 16)
+    pairs = list(zip(ref, ref[1:], strict=False))
+    assert tuple(word) not in pairs and ref != out
+    for spec in (None, SpecConfig(method="ngram", num_draft_tokens=3)):
+        assert tiny_engine(hf, spec=spec).generate([PROMPT], banned)[0].token_ids == ref
+
+
 def test_controls_do_not_leak_into_batch_mates(hf) -> None:
     engine = tiny_engine(hf)
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -252,7 +293,8 @@ def test_sampling_controls_are_validated_naming_the_field() -> None:
              dict(logit_bias={-1: 1.0}), dict(logit_bias={i: 1.0 for i in range(301)}),
              dict(min_tokens=65, max_tokens=64), dict(top_logprobs=21), dict(min_p=1.5),
              dict(min_p=-0.1), dict(allowed_token_ids=[]), dict(allowed_token_ids=[-1]),
-             dict(allowed_token_ids=list(range(1025))), dict(truncate_prompt_tokens=0)]
+             dict(allowed_token_ids=list(range(1025))), dict(truncate_prompt_tokens=0),
+             dict(bad_words=[" "]), dict(bad_words_token_ids=[list(range(17))])]
     for kw in cases:
         with pytest.raises(SamplingParamsError) as e:
             SamplingParams(**kw)

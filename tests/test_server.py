@@ -421,6 +421,20 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, loaded):
     assert bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_bad_words_are_not_written(server):
+    """vLLM's bad_words, tokenised by the server (the word alone and after a space): greedy
+    writes "Paris" after this prompt, and with "Paris" banned it does not."""
+    base = server.base_url
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0}
+    assert "Paris" in httpx.post(base + "/v1/completions", json=body).json()["choices"][0]["text"]
+    r = httpx.post(base + "/v1/completions", json={**body, "bad_words": ["Paris"]})
+    assert r.status_code == 200, r.text
+    assert "Paris" not in r.json()["choices"][0]["text"]
+    r = httpx.post(base + "/v1/completions", json={**body, "bad_words": ["x" * 200]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+
+
 def test_detokenize_false_returns_the_tokens_without_text(server):
     """vLLM's detokenize: false leaves the text empty, the same tokens generated; stop
     strings need the text, so with them it is a 400 naming `stop`."""

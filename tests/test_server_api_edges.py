@@ -24,7 +24,7 @@ NULLABLE = ["stream", "stream_options", "n", "presence_penalty", "frequency_pena
             "repetition_penalty", "ignore_eos", "min_tokens", "min_p", "return_token_ids", "seed",
             "stop", "stop_token_ids", "logit_bias", "prompt_logprobs", "logprobs", "echo",
             "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids",
-            "truncate_prompt_tokens", "detokenize"]
+            "truncate_prompt_tokens", "detokenize", "bad_words"]
 
 
 @pytest.fixture(scope="module")

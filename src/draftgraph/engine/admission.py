@@ -128,7 +128,37 @@ def bound_params(engine, params: SamplingParams) -> SamplingParams:
                                   "--tensor-parallel-size > 1 yet")
     if params.top_k > vocab:
         params = dataclasses.replace(params, top_k=vocab)
+    if params.bad_words:
+        params = dataclasses.replace(params, bad_words_token_ids=[
+            *(params.bad_words_token_ids or ()), *bad_word_sequences(engine, params.bad_words)])
+    bad = [t for w in params.bad_words_token_ids or () for t in w if t >= vocab]
+    if bad:
+        raise SamplingParamsError("bad_words", f"bad word token ids must be below the "
+                                  f"vocabulary size {vocab}; got {bad[:3]}")
     return params
+
+
+def bad_word_sequences(engine, words: list[str]) -> list[list[int]]:
+    """The token sequences a request's bad words ban (vLLM's rule): each word as it starts a
+    text, and, where a leading space makes it other tokens of the same count (a word inside
+    a sentence), that spelling too."""
+    from draftgraph.engine.sampling import SamplingParams, SamplingParamsError
+
+    if engine.tokenizer is None:
+        raise SamplingParamsError("bad_words", "bad_words need the model's tokenizer: give "
+                                  "bad_words_token_ids instead")
+    seqs = []
+    for word in words:
+        bare = encode_text(engine.tokenizer, word.lstrip(), add_special_tokens=False)
+        seqs.append(bare)
+        spaced = encode_text(engine.tokenizer, " " + word.lstrip(), add_special_tokens=False)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            seqs.append(spaced)
+    try:  # bounded like ids given directly
+        SamplingParams(bad_words_token_ids=seqs)
+    except SamplingParamsError as e:
+        raise SamplingParamsError("bad_words", f"bad_words tokenise to too much: {e}") from None
+    return seqs
 
 
 def encode_prompt(engine, prompt: str | list[int] | list[dict], use_chat_template: bool = True,

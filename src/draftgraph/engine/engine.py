@@ -327,7 +327,8 @@ class LLMEngine:
                     if req.params.min_tokens else []
                 self.controls.admit(req.req_pool_idx, req.prompt_token_ids,
                                     req.output_token_ids, req.params.logit_bias, stops,
-                                    req.params.allowed_token_ids or ())
+                                    req.params.allowed_token_ids or (),
+                                    req.params.bad_words_token_ids or ())
                 req.controls_row = req.req_pool_idx
 
     def _run_isolated(self, scheduled: list[ScheduledRequest],
@@ -498,6 +499,7 @@ class LLMEngine:
             prompt_lens=[len(r.prompt_token_ids) for r in reqs],
             num_logit_bias=[len(x.logit_bias) if x else 0 for x in p],
             num_allowed=[len(x.allowed_token_ids or ()) if x else 0 for x in p],
+            num_bad_words=[len(x.bad_words_token_ids or ()) if x else 0 for x in p],
             presence_penalty=[x.presence_penalty if x else 0.0 for x in p],
             frequency_penalty=[x.frequency_penalty if x else 0.0 for x in p],
             repetition_penalty=[x.repetition_penalty if x else 1.0 for x in p],
@@ -747,7 +749,7 @@ class LLMEngine:
         if with_extras:
             lanes = self._control_lanes(reqs)
             ints += [[r.req_pool_idx for r in reqs], lanes["min_tokens"], lanes["prompt_lens"],
-                     lanes["num_logit_bias"], lanes["num_allowed"]]
+                     lanes["num_logit_bias"], lanes["num_allowed"], lanes["num_bad_words"]]
             floats += [lanes[f"{n}_penalty"] for n in ("presence", "frequency", "repetition")]
             floats.append(lanes["min_p"])
         i64, f32 = _lanes_to(dev, ints, floats)
@@ -758,7 +760,8 @@ class LLMEngine:
                 out_top_logprobs=torch.empty(bs, TOP_N_MAX, dtype=torch.float32, device=dev),
                 controls=StepControls(self.controls, i64[4], f32[2], f32[3], f32[4],
                                       i64[5], i64[6], i64[7], num_allowed=i64[8],
-                                      min_p=f32[5], temperature=f32[0]))
+                                      num_bad_words=i64[9], min_p=f32[5],
+                                      temperature=f32[0]))
         tokens, _, lps = emit(
             logits, torch.zeros(bs, 0, dtype=torch.int64, device=dev), i64[0], None,
             f32[0], f32[1], i64[1], i64[2], i64[3], all(x.temperature == 0 for x in p),

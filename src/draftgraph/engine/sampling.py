@@ -16,6 +16,8 @@ from draftgraph.config import MAX_SEED
 # the device tables size these (min_tokens masks EOS and stop_token_ids: that many ids)
 from draftgraph.runtime.controls import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_MIN_TOKENS_STOP_IDS,
 )
@@ -96,6 +98,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's: keep only the prompt's last N tokens (left truncation); None: the whole prompt
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words never completed in the output (their last token is banned where the
+    # outputs before it spell the rest); tokenised at admission into bad_words_token_ids,
+    # which a caller with token ids may also give directly
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS:
@@ -163,6 +170,20 @@ class SamplingParams:
             bias[tid] = _check_number("logit_bias", b, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
         self.logit_bias = bias
         self.min_p = _check_number("min_p", self.min_p, 0.0, 1.0)
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, (list, tuple))
+                or len(self.bad_words) > MAX_BAD_WORDS // 2
+                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise SamplingParamsError("bad_words", f"bad_words must be at most "
+                                      f"{MAX_BAD_WORDS // 2} non-blank strings")
+        seqs = self.bad_words_token_ids
+        if seqs is not None and (
+                not isinstance(seqs, (list, tuple)) or len(seqs) > MAX_BAD_WORDS
+                or any(not isinstance(w, (list, tuple)) or not 1 <= len(w) <= MAX_BAD_WORD_TOKENS
+                       or any(not _is_int(t) or t < 0 for t in w) for w in seqs)):
+            raise SamplingParamsError("bad_words_token_ids", f"bad words must be at most "
+                                      f"{MAX_BAD_WORDS} token sequences of 1 to "
+                                      f"{MAX_BAD_WORD_TOKENS} ids")
         n = self.truncate_prompt_tokens
         if n is not None and (not _is_int(n) or not 1 <= n <= MAX_TOKENS):
             raise SamplingParamsError("truncate_prompt_tokens", "truncate_prompt_tokens must be "
@@ -189,7 +210,8 @@ class SamplingParams:
         """Any control that changes the distribution (runtime/controls.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.min_tokens
-                    or (self.min_p and self.temperature) or self.allowed_token_ids)
+                    or (self.min_p and self.temperature) or self.allowed_token_ids
+                    or self.bad_words or self.bad_words_token_ids)
 
     @property
     def needs_extras(self) -> bool:

@@ -1,6 +1,6 @@
-"""Sampling controls on the device: allowed token ids, logit bias, min_tokens, repetition /
-frequency / presence penalties and min_p, applied to the logits of every row of a step (the
-1 + k target rows of a verify step too), graph-safe.
+"""Sampling controls on the device: allowed token ids, bad words, logit bias, min_tokens,
+repetition / frequency / presence penalties and min_p, applied to the logits of every row of a
+step (the 1 + k target rows of a verify step too), graph-safe.
 
 Per-request state lives in `ControlTables`, one row per request row (`req_pool_indices`):
 
@@ -12,6 +12,8 @@ Per-request state lives in `ControlTables`, one row per request row (`req_pool_i
                                  (EOS and the request's stop_token_ids), -1 padding
   allowed_ids  [rows, MAX_ALLOWED_TOKEN_IDS] int64: the only tokens a request may emit
                                  (vLLM's allowed_token_ids), -1 padding
+  bad_words    [rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS] int64, bad_lens [rows, MAX_BAD_WORDS]:
+                                 vLLM's bad_words as token sequences, -1 padding
 
 `admit` writes a row on the host once, when a request gets its row (first schedule, or again
 after a preemption); no step rebuilds anything on the host. Each controlled step first `fold`s
@@ -19,11 +21,13 @@ the positions the token table gained since the last one (at most `fold_width` = 
 one step can emit), so counts follow the emitted tokens with bounded work, and folding twice
 (a step re-run after a failure) adds nothing.
 
-Order (vLLM's): the allowed_token_ids mask, logit bias and the min_tokens mask, then the
-repetition penalty (prompt and output tokens: positive logits divided, negative multiplied),
-then frequency (x count) and presence (x [count > 0]) penalties (output tokens only), then
-min_p at the row's temperature (a token less likely than min_p times the likeliest is
-masked). Temperature, top-k and top-p come after, in `runtime/sampling.processed_probs`.
+Order (vLLM's): the allowed_token_ids and bad_words masks (a bad word's last token is
+banned where the outputs just before end with its other tokens; one-token words always),
+logit bias and the min_tokens mask, then the repetition penalty (prompt and output tokens:
+positive logits divided, negative multiplied), then frequency (x count) and presence
+(x [count > 0]) penalties (output tokens only), then min_p at the row's temperature (a token
+less likely than min_p times the likeliest is masked). Temperature, top-k and top-p come
+after, in `runtime/sampling.processed_probs`.
 
 Verify rows: target row j decides the token after drafts 0..j-1, so its counts include them;
 `apply_controls` corrects the few entries those drafts touch (static shape [bs, 1 + k, k]), so
@@ -41,6 +45,8 @@ COUNT_MASK = PROMPT_FLAG - 1
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI caps it about there)
 MAX_MIN_TOKENS_STOP_IDS = 64  # EOS + stop_token_ids that min_tokens can hold back
 MAX_ALLOWED_TOKEN_IDS = 1024  # allowed_token_ids per request
+MAX_BAD_WORDS = 64  # bad_words token sequences per request (a word may give two)
+MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word
 
 
 class ControlTables:
@@ -59,12 +65,16 @@ class ControlTables:
                                    device=device)
         self.allowed_ids = torch.full((num_rows, MAX_ALLOWED_TOKEN_IDS), -1,
                                       dtype=torch.int64, device=device)
+        self.bad_words = torch.full((num_rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1,
+                                    dtype=torch.int64, device=device)
+        self.bad_lens = torch.zeros(num_rows, MAX_BAD_WORDS, dtype=torch.int64, device=device)
 
     def admit(self, row: int, prompt_ids: list[int], output_ids: list[int],
               logit_bias: dict[int, float], stop_ids: list[int],
-              allowed_ids: list[int] = ()) -> None:
+              allowed_ids: list[int] = (), bad_words: list[list[int]] = ()) -> None:
         """A request's row, written once (host): prompt flags, the counts of the outputs it
-        already has (after a preemption), its bias, min_tokens stop ids and allowed ids."""
+        already has (after a preemption), its bias, min_tokens stop ids, allowed ids and bad
+        words' token sequences."""
         dev = self.token_counts.device
         counts = torch.zeros(self.vocab, dtype=torch.int32)
         counts[torch.tensor(prompt_ids, dtype=torch.int64)] = PROMPT_FLAG
@@ -85,6 +95,13 @@ class ControlTables:
         allowed = torch.full((MAX_ALLOWED_TOKEN_IDS,), -1, dtype=torch.int64)
         allowed[: len(allowed_ids)] = torch.tensor(sorted(allowed_ids), dtype=torch.int64)
         self.allowed_ids[row].copy_(allowed.to(dev))
+        words = torch.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, dtype=torch.int64)
+        lens = torch.zeros(MAX_BAD_WORDS, dtype=torch.int64)
+        for i, w in enumerate(bad_words):
+            words[i, : len(w)] = torch.tensor(w, dtype=torch.int64)
+            lens[i] = len(w)
+        self.bad_words[row].copy_(words.to(dev))
+        self.bad_lens[row].copy_(lens.to(dev))
 
     def fold(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Count the token-table positions [counted_lens, seq_lens) of each row (at most
@@ -112,6 +129,7 @@ class StepControls:
     prompt_lens: torch.Tensor  # [bs] int64
     num_logit_bias: torch.Tensor  # [bs] int64: entries of the row's bias table in use
     num_allowed: torch.Tensor | None = None  # [bs] int64: allowed ids in use, 0: every token
+    num_bad_words: torch.Tensor | None = None  # [bs] int64: bad word sequences in use
     min_p: torch.Tensor | None = None  # [bs] fp32, 0: off; None: no row asks
     temperature: torch.Tensor | None = None  # [bs] fp32, the step's (min_p is taken at it)
 
@@ -142,6 +160,9 @@ def apply_controls(logits: torch.Tensor, ctl: StepControls, draft_tokens: torch.
         keep.scatter_(1, torch.where(allowed >= 0, allowed, V).clamp_max(V), True)
         keep = keep[:, :V] | (ctl.num_allowed == 0)[:, None]
         x = torch.where(keep[:, None, :], x, float("-inf"))
+    if ctl.num_bad_words is not None:
+        x = _ban_bad_words(x, t, rows, ctl.num_bad_words, ctl.prompt_lens, seq_lens,
+                           draft_tokens)
     # logit bias: unique ids per row; padding goes to a spare column V
     slot = torch.arange(t.bias_ids.shape[1], device=rows.device)[None, :]
     bias_ids = torch.where(slot < ctl.num_logit_bias[:, None], t.bias_ids[rows], V)
@@ -178,6 +199,35 @@ def apply_controls(logits: torch.Tensor, ctl: StepControls, draft_tokens: torch.
     if ctl.min_p is not None:
         x = _min_p(x, ctl.min_p, ctl.temperature)
     return x.reshape(bs * T, V)
+
+
+def _ban_bad_words(x: torch.Tensor, t: ControlTables, rows: torch.Tensor,
+                   num_bad: torch.Tensor, prompt_lens: torch.Tensor, seq_lens: torch.Tensor,
+                   drafts: torch.Tensor) -> torch.Tensor:
+    """vLLM's bad_words on logits x [bs, T, V]: for each of a row's word sequences (n tokens),
+    its last token is masked where the n - 1 outputs just before the row's token are its first
+    n - 1 (a one-token word: always). Verify row j's outputs before it end with drafts
+    0..j-1; prompt tokens never count (vLLM matches outputs only)."""
+    bs, T, V = x.shape
+    words, lens = t.bad_words[rows], t.bad_lens[rows]  # [bs, W, L], [bs, W]
+    W, L = words.shape[1:]
+    back = L - 1  # the longest prefix a word can have
+    dev = x.device
+    # the table's last `back` positions before the step's first new token, then the drafts
+    pos = seq_lens[:, None] - back + torch.arange(back, device=dev)  # [bs, back]
+    hist = t.token_table[rows[:, None], pos.clamp_min(0)]
+    hist = torch.where(pos >= prompt_lens[:, None], hist, -2)  # -2: matches no token
+    ctx = torch.cat([hist, drafts], dim=1)  # [bs, back + k]
+    win = ctx[:, torch.arange(T, device=dev)[:, None] + torch.arange(back, device=dev)]
+    # a word's prefix right-aligned in the window: slot s holds its token s - (back - n + 1)
+    src = torch.arange(back, device=dev) - (back - (lens - 1))[:, :, None]  # [bs, W, back]
+    want = words.gather(2, src.clamp_min(0))
+    same = (win[:, :, None, :] == want[:, None]) | (src < 0)[:, None]  # [bs, T, W, back]
+    hit = same.all(dim=-1) & (torch.arange(W, device=dev) < num_bad[:, None])[:, None, :]
+    last = words.gather(2, (lens - 1).clamp_min(0)[:, :, None]).squeeze(2)  # [bs, W]
+    banned = torch.zeros(bs, T, V + 1, dtype=torch.bool, device=dev)
+    banned.scatter_(2, torch.where(hit, last[:, None, :], V).clamp(0, V), True)
+    return torch.where(banned[:, :, :V], float("-inf"), x)
 
 
 def _min_p(x: torch.Tensor, min_p: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

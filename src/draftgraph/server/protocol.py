@@ -12,11 +12,11 @@ Logprobs: `logprobs` (completions) / `top_logprobs` (chat) up to 20 alternatives
 the device; `echo` + `logprobs` scores the prompt too (null only for its first token), as does
 vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequency_penalty`
 ([-2, 2]), `repetition_penalty` (> 0), `logit_bias` (token id -> [-100, 100], at most 300),
-`min_tokens`, `min_p` ([0, 1]) and `allowed_token_ids` (at most 1024; vLLM's), applied on the
-device (runtime/controls.py). Text: `include_stop_str_in_output` (vLLM's) keeps the stop
-string a text ends at, `skip_special_tokens` false (vLLM's) writes special tokens into it;
-`detokenize` false (vLLM's) leaves it empty; `truncate_prompt_tokens` (vLLM's) keeps a
-prompt's last N tokens.
+`min_tokens`, `min_p` ([0, 1]), `allowed_token_ids` (at most 1024) and `bad_words` (vLLM's),
+applied on the device (runtime/controls.py). Text: `include_stop_str_in_output` (vLLM's)
+keeps the stop string a text ends at, `skip_special_tokens` false (vLLM's) writes special
+tokens into it; `detokenize` false (vLLM's) leaves it empty; `truncate_prompt_tokens`
+(vLLM's) keeps a prompt's last N tokens.
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
 the ids each one adds) and the prompt's ids once (serving.py says where).
 """
@@ -65,7 +65,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (None, False),
     # vLLM's extras that change the text, the prompt or the tokens allowed
     "spaces_between_special_tokens": (None, True),
-    "bad_words": (None, []),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "prompt_embeds": (None,),
@@ -119,6 +118,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: StrictBool = True  # vLLM's extra
     detokenize: StrictBool = True  # vLLM's extra: false, no text (token ids only)
     allowed_token_ids: TokenIds | None = None  # vLLM's extra
+    bad_words: list[Text] | None = None  # vLLM's extra
     # vLLM's extra: keep the prompt's last N tokens (its -1, "the model's length", is refused:
     # a prompt that long leaves no room to generate)
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -190,6 +190,7 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             detokenize=self.detokenize,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 def step_inputs(max_bs: int, k: int, controls: bool = False) -> Lanes:
     """controls: also the sampling controls' lanes (spec/extras.py, runtime/controls.py)."""
     extra = [Field("min_tokens"), Field("prompt_lens"), Field("num_logit_bias"),
-             Field("num_allowed"),
+             Field("num_allowed"), Field("num_bad_words"),
              *(Field(f"{p}_penalty", dtype=torch.float32)
                for p in ("presence", "frequency", "repetition")),
              Field("min_p", dtype=torch.float32)] if controls else []

@@ -249,9 +249,9 @@ def emit(logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: tor
     out_tokens / out_logprobs [bs, k + 1]: written in place when given (a graph's outputs).
     out_top_ids [bs, (k + 1) * N] int64 / out_top_logprobs [bs, (k + 1) * N] fp32: when given,
     the N most likely tokens of every row and their logprobs, most likely first.
-    controls: allowed ids, logit bias, min_tokens, penalties and min_p (runtime/controls.py),
-    applied to every row before sampling, acceptance and the greedy argmax; None: none of them
-    (no extra work).
+    controls: allowed ids, bad words, logit bias, min_tokens, penalties and min_p
+    (runtime/controls.py), applied to every row before sampling, acceptance and the greedy
+    argmax; None: none of them (no extra work).
     draft_index: as `rejection_sample`'s (draft_probs over the drafter's own vocabulary).
     Logprobs (emitted and top) are those of the model's own distribution, log_softmax of the
     logits before any control (vLLM's default, "raw").
@@ -334,6 +334,6 @@ def step_extras(raw: dict[str, torch.Tensor], out: dict[str, torch.Tensor], bs: 
             controls, raw["req_pool_indices"][:bs], raw["presence_penalty"][:bs],
             raw["frequency_penalty"][:bs], raw["repetition_penalty"][:bs],
             raw["min_tokens"][:bs], raw["prompt_lens"][:bs], raw["num_logit_bias"][:bs],
-            num_allowed=raw["num_allowed"][:bs], min_p=raw["min_p"][:bs],
-            temperature=raw["temperature"][:bs])
+            num_allowed=raw["num_allowed"][:bs], num_bad_words=raw["num_bad_words"][:bs],
+            min_p=raw["min_p"][:bs], temperature=raw["temperature"][:bs])
     return extras
