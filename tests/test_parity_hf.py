@@ -141,6 +141,27 @@ def test_continue_final_message_renders_as_transformers_does(ours, hf_tokenizer,
         ours.tokenizer.render_chat(msgs, continue_final_message=True)
 
 
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """vLLM's chat_template_kwargs: more variables for the template, through transformers' and
+    through the GGUF / weight-cache path's own jinja renderer alike; the template's own
+    variables cannot be replaced."""
+    from conftest import save_tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    from draftgraph.models.tokenizer import SavedFastTokenizer, Tokenizer
+
+    save_tiny_tokenizer(str(tmp_path))
+    template = "{% for m in messages %}{{ m['content'] | upper if shout else m['content'] }}" \
+               "{% endfor %}"
+    msgs = [{"role": "user", "content": "hi"}]
+    for hf in (AutoTokenizer.from_pretrained(str(tmp_path)), SavedFastTokenizer(str(tmp_path))):
+        tok = Tokenizer(hf, chat_template=template)
+        assert tok.render_chat(msgs, template_kwargs={"shout": True}) == "HI"
+        assert tok.render_chat(msgs, template_kwargs={"shout": False}) == "hi"
+        with pytest.raises(ValueError, match="own variables"):
+            tok.render_chat(msgs, template_kwargs={"messages": []})
+
+
 def test_smollm2_stops_on_im_end(ours):
     tok = ours.tokenizer
     assert tok.convert_ids_to_tokens([2]) == ["<|im_end|>"]

@@ -157,11 +157,21 @@ def test_chat_messages_with_empty_text_or_no_tool_calls_are_accepted(server):
 
 @pytest.mark.parametrize("field,value", [
     ("chat_template", "{{ messages[0]['content'] }}"),
-    ("chat_template_kwargs", {"enable_thinking": False}), ("echo", True),
+    ("echo", True),
 ])
 def test_chat_template_fields_and_echo_are_refused_unless_default(server, field, value):
     err = _error(_post(server, CHAT_PATH, {**CHAT, field: value}), field)
     assert err["code"] == "unsupported_field"
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    """They are passed to the render (tokenizer tests show them used); one that would replace
+    a variable the render sets is a 400 naming the messages."""
+    ok = _post(server, CHAT_PATH, {**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert _text(ok) == _text(_post(server, CHAT_PATH, CHAT))  # SmolLM2's template has no use
+    err = _error(_post(server, CHAT_PATH, {**CHAT, "chat_template_kwargs":
+                                           {"add_generation_prompt": False}}), "messages")
+    assert "own variables" in err["message"]
 
 
 def test_chat_template_fields_and_echo_with_their_default_are_accepted(server):

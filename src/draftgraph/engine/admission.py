@@ -163,14 +163,14 @@ def bad_word_sequences(engine, words: list[str]) -> list[list[int]]:
 
 def encode_prompt(engine, prompt: str | list[int] | list[dict], use_chat_template: bool = True,
                   add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False, truncate: int | None = None
-                  ) -> list[int]:
+                  continue_final_message: bool = False, truncate: int | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt given as text, token ids, or chat messages. Text that cannot fit
     the context is refused before it is tokenised; tokenising releases the GIL.
     add_special_tokens: whether the tokenizer adds its own (a BOS, for Llama 3); None: for
     plain text yes, for a chat template's text no (the template writes them).
-    add_generation_prompt / continue_final_message: how chat messages end
-    (`Tokenizer.render_chat`). truncate: keep the last `truncate` tokens (vLLM's
+    add_generation_prompt / continue_final_message / template_kwargs: how chat messages
+    render (`Tokenizer.render_chat`). truncate: keep the last `truncate` tokens (vLLM's
     truncate_prompt_tokens); the text is then not refused for its length before tokenising
     (the HTTP body limit bounds it)."""
     import os
@@ -201,7 +201,8 @@ def encode_prompt(engine, prompt: str | list[int] | list[dict], use_chat_templat
             if not prompt:
                 raise EngineError("messages must not be empty")
             check_messages(engine, prompt, length=truncate is None)
-            text = tokenizer.render_chat(prompt, add_generation_prompt, continue_final_message)
+            text = tokenizer.render_chat(prompt, add_generation_prompt, continue_final_message,
+                                         template_kwargs)
         else:
             check_text(engine, prompt, "prompt", length=truncate is None)
             text = (tokenizer.render_chat([{"role": "user", "content": prompt}],

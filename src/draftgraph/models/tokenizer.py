@@ -16,6 +16,13 @@ logger = logging.getLogger(__name__)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 # Special tokens that end a document; they always stop generation.
 END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>")
+# What a chat template's render sets itself (transformers' arguments and special tokens):
+# chat_template_kwargs may add variables, not replace these.
+TEMPLATE_OWN_VARIABLES = frozenset((
+    "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "chat_template", "bos_token", "eos_token",
+    "unk_token", "pad_token", "return_dict", "return_tensors", "padding", "truncation",
+    "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs"))
 
 
 class Tokenizer:
@@ -55,23 +62,29 @@ class Tokenizer:
         return self.hf.convert_ids_to_tokens(list(ids))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> str:
+                    continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> str:
         """The chat template rendered to text (it writes BOS itself where the model wants one).
         continue_final_message (vLLM's / transformers'): the text ends inside the last message,
         right after its content (whatever the template writes after it, an end-of-turn token,
         is cut), so generation continues that message: an assistant reply begun by the
-        client. Not with add_generation_prompt."""
+        client. Not with add_generation_prompt. template_kwargs (vLLM's chat_template_kwargs):
+        more variables for the template (e.g. Qwen3's enable_thinking); not its own ones."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain "
                              "completion prompt instead of chat messages")
-        if not continue_final_message:
-            return self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        if add_generation_prompt:
+        extra = dict(template_kwargs or {})
+        taken = sorted(set(extra) & TEMPLATE_OWN_VARIABLES)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set the template's own variables "
+                             f"{taken}")
+        if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each "
                              "other: set add_generation_prompt to false")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=False,
-                                           tokenize=False)
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **extra)
+        if not continue_final_message:
+            return text
         last = messages[-1].get("content")
         if not isinstance(last, str) or not last.strip():
             raise ValueError("continue_final_message needs a last message with text to continue")
@@ -169,13 +182,14 @@ class SavedFastTokenizer:
         return [self.backend_tokenizer.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str:
+                            tokenize: bool = False, **template_kwargs) -> str:
         if tokenize:
             raise ValueError("SavedFastTokenizer renders text only (tokenize=False)")
         return self._compiled.render(
             messages=messages, tools=None, documents=None,
             add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-            eos_token=self.eos_token, unk_token=self.unk_token, pad_token=self.pad_token)
+            eos_token=self.eos_token, unk_token=self.unk_token, pad_token=self.pad_token,
+            **template_kwargs)
 
 
 def _compile_chat_template(template: str):

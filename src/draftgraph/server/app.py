@@ -406,7 +406,7 @@ class OpenAIServer:
         ids = await self.run_blocking(lambda: self.encode(
             messages, use_chat_template=True, add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            truncate=body.truncate_prompt_tokens))
+            template_kwargs=body.chat_template_kwargs, truncate=body.truncate_prompt_tokens))
         params = self.sampling_params(body, len(ids), body.requested_max_tokens,
                                       body.max_tokens_param)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -786,7 +786,8 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
         if server.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (random weights)", param="prompt")
         how = dict(add_generation_prompt=body.add_generation_prompt,
-                   continue_final_message=body.continue_final_message) if chat else {}
+                   continue_final_message=body.continue_final_message,
+                   template_kwargs=body.chat_template_kwargs) if chat else {}
         ids = await server.run_blocking(lambda: server.encode(
             prompt, use_chat_template=chat, add_special_tokens=body.add_special_tokens, **how))
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}

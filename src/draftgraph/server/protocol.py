@@ -75,7 +75,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "structured_outputs": (None,),
     # chat: the prompt is the messages through the model's own template
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "echo": (None, False),  # a field of completions, not of chat
 }
 
@@ -290,6 +289,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # message continued (an assistant reply begun by the client)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # more template variables
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -330,6 +330,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # more template variables
 
     def target(self) -> tuple[str | list[dict[str, Any]], bool]:
         if (self.prompt is None) == (self.messages is None):
