@@ -433,6 +433,13 @@ def test_bad_words_are_not_written(server):
     assert "Paris" not in r.json()["choices"][0]["text"]
     r = httpx.post(base + "/v1/completions", json={**body, "bad_words": ["x" * 200]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+    # admitted twice (API server, then engine): the words are tokenised once
+    from draftgraph.engine.admission import bound_params
+    from draftgraph.engine.sampling import SamplingParams
+
+    engine = server.app.state.server.engine
+    once = bound_params(engine, SamplingParams(bad_words=["Paris", "Rome"]))
+    assert bound_params(engine, once).bad_words_token_ids == once.bad_words_token_ids
 
 
 def test_detokenize_false_returns_the_tokens_without_text(server):

@@ -128,8 +128,9 @@ def bound_params(engine, params: SamplingParams) -> SamplingParams:
                                   "--tensor-parallel-size > 1 yet")
     if params.top_k > vocab:
         params = dataclasses.replace(params, top_k=vocab)
-    if params.bad_words:
-        params = dataclasses.replace(params, bad_words_token_ids=[
+    if params.bad_words:  # tokenised once: the words become sequences (a second pass, in
+        # the engine's process after the API server's, finds none left to add)
+        params = dataclasses.replace(params, bad_words=None, bad_words_token_ids=[
             *(params.bad_words_token_ids or ()), *bad_word_sequences(engine, params.bad_words)])
     bad = [t for w in params.bad_words_token_ids or () for t in w if t >= vocab]
     if bad:
