@@ -448,9 +448,10 @@ def test_gpu_extras_graphs_equal_the_eager_tail(spec) -> None:
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5], [11, 12, 13]]
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True,
                              top_logprobs=5, repetition_penalty=1.3, frequency_penalty=0.5,
-                             logit_bias={9: 3.0}, min_tokens=4),
+                             logit_bias={9: 3.0}, min_tokens=4,
+                             bad_words_token_ids=[[7], [5, 6]]),
               SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True,
-                             min_p=0.05)]
+                             min_p=0.05, allowed_token_ids=list(range(0, 4000, 7)))]
     graph = engine(True)
     counts = graph.controls.token_counts.data_ptr()
     a = engine(False).generate(prompts, params)
