@@ -16,7 +16,8 @@ vLLM's `prompt_logprobs` extra. Sampling controls: `presence_penalty`, `frequenc
 applied on the device (runtime/controls.py). Text: `include_stop_str_in_output` (vLLM's)
 keeps the stop string a text ends at, `skip_special_tokens` false (vLLM's) writes special
 tokens into it; `detokenize` false (vLLM's) leaves it empty; `truncate_prompt_tokens`
-(vLLM's) keeps a prompt's last N tokens.
+(vLLM's) keeps a prompt's last N tokens. Chat (vLLM's): `add_generation_prompt`,
+`continue_final_message` (the last message continued), `chat_template_kwargs`.
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
 the ids each one adds) and the prompt's ids once (serving.py says where).
 """
