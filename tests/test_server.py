@@ -4,6 +4,7 @@ n-gram speculation giving the same greedy text as plain decoding."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -386,6 +387,22 @@ def test_chat_continues_the_final_message_when_asked(server, loaded):
     done = httpx.post(base + "/v1/completions", json={**body, "prompt": ids}).json()
     assert chat.json()["choices"][0]["message"]["content"] == done["choices"][0]["text"]
     assert chat.json()["usage"]["prompt_tokens"] == len(ids)
+    # vLLM's echo: the whole assistant message, the client's part then the reply, streamed
+    # or not; a last message of the user's echoes nothing
+    reply = chat.json()["choices"][0]["message"]["content"]
+    echo = {**body, "messages": msgs, **how, "echo": True}
+    r = httpx.post(base + "/v1/chat/completions", json=echo)
+    assert r.json()["choices"][0]["message"]["content"] == "1, 2, 3," + reply
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**echo, "stream": True},
+                      timeout=60) as st:
+        data = [line[6:] for line in st.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    deltas = [json.loads(d)["choices"][0]["delta"] for d in data[:-1]]
+    assert "".join(d.get("content", "") for d in deltas) == "1, 2, 3," + reply
+    user_only = {**body, "messages": msgs[:1]}
+    assert httpx.post(base + "/v1/chat/completions", json={**user_only, "echo": True}).json()[
+        "choices"][0]["message"] == httpx.post(base + "/v1/chat/completions",
+                                               json=user_only).json()["choices"][0]["message"]
     both = httpx.post(base + "/v1/chat/completions",
                       json={**body, "messages": msgs, "continue_final_message": True})
     assert both.status_code == 400

@@ -417,9 +417,11 @@ class OpenAIServer:
                                  raw_request, handler_time)
         created = serving.now()
         prompt_tokens = len(ids)  # the prompt once, not once per choice
+        last = messages[-1]
+        echoed = last["content"] if body.echo and last["role"] == "assistant" else ""
 
         if body.stream:
-            states = [serving.ChoiceState(i) for i in range(body.n)]
+            states = [serving.ChoiceState(i, prompt_text=echoed) for i in range(body.n)]
             unsent_prompt_ids = ids if body.return_token_ids else None  # on the first chunk
 
             def chunk(i: int, out: RequestOutput):
@@ -442,7 +444,7 @@ class OpenAIServer:
         self.check_failed(request_id, finals)
         return serving.chat_body(request_id, model, created, finals, tok, num_logprobs,
                                  prompt_tokens, body.prompt_logprobs,
-                                 ids if body.return_token_ids else None)
+                                 ids if body.return_token_ids else None, echoed)
 
     def _stream_error(self, request_id: str, out: RequestOutput) -> str:
         if out.error == SHUTDOWN_MESSAGE:

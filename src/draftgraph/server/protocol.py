@@ -17,7 +17,8 @@ applied on the device (runtime/controls.py). Text: `include_stop_str_in_output` 
 keeps the stop string a text ends at, `skip_special_tokens` false (vLLM's) writes special
 tokens into it; `detokenize` false (vLLM's) leaves it empty; `truncate_prompt_tokens`
 (vLLM's) keeps a prompt's last N tokens. Chat (vLLM's): `add_generation_prompt`,
-`continue_final_message` (the last message continued), `chat_template_kwargs`.
+`continue_final_message` (the last message continued), `chat_template_kwargs`, `echo` (the
+last message's content first, when it is the assistant's).
 Token ids: vLLM's `return_token_ids` adds the generated ids to each choice (a stream's chunks:
 the ids each one adds) and the prompt's ids once (serving.py says where).
 """
@@ -76,7 +77,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "structured_outputs": (None,),
     # chat: the prompt is the messages through the model's own template
     "chat_template": (None,),
-    "echo": (None, False),  # a field of completions, not of chat
 }
 
 
@@ -291,6 +291,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # more template variables
+    # vLLM's: the reply's content starts with the last message's when that is the assistant's
+    # too (with continue_final_message: the whole message, the client's part and the reply)
+    echo: StrictBool = False
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}

@@ -25,7 +25,9 @@ class ChoiceState:
     """What the server has sent so far for one choice of a streamed response."""
 
     index: int
-    prompt_text: str = ""  # echoed before the first chunk when echo is on
+    # echoed before the first chunk: completions' prompt when echo is on; chat's last message
+    # when echo is on and it is the assistant's
+    prompt_text: str = ""
     prompt_token_ids: list[int] = field(default_factory=list)
     started: bool = False
     prompt_ids_sent: bool = False  # return_token_ids: the first chunk carried prompt_token_ids
@@ -210,13 +212,14 @@ def completion_chunk(response_id: str, model: str, created: int, out: RequestOut
 def chat_body(response_id: str, model: str, created: int, finals: list[RequestOutput],
               tokenizer, num_logprobs: int | None, prompt_tokens: int,
               num_prompt_logprobs: int | None = None,
-              prompt_token_ids: list[int] | None = None) -> dict:
-    """prompt_token_ids: given when the request asked for token ids (return_token_ids)."""
+              prompt_token_ids: list[int] | None = None, echoed: str = "") -> dict:
+    """prompt_token_ids: given when the request asked for token ids (return_token_ids);
+    echoed: the text each reply's content starts with (chat's echo)."""
     choices = []
     for i, out in enumerate(finals):
         lp = (chat_logprobs(tokenizer, out.token_ids, out.logprobs or [], num_logprobs,
                             out.top_logprobs) if num_logprobs is not None else None)
-        choice = {"index": i, "message": {"role": "assistant", "content": out.text},
+        choice = {"index": i, "message": {"role": "assistant", "content": echoed + out.text},
                   "logprobs": lp, "finish_reason": out.finish_reason}
         if prompt_token_ids is not None:
             choice["token_ids"] = list(out.token_ids)
@@ -241,8 +244,8 @@ def chat_chunk(response_id: str, model: str, created: int, out: RequestOutput, s
     if not st.started:
         st.started = True
         delta["role"] = "assistant"
-    if out.delta_text or "role" in delta:
-        delta["content"] = out.delta_text
+    if out.delta_text or "role" in delta:  # the first carries what echo writes first
+        delta["content"] = (st.prompt_text if "role" in delta else "") + out.delta_text
     # a token whose text is held back (part of a character) still sends its logprob or id
     if not delta and not out.finished and not (
             (num_logprobs is not None or return_token_ids) and out.new_token_ids):
