@@ -155,10 +155,7 @@ def apply_controls(logits: torch.Tensor, ctl: StepControls, draft_tokens: torch.
     rows = ctl.req_pool_indices
     x = logits.view(bs, T, V)
     if ctl.num_allowed is not None:  # allowed_token_ids: every other token masked
-        allowed = t.allowed_ids[rows]  # [bs, A], -1 padding
-        keep = torch.zeros(bs, V + 1, dtype=torch.bool, device=x.device)
-        keep.scatter_(1, torch.where(allowed >= 0, allowed, V).clamp_max(V), True)
-        keep = keep[:, :V] | (ctl.num_allowed == 0)[:, None]
+        keep = _id_set(t.allowed_ids[rows], V) | (ctl.num_allowed == 0)[:, None]
         x = torch.where(keep[:, None, :], x, float("-inf"))
     if ctl.num_bad_words is not None:
         x = _ban_bad_words(x, t, rows, ctl.num_bad_words, ctl.prompt_lens, seq_lens,
@@ -170,11 +167,9 @@ def apply_controls(logits: torch.Tensor, ctl: StepControls, draft_tokens: torch.
     bias.scatter_(1, bias_ids.clamp(0, V), t.bias_values[rows])
     x = x + bias[:, None, :V]
     # min_tokens: row j's token is output number (seq_lens - prompt_lens) + j
-    stop_ids = t.stop_ids[rows]  # [bs, S]
-    stop_mask = torch.zeros(bs, V + 1, dtype=torch.bool, device=x.device)
-    stop_mask.scatter_(1, torch.where(stop_ids >= 0, stop_ids, V).clamp_max(V), True)
+    stop_mask = _id_set(t.stop_ids[rows], V)
     n_out = (seq_lens - ctl.prompt_lens)[:, None] + torch.arange(T, device=x.device)  # [bs, T]
-    blocked = (n_out < ctl.min_tokens[:, None])[:, :, None] & stop_mask[:, None, :V]
+    blocked = (n_out < ctl.min_tokens[:, None])[:, :, None] & stop_mask[:, None, :]
     x = torch.where(blocked, float("-inf"), x)
     # penalties over the counts; verify rows j add the drafts before them
     raw_counts = t.token_counts[rows]  # [bs, V] int32
@@ -199,6 +194,13 @@ def apply_controls(logits: torch.Tensor, ctl: StepControls, draft_tokens: torch.
     if ctl.min_p is not None:
         x = _min_p(x, ctl.min_p, ctl.temperature)
     return x.reshape(bs * T, V)
+
+
+def _id_set(ids: torch.Tensor, V: int) -> torch.Tensor:
+    """[bs, V] bool: True at each row's ids [bs, N] (-1 padding ignored)."""
+    mask = torch.zeros(ids.shape[0], V + 1, dtype=torch.bool, device=ids.device)
+    mask.scatter_(1, torch.where(ids >= 0, ids, V).clamp_max(V), True)  # padding: column V
+    return mask[:, :V]
 
 
 def _ban_bad_words(x: torch.Tensor, t: ControlTables, rows: torch.Tensor,
