@@ -143,7 +143,7 @@ def bad_word_sequences(engine, words: list[str]) -> list[list[int]]:
     """The token sequences a request's bad words ban (vLLM's rule): each word as it starts a
     text, and, where a leading space makes it other tokens of the same count (a word inside
     a sentence), that spelling too."""
-    from draftgraph.engine.sampling import SamplingParams, SamplingParamsError
+    from draftgraph.engine.sampling import SamplingParamsError, check_bad_word_sequences
 
     if engine.tokenizer is None:
         raise SamplingParamsError("bad_words", "bad_words need the model's tokenizer: give "
@@ -155,10 +155,7 @@ def bad_word_sequences(engine, words: list[str]) -> list[list[int]]:
         spaced = encode_text(engine.tokenizer, " " + word.lstrip(), add_special_tokens=False)
         if len(spaced) == len(bare) and spaced[0] != bare[0]:
             seqs.append(spaced)
-    try:  # bounded like ids given directly
-        SamplingParams(bad_words_token_ids=seqs)
-    except SamplingParamsError as e:
-        raise SamplingParamsError("bad_words", f"bad_words tokenise to too much: {e}") from None
+    check_bad_word_sequences(seqs, "bad_words")  # bounded like ids given directly
     return seqs
 
 

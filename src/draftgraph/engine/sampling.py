@@ -176,14 +176,8 @@ class SamplingParams:
                 or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise SamplingParamsError("bad_words", f"bad_words must be at most "
                                       f"{MAX_BAD_WORDS // 2} non-blank strings")
-        seqs = self.bad_words_token_ids
-        if seqs is not None and (
-                not isinstance(seqs, (list, tuple)) or len(seqs) > MAX_BAD_WORDS
-                or any(not isinstance(w, (list, tuple)) or not 1 <= len(w) <= MAX_BAD_WORD_TOKENS
-                       or any(not _is_int(t) or t < 0 for t in w) for w in seqs)):
-            raise SamplingParamsError("bad_words_token_ids", f"bad words must be at most "
-                                      f"{MAX_BAD_WORDS} token sequences of 1 to "
-                                      f"{MAX_BAD_WORD_TOKENS} ids")
+        if self.bad_words_token_ids is not None:
+            check_bad_word_sequences(self.bad_words_token_ids, "bad_words_token_ids")
         n = self.truncate_prompt_tokens
         if n is not None and (not _is_int(n) or not 1 <= n <= MAX_TOKENS):
             raise SamplingParamsError("truncate_prompt_tokens", "truncate_prompt_tokens must be "
@@ -221,6 +215,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_bad_word_sequences(seqs, param: str) -> None:
+    """Bad words as token sequences within what the control tables hold, or an error naming
+    `param` (the field the caller's words came in)."""
+    if (not isinstance(seqs, (list, tuple)) or len(seqs) > MAX_BAD_WORDS
+            or any(not isinstance(w, (list, tuple)) or not 1 <= len(w) <= MAX_BAD_WORD_TOKENS
+                   or any(not _is_int(t) or t < 0 for t in w) for w in seqs)):
+        raise SamplingParamsError(param, f"bad words must be at most {MAX_BAD_WORDS} token "
+                                  f"sequences of 1 to {MAX_BAD_WORD_TOKENS} ids")
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
