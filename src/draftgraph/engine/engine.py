@@ -190,7 +190,8 @@ class LLMEngine:
                       use_chat_template: bool = True, add_special_tokens: bool | None = None,
                       **chat) -> list[int]:
         """Token ids of a prompt given as text, token ids, or chat messages
-        (`admission.encode_prompt`; chat: add_generation_prompt, continue_final_message)."""
+        (`admission.encode_prompt`, whose keyword options `chat` passes on: truncation and
+        how chat messages render)."""
         from draftgraph.engine import admission
 
         return admission.encode_prompt(self, prompt, use_chat_template, add_special_tokens,

@@ -196,8 +196,8 @@ class OpenAIServer:
 
     def encode(self, prompt, use_chat_template: bool,
                add_special_tokens: bool | None = None, **chat) -> list[int]:
-        """Token ids of a prompt (runs on a worker thread; chat: how messages end,
-        `admission.encode_prompt`)."""
+        """Token ids of a prompt (runs on a worker thread; `chat`: `admission.encode_prompt`'s
+        keyword options, truncation and how chat messages render)."""
         import jinja2
 
         param = ("messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
@@ -404,9 +404,8 @@ class OpenAIServer:
         self.check_queue_fits(body.n, "n")
         messages = body.chat_messages()
         ids = await self.run_blocking(lambda: self.encode(
-            messages, use_chat_template=True, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            template_kwargs=body.chat_template_kwargs, truncate=body.truncate_prompt_tokens))
+            messages, use_chat_template=True, truncate=body.truncate_prompt_tokens,
+            **body.render_options()))
         params = self.sampling_params(body, len(ids), body.requested_max_tokens,
                                       body.max_tokens_param)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -787,9 +786,7 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig,
             raise APIError(400, str(e), param="prompt") from None
         if server.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer (random weights)", param="prompt")
-        how = dict(add_generation_prompt=body.add_generation_prompt,
-                   continue_final_message=body.continue_final_message,
-                   template_kwargs=body.chat_template_kwargs) if chat else {}
+        how = body.render_options() if chat else {}
         ids = await server.run_blocking(lambda: server.encode(
             prompt, use_chat_template=chat, add_special_tokens=body.add_special_tokens, **how))
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_model_len}

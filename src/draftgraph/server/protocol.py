@@ -280,24 +280,40 @@ def _checked_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
 Messages = Annotated[list[ChatMessage], AfterValidator(_checked_messages)]
 
 
-class ChatCompletionRequest(_SamplingRequest):
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them (OpenAI's `developer` is the system role)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages]
+
+
+class ChatRendering(BaseModel):
+    """How chat messages render through the template (vLLM's options): the template's reply
+    opening after them (default), or none and the last message continued (an assistant reply
+    begun by the client); more template variables."""
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+
+    def render_options(self) -> dict[str, Any]:
+        """The options as `admission.encode_prompt` takes them."""
+        return dict(add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message,
+                    template_kwargs=self.chat_template_kwargs)
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatRendering):
     messages: Messages = Field(min_length=1)
     max_completion_tokens: Count | None = None
     max_tokens: Count | None = None  # deprecated alias in the OpenAI API
     logprobs: StrictBool = False
     top_logprobs: NumLogprobs | None = None
-    # vLLM's: the template's reply opening after the messages (default), or none and the last
-    # message continued (an assistant reply begun by the client)
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[StrictStr, Any] | None = None  # more template variables
     # vLLM's: the reply's content starts with the last message's when that is the assistant's
     # too (with continue_final_message: the whole message, the client's part and the reply)
     echo: StrictBool = False
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return chat_dicts(self.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -322,26 +338,22 @@ class ChatCompletionRequest(_SamplingRequest):
                             prompt_logprobs=self.prompt_logprobs)
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt (text, chat template off) or chat messages (template on).
-    add_special_tokens (vLLM's): whether the tokenizer adds its own (a BOS, for Llama 3);
-    by default yes for a prompt, no for messages (the template writes them).
-    add_generation_prompt / continue_final_message: as for chat completions."""
+class TokenizeRequest(ChatRendering):
+    """vLLM's /tokenize: a prompt (text, chat template off) or chat messages (template on,
+    rendered as for chat completions). add_special_tokens (vLLM's): whether the tokenizer adds
+    its own (a BOS, for Llama 3); by default yes for a prompt, no for messages (the template
+    writes them)."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: Messages | None = None
     add_special_tokens: StrictBool | None = None
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[StrictStr, Any] | None = None  # more template variables
 
     def target(self) -> tuple[str | list[dict[str, Any]], bool]:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of `prompt` and `messages`")
         if self.messages is not None:
-            return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in self.messages], True
+            return chat_dicts(self.messages), True
         return self.prompt, False
 
 
