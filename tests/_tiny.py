@@ -35,10 +35,11 @@ def tiny_loaded(hf):
 
 def tiny_engine(hf, max_num_seqs: int = 8, budget: int = 64, kv_tokens: int = 2048,
                 page_size: int = 1, spec: SpecConfig | None = None,
-                drafter=None) -> LLMEngine:
+                drafter=None, prefix_caching: bool = False) -> LLMEngine:
     config = EngineConfig(
         model="tiny", device="cpu",
-        cache=CacheConfig(page_size=page_size, kv_cache_tokens=kv_tokens),
+        cache=CacheConfig(page_size=page_size, kv_cache_tokens=kv_tokens,
+                          enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         spec=spec or SpecConfig(),
     )

@@ -25,6 +25,10 @@ class CacheConfig:
     page_size: int = 1
     kv_cache_tokens: int | None = None  # None: sized from free memory (GPU) or a CPU default
     gpu_memory_utilization: float = 0.85
+    # finished requests' full blocks of KV kept for later prompts with the same beginning
+    # (runtime/prefix_cache.py); off by default: a prompt's logits then depend on what ran
+    # before it (its cached KV came from another step's shapes), as vLLM's do
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
@@ -325,6 +329,8 @@ class EngineConfig:
               f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
         _need(self.quantization == "none" or tp == 1,
               "--quantization int4 does not run under --tensor-parallel-size > 1")
+        _need(not self.cache.enable_prefix_caching or tp == 1,
+              "--enable-prefix-caching does not run under --tensor-parallel-size > 1 yet")
         if tp > 1 and self.device.startswith("cuda"):
             _need(self.device == "cuda", f"--tensor-parallel-size {tp} uses GPUs 0..{tp - 1}; "
                   f"pass --device cuda, not {self.device}")

@@ -186,6 +186,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="KV cache capacity in tokens (default: from free GPU memory, or a CPU "
                         "default)")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=CacheConfig.enable_prefix_caching,
+                   help="keep finished requests' KV in blocks of 16 tokens for later prompts "
+                        "that start with the same tokens (vLLM's automatic prefix caching)")
     e.add_argument("--gpu-memory-utilization", type=float,
                    default=CacheConfig.gpu_memory_utilization,
                    help="GPU without --kv-cache-tokens: the share of free GPU memory the KV "
@@ -392,7 +396,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.engine_seed,
         tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(page_size=args.page_size, kv_cache_tokens=args.kv_cache_tokens,
-                          gpu_memory_utilization=args.gpu_memory_utilization),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting,

@@ -29,6 +29,7 @@ from draftgraph.runtime import host_memory
 from draftgraph.runtime.controls import StepControls
 from draftgraph.runtime.executor import build_target
 from draftgraph.runtime.kv_cache import OutOfKVSlots
+from draftgraph.runtime.prefix_cache import PrefixCache
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.spec import Drafter, emit, make_drafter
 from draftgraph.spec.extras import TOP_N_MAX, ExtrasFactory, ensure_controls
@@ -131,7 +132,6 @@ class LLMEngine:
             exact_rows=config.exact_rows, tensor_core_rows=config.tensor_core_rows,
             deterministic=config.deterministic)
         self.spec_k = k
-        self.scheduler = Scheduler(sched_cfg, self.slots.allocator, self.slots.req_pool)
         self.requests: dict[str, Request] = {}
         self._inbox: deque = deque()
         self._lock = threading.Lock()
@@ -145,6 +145,10 @@ class LLMEngine:
                       **{f"steps_{kind}": 0 for kind in STEP_KINDS},
                       **{f"step_seconds_{kind}": 0.0 for kind in STEP_KINDS},
                       **{f"wait_seconds_{kind}": 0.0 for kind in STEP_KINDS}}
+        self.prefix_cache = (PrefixCache(self.slots.allocator, self.stats)
+                             if config.cache.enable_prefix_caching else None)
+        self.scheduler = Scheduler(sched_cfg, self.slots.allocator, self.slots.req_pool,
+                                   self.prefix_cache, self._write_cached_prefix)
         self.policy = (SpecPolicy(config.spec, k, keeps_kv=self.drafter.keeps_kv)
                        if self.drafter is not None else None)
         if self.policy is not None:
@@ -255,6 +259,20 @@ class LLMEngine:
                 if req is not None and not req.finished:
                     self._finish(req, "abort")
                     outputs.append(self._output(req, []))
+
+    def _write_cached_prefix(self, req: Request) -> None:
+        """A request admitted past cached blocks (scheduler): their slots and tokens into its
+        rows of `req_to_token` and the token table, which a forward writes for the positions
+        it computes (drafters read the token table), in one transfer."""
+        n = req.num_computed_tokens
+        ps = self.slots.allocator.page_size
+        slots = req.pages[:n] if ps == 1 else [req.pages[p // ps] * ps + p % ps
+                                                for p in range(n)]
+        rows = torch.tensor([slots, req.token_slice(0, n)], dtype=torch.int64)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        self.slots.req_pool.req_to_token[req.req_pool_idx, :n] = rows[0]
+        self.slots.token_table[req.req_pool_idx, :n] = rows[1]
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.detokenizer is not None and reason in ("length", "stop") and \

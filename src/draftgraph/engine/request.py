@@ -83,6 +83,12 @@ class Request:
         self.req_pool_idx = 0  # row in req_to_token; 0 = none
         self.pages: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # prefix caching: the cached blocks its first positions read (engine/scheduler.py),
+        # and the prompt tokens found cached at its first admission (None: caching is off)
+        self.cached_blocks: list = []
+        self.num_cached_tokens: int | None = None
+        # a request that scores its prompt computes every prompt position
+        self.prompt_cacheable = params.prompt_logprobs is None
         self.ahead = 0  # KV slots past them that a launched, unread step writes (async)
         # streaming state
         self.detokenizer = detokenizer
@@ -152,6 +158,8 @@ class Request:
             "prefill": (self.first_token_time - self.scheduled_time)
             if self.first_token_time and self.scheduled_time else None,
         }
+        if self.num_cached_tokens is not None:
+            out["cached_tokens"] = self.num_cached_tokens
         if self.verify_steps:
             out.update(
                 verify_steps=self.verify_steps,

@@ -6,6 +6,12 @@ prefilling requests contribute prompt chunks while the
 token budget lasts, then waiting requests are admitted. When the KV pool runs dry, the most
 recently admitted request is preempted (its KV freed, recomputed later).
 
+With a prefix cache (`runtime/prefix_cache.py`), an admitted request starts past the cached
+blocks its tokens begin with (at least one token is always computed: its logits are the
+next token's), `on_prefix_hit(req)` records their slots and tokens in the request's rows, and
+a request that ends or is preempted leaves its computed full blocks in the cache (a preempted
+one finds them there again).
+
 With `max_step_seconds`, a step that carries decoding requests also caps its prefill tokens by
 time: the engine reports each step's wall time (`observe`), and the chunk is sized from the
 last decode-only step (the base) and the last prefill step's seconds per prompt token, which
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 from draftgraph.config import SchedulerConfig
 from draftgraph.engine.request import Request, Status
 from draftgraph.runtime.kv_cache import OutOfKVSlots, PagedAllocator, ReqToTokenPool
+from draftgraph.runtime.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +52,13 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PagedAllocator,
-                 req_pool: ReqToTokenPool) -> None:
+                 req_pool: ReqToTokenPool, prefix_cache: PrefixCache | None = None,
+                 on_prefix_hit=None) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.req_pool = req_pool
+        self.prefix_cache = prefix_cache
+        self.on_prefix_hit = on_prefix_hit  # (request): its cached positions' rows to write
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # measured by `observe`: a decode-only step's seconds, a prompt token's seconds
@@ -79,9 +89,20 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def _give_back(self, req: Request) -> None:
+        """The request's KV pages: into the prefix cache (the full blocks of its computed
+        tokens; none of a failed request's) or back to the allocator."""
+        if self.prefix_cache is None:
+            self.allocator.free(req.pages)
+            return
+        valid = 0 if req.finish_reason == "error" else \
+            max(0, min(req.num_computed_tokens, req.num_tokens - 1))
+        self.prefix_cache.release(req.token_slice(0, valid), req.pages, valid,
+                                  req.cached_blocks)
+
     def release(self, req: Request) -> None:
         """Give back the request's KV slots and table row (finished, aborted or failed)."""
-        self.allocator.free(req.pages)
+        self._give_back(req)
         if req.req_pool_idx:
             self.req_pool.free(req.req_pool_idx)
             req.req_pool_idx = 0
@@ -92,7 +113,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         logger.info("KV pool full: preempting request %s (recomputed later)", victim.request_id)
-        self.allocator.free(victim.pages)
+        self._give_back(victim)
         self.req_pool.free(victim.req_pool_idx)
         victim.req_pool_idx = 0
         victim.num_computed_tokens = 0
@@ -163,12 +184,28 @@ class Scheduler:
             if req.scheduled_time is None:  # a preempted request keeps its first admission
                 req.scheduled_time = time.perf_counter()
             self.running.append(req)
+            if self.prefix_cache is not None:
+                self._match_prefix(req)
             sr = self._prefill_chunk(req, budget, scheduled, decode)
             if sr is None:
                 break
             budget -= sr.num_new_tokens
             scheduled.append(sr)
         return scheduled
+
+    def _match_prefix(self, req: Request) -> None:
+        """Start an admitted request past the cached blocks its tokens begin with (not one
+        that scores its prompt: every prompt position is computed for it)."""
+        target = req.num_tokens - (1 if req.output_token_ids else 0)
+        hit = self.prefix_cache.match(req.token_slice(0, target - 1), target - 1) \
+            if req.prompt_cacheable else []
+        if req.num_cached_tokens is None:  # its first admission: what its usage reports
+            req.num_cached_tokens = len(hit) * self.prefix_cache.block_tokens
+        if hit:
+            req.cached_blocks = hit
+            req.pages = [p for block in hit for p in block.pages]
+            req.num_computed_tokens = len(hit) * self.prefix_cache.block_tokens
+            self.on_prefix_hit(req)
 
     def _prefill_chunk(self, req: Request, budget: int, scheduled: list[ScheduledRequest],
                        preempt: bool = True) -> ScheduledRequest | None:

@@ -44,7 +44,9 @@ class PagedAllocator:
     """Free-list allocator of KV slots in pages of `page_size` consecutive slots.
 
     A request owns whole pages; its positions fill them in order, so position p of a request
-    lives in page `pages[p // page_size]` at offset `p % page_size`.
+    lives in page `pages[p // page_size]` at offset `p % page_size`. With a prefix cache
+    (`runtime/prefix_cache.py`, `cache`) the pages it keeps count as free: when the free list
+    runs short, its unused blocks are evicted first.
     """
 
     def __init__(self, num_slots: int, page_size: int = 1) -> None:
@@ -60,6 +62,7 @@ class PagedAllocator:
         except MemoryError:
             raise ValueError(f"no memory for a KV pool of {num_slots} slots (--kv-cache-tokens "
                              "plus a page): lower --kv-cache-tokens") from None
+        self.cache = None  # a PrefixCache whose unused blocks are evicted when pages run short
 
     @property
     def num_slots(self) -> int:
@@ -71,13 +74,16 @@ class PagedAllocator:
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_pages) * self.page_size
+        cached = self.cache.num_evictable_pages if self.cache is not None else 0
+        return (len(self._free_pages) + cached) * self.page_size
 
     def extend(self, pages: list[int], cur_len: int, n: int) -> list[int]:
         """Slots for positions cur_len .. cur_len+n-1; new pages are appended to `pages`."""
         # NOTE: inline, with a page-size-1 path: this runs for every request of every step
         ps = self.page_size
         need_pages = max(0, -(-(cur_len + n - len(pages) * ps) // ps))
+        if need_pages > len(self._free_pages) and self.cache is not None:
+            self.cache.evict(need_pages - len(self._free_pages))
         if need_pages > len(self._free_pages):
             raise OutOfKVSlots(
                 f"need {need_pages * ps} KV slots, "

@@ -1,0 +1,141 @@
+"""Automatic prefix caching: the KV of finished requests' full blocks, kept for later prompts
+that start with the same tokens (vLLM's `--enable-prefix-caching`, SGLang's radix cache, in
+blocks of `block_tokens` tokens).
+
+A block is `block_tokens` consecutive positions of a sequence starting at a multiple of
+`block_tokens`, keyed by (its parent block's id, its tokens): a key names the whole prefix up
+to the block's end, exactly (the dict compares the tokens; no hash stands in for them). Its
+pages (whole pages of the `PagedAllocator`) hold the KV of every model over the slot space
+(target and drafters: one slot means the same position in every pool).
+
+    match(tokens, limit)      the cached blocks that tokens[:limit] starts with; each is
+                              referenced (never evicted) until the request gives it back
+    release(tokens, pages, num_valid, borrowed)
+                              a request ends (or is preempted): the full blocks of its first
+                              num_valid tokens become cached blocks (new ones, or one more
+                              copy of a block already cached, whose pages are then freed),
+                              the rest of its pages go back to the allocator
+    evict(n)                  the allocator is short: unreferenced blocks freed, least
+                              recently released first (a released chain's deepest block
+                              first, so a shared prefix outlives its branches)
+
+NOTE: a cached block is only ever read. A request that borrows one writes KV at positions past
+it (its first computed token is past every borrowed block); drafts, rejected tokens and a
+launched step's slots all lie past a request's computed tokens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+# tokens a block holds (vLLM's default block size); a multiple of the page size is used
+BLOCK_TOKENS = 16
+
+
+class Block:
+    __slots__ = ("key", "id", "pages", "refs")
+
+    def __init__(self, key: tuple, block_id: int, pages: list[int]) -> None:
+        self.key = key
+        self.id = block_id
+        self.pages = pages
+        self.refs = 0
+
+
+class PrefixCache:
+    def __init__(self, allocator, stats: dict | None = None,
+                 block_tokens: int = BLOCK_TOKENS) -> None:
+        ps = allocator.page_size
+        self.allocator = allocator
+        self.block_tokens = -(-block_tokens // ps) * ps
+        self.pages_per_block = self.block_tokens // ps
+        self._blocks: dict[tuple, Block] = {}
+        self._unused: OrderedDict[int, Block] = OrderedDict()  # refs == 0, oldest first
+        self._next_id = 1  # 0: the root (no parent)
+        # prompt tokens looked up and found (vLLM's prefix_cache_queries / _hits)
+        self.stats = stats if stats is not None else {}
+        self.stats.setdefault("prefix_cache_queries", 0)
+        self.stats.setdefault("prefix_cache_hits", 0)
+        allocator.cache = self
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return len(self._unused) * self.pages_per_block
+
+    def _ref(self, block: Block) -> None:
+        if block.refs == 0:
+            self._unused.pop(block.id, None)
+        block.refs += 1
+
+    def match(self, tokens: list[int], limit: int) -> list[Block]:
+        """The longest run of cached blocks that tokens[:limit] starts with, each referenced
+        once more. Counts `limit` tokens queried and the run's tokens found."""
+        b = self.block_tokens
+        found: list[Block] = []
+        parent = 0
+        for i in range(limit // b):
+            block = self._blocks.get((parent, tuple(tokens[i * b:(i + 1) * b])))
+            if block is None:
+                break
+            found.append(block)
+            parent = block.id
+        for block in found:
+            self._ref(block)
+        self.stats["prefix_cache_queries"] += max(limit, 0)
+        self.stats["prefix_cache_hits"] += len(found) * b
+        return found
+
+    def release(self, tokens: list[int], pages: list[int], num_valid: int,
+                borrowed: list[Block]) -> None:
+        """A request gives back `pages` (its pages in position order, the borrowed blocks'
+        first): the full blocks of tokens[:num_valid] (their KV computed) stay cached, the
+        borrowed blocks lose this request's reference, the other pages are freed. Clears
+        `pages` and `borrowed`."""
+        b, ppb = self.block_tokens, self.pages_per_block
+        chain: list[Block] = []
+        spare: list[int] = []
+        parent = 0
+        for i in range(min(num_valid, len(tokens)) // b):
+            own = pages[i * ppb:(i + 1) * ppb]
+            if i < len(borrowed):
+                block = borrowed[i]
+            else:
+                key = (parent, tuple(tokens[i * b:(i + 1) * b]))
+                block = self._blocks.get(key)
+                if block is None:
+                    block = self._blocks[key] = Block(key, self._next_id, own)
+                    self._next_id += 1
+                else:  # cached meanwhile by another request: this copy is spare
+                    spare += own
+                self._ref(block)
+            chain.append(block)
+            parent = block.id
+        chain += borrowed[len(chain):]  # borrowed past the valid tokens: still referenced
+        spare += pages[len(chain) * ppb:]
+        # the deepest block first in the queue: evicted before its parents
+        for block in reversed(chain):
+            block.refs -= 1
+            if block.refs == 0:
+                self._unused[block.id] = block
+        self.allocator.free(spare)
+        pages.clear()
+        borrowed.clear()
+
+    def evict(self, num_pages: int) -> int:
+        """Free unreferenced blocks, least recently released first, until `num_pages` pages
+        went back to the allocator (or none is left); returns the pages freed."""
+        freed = 0
+        while freed < num_pages and self._unused:
+            _, block = self._unused.popitem(last=False)
+            del self._blocks[block.key]
+            freed += len(block.pages)
+            self.allocator.free(block.pages)
+        return freed
+
+    def clear(self) -> int:
+        """Free every unreferenced block (vLLM's reset_prefix_cache); returns the pages."""
+        return self.evict(self.num_evictable_pages)

@@ -1,0 +1,278 @@
+"""Automatic prefix caching (`--enable-prefix-caching`, runtime/prefix_cache.py): the cache's
+blocks, references and eviction over the paged allocator; in the engine, prompts that start
+with cached blocks compute only the rest and give plain decoding's tokens (every drafter),
+also when the KV pool is short (eviction, preemption); no slot is lost."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+import torch
+from _tiny import tiny_engine, tiny_loaded
+
+from draftgraph.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from draftgraph.engine.engine import LLMEngine
+from draftgraph.engine.sampling import SamplingParams
+from draftgraph.models.heads import random_head
+from draftgraph.runtime.kv_cache import OutOfKVSlots, PagedAllocator
+from draftgraph.runtime.prefix_cache import PrefixCache
+from draftgraph.spec.block import BlockHeadDrafter
+from draftgraph.spec.chain_head import ChainHeadDrafter
+from draftgraph.spec.draft_model import DraftModelDrafter
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+BASE = [(7 * i) % 90 + 3 for i in range(75)]
+# one after another: later prompts find 64, 32, 0 and 64 tokens of blocks cached before them
+PROMPTS = [BASE + [5, 6, 7], BASE + [9, 10], BASE[:40] + [1, 2, 3, 4], [11, 12] * 20,
+           BASE + [5, 6, 7]]
+
+
+def _cache(num_slots: int = 64 + 1, page_size: int = 1) -> tuple[PagedAllocator, PrefixCache]:
+    allocator = PagedAllocator(num_slots + page_size - 1, page_size)
+    return allocator, PrefixCache(allocator, block_tokens=4)
+
+
+def _sequence(allocator: PagedAllocator, n: int) -> list[int]:
+    pages: list[int] = []
+    allocator.extend(pages, 0, n)
+    return pages
+
+
+def test_blocks_are_found_by_their_whole_prefix_and_referenced():
+    allocator, cache = _cache()
+    toks = list(range(100, 111))  # 11 tokens: two full blocks of 4 computed
+    pages = _sequence(allocator, 11)
+    first_two = pages[:8]
+    cache.release(toks, pages, 10, [])
+    assert cache.num_blocks == 2 and allocator.num_free_slots == 64
+    hit = cache.match(toks + [1, 2], 12)
+    assert [p for b in hit for p in b.pages] == first_two
+    assert cache.match(toks, 7) == hit[:1]  # the limit: one block below 7 tokens
+    other = toks[:5] + [0] + toks[6:]  # the second block differs: only the first found
+    assert cache.match(other, 12) == hit[:1]
+    assert cache.match([0] + toks[1:], 12) == []  # blocks are found from the start only
+    assert cache.stats["prefix_cache_hits"] == 8 + 4 + 4
+    # referenced blocks are never evicted: only the pages free on the allocator remain
+    assert allocator.num_free_slots == 64 - 8
+    assert cache.evict(100) == 0
+
+
+def test_a_release_caches_new_blocks_frees_copies_and_drops_references():
+    allocator, cache = _cache()
+    toks = list(range(12))
+    a = _sequence(allocator, 12)
+    cache.release(toks, a, 12, [])  # three blocks cached
+    hit = cache.match(toks, 11)  # two borrowed by a second request
+    b = [p for blk in hit for p in blk.pages]
+    allocator.extend(b, 8, 8)  # computes positions 8 .. 15
+    c = _sequence(allocator, 8)  # a third request computes the same first 8 tokens itself
+    c_pages = list(c)
+    cache.release(toks[:8], c, 8, [])  # its copies are spare: freed
+    assert cache.num_blocks == 3
+    assert all(p in allocator._free_pages for p in c_pages)
+    cache.release(toks + [50, 51, 52, 53], b, 16, hit)  # a fourth block (new), refs dropped
+    assert cache.num_blocks == 4 and b == [] and hit == []
+    assert allocator.num_free_slots == 64  # everything cached is evictable again
+
+
+def test_eviction_takes_a_chains_deepest_blocks_first_and_the_allocator_asks_for_it():
+    allocator, cache = _cache(num_slots=16 + 1)
+    toks = list(range(16))
+    cache.release(toks, _sequence(allocator, 16), 16, [])
+    assert allocator.num_free_slots == 16 and len(allocator._free_pages) == 0
+    pages: list[int] = []
+    allocator.extend(pages, 0, 4)  # short: one block evicted, the deepest
+    assert len(cache.match(toks, 16)) == 3
+    with pytest.raises(OutOfKVSlots):  # the three left are referenced now
+        allocator.extend(pages, 4, 4)
+
+
+def test_blocks_of_whole_pages():
+    allocator = PagedAllocator(64 + 4, page_size=4)
+    cache = PrefixCache(allocator, block_tokens=6)  # rounded up to two pages
+    assert cache.block_tokens == 8 and cache.pages_per_block == 2
+    toks = list(range(20))
+    pages = _sequence(allocator, 20)
+    cache.release(toks, pages, 19, [])
+    hit = cache.match(toks, 19)
+    assert len(hit) == 2 and all(len(b.pages) == 2 for b in hit)
+
+
+def _run_one_by_one(engine, prompts, params):
+    return [engine.generate([p], params)[0] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def plain(hf):
+    return [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, GREEDY)]
+
+
+def _drafter(hf, kind: str):
+    cfg = tiny_loaded(hf).config
+    if kind == "chain":
+        return ChainHeadDrafter(random_head(cfg, "", seed=3), 3)
+    if kind == "block":
+        return BlockHeadDrafter(random_head(cfg, "block_size=5,window=8", seed=3, kind="block"))
+    return None
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "chain", "block"])
+def test_cached_prompts_give_plain_decodings_tokens(hf, plain, method):
+    spec = SpecConfig(method="ngram", num_draft_tokens=3) if method != "plain" else None
+    engine = tiny_engine(hf, spec=spec, drafter=_drafter(hf, method), prefix_caching=True)
+    outs = _run_one_by_one(engine, PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert [o.metrics["cached_tokens"] for o in outs] == [0, 64, 32, 0, 64]
+    assert engine.stats["prefix_cache_hits"] == 64 + 32 + 64
+    if method == "ngram":  # drafts from the token table: the cached rows' tokens written
+        ref = tiny_engine(hf, spec=spec)
+        _run_one_by_one(ref, PROMPTS, GREEDY)
+        assert engine.stats["num_accepted_tokens"] > 0
+        for key in ("num_draft_tokens", "num_accepted_tokens"):
+            assert engine.stats[key] == ref.stats[key]
+    elif method != "plain":  # random heads: drafted, rarely accepted
+        assert engine.stats["num_draft_tokens"] > 0
+
+
+def test_a_cached_requests_rows_hold_the_cached_slots_and_tokens(hf):
+    """What no forward writes for a request admitted past cached blocks: its rows of
+    req_to_token (the blocks' slots) and of the token table (their tokens; drafters read
+    it), on a row another request used in between."""
+    engine = tiny_engine(hf, prefix_caching=True)
+    engine.generate([PROMPTS[0]], GREEDY)
+    engine.generate([[1, 2, 3] * 30], GREEDY)  # the same row, other tokens and slots
+    engine.add_request(PROMPTS[1], GREEDY, request_id="c")
+    engine.step()
+    req = engine.requests["c"]
+    assert req.num_cached_tokens == 64
+    blocks = [p for b in req.cached_blocks for p in b.pages]
+    row = req.req_pool_idx
+    assert engine.slots.req_pool.req_to_token[row, :64].tolist() == blocks
+    assert engine.slots.token_table[row, :64].tolist() == PROMPTS[1][:64]
+
+
+def test_penalties_count_the_cached_prompt_tokens(hf):
+    penalized = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                               repetition_penalty=1.5, frequency_penalty=0.5)
+    ref = [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, penalized)]
+    engine = tiny_engine(hf, prefix_caching=True)
+    outs = _run_one_by_one(engine, PROMPTS, penalized)
+    assert [o.token_ids for o in outs] == ref
+    assert engine.stats["prefix_cache_hits"] > 0
+
+
+def test_a_drafters_kv_is_cached_with_the_targets(hf, plain):
+    """The target as its own draft model accepts every draft only while the draft model's
+    KV is right everywhere: at the cached positions too, which no step of the later
+    requests computes (the slot space's one slot per position serves both pools)."""
+    spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    engine = tiny_engine(hf, spec=spec, drafter=DraftModelDrafter(tiny_loaded(hf).model, 4),
+                         prefix_caching=True)
+    outs = _run_one_by_one(engine, PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert engine.stats["prefix_cache_hits"] == 64 + 32 + 64
+    s = engine.stats
+    assert s["num_draft_tokens"] > 60 and s["num_accepted_tokens"] == s["num_draft_tokens"]
+
+
+def test_without_the_cache_nothing_is_cached(hf):
+    outs = _run_one_by_one(tiny_engine(hf), PROMPTS[:2], GREEDY)
+    assert all("cached_tokens" not in o.metrics for o in outs)
+
+
+def test_seeded_sampling_from_a_cached_prefix_draws_the_same_tokens(hf):
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=4, ignore_eos=True)
+    ref = [o.token_ids for o in tiny_engine(hf).generate(PROMPTS, sampled)]
+    outs = _run_one_by_one(tiny_engine(hf, prefix_caching=True), PROMPTS, sampled)
+    assert [o.token_ids for o in outs] == ref
+
+
+def test_a_request_scoring_its_prompt_computes_it_all(hf):
+    scored = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    ref = tiny_engine(hf).generate([PROMPTS[1]], scored)[0]
+    engine = tiny_engine(hf, prefix_caching=True)
+    engine.generate([PROMPTS[0]], GREEDY)
+    out = engine.generate([PROMPTS[1]], scored)[0]
+    assert out.metrics["cached_tokens"] == 0
+    assert out.prompt_logprobs == pytest.approx(ref.prompt_logprobs, abs=1e-5)
+
+
+def test_a_short_pool_evicts_and_preempts_and_loses_no_slot(hf, plain):
+    """Batched, in a pool too small for them all: cached blocks are evicted for new work,
+    requests preempted find their blocks again; every slot is free or evictable at the end."""
+    others = [[(13 * j + 7 * i) % 90 + 3 for i in range(70)] for j in range(1, 7)]
+    prompts = PROMPTS + others + PROMPTS
+    ref = [o.token_ids for o in tiny_engine(hf).generate(others, GREEDY)]
+    engine = tiny_engine(hf, kv_tokens=300, budget=32, prefix_caching=True)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain + ref + plain
+    assert engine.stats["prefix_cache_hits"] > 0
+    assert engine.prefix_cache._next_id - 1 > engine.prefix_cache.num_blocks  # evicted
+    allocator = engine.slots.allocator
+    assert allocator.num_free_slots == allocator.usable_slots
+    assert engine.prefix_cache.num_evictable_pages == engine.prefix_cache.num_blocks * 16
+    engine.prefix_cache.clear()
+    assert engine.prefix_cache.num_blocks == 0
+    assert len(allocator._free_pages) * allocator.page_size == allocator.usable_slots
+
+
+def test_prefix_caching_is_refused_under_tensor_parallelism():
+    with pytest.raises(ValueError, match="--enable-prefix-caching"):
+        EngineConfig(model="random:tiny", device="cpu", tensor_parallel_size=2,
+                     cache=CacheConfig(enable_prefix_caching=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", [None, SpecConfig(method="ngram", num_draft_tokens=3)])
+def test_gpu_cached_prefixes_behind_steps_in_flight_give_the_same_tokens(spec):
+    """On a GPU, graphs and async steps: two rows at a time, so each arrival is admitted
+    (its cached rows written) while a launched step is in flight; fp32 outputs equal an
+    engine's without the cache."""
+    def engine(cache: bool):
+        return LLMEngine(EngineConfig(
+            model="random:smollm2-135m", device="cuda", dtype="float32", seed=0,
+            cache=CacheConfig(kv_cache_tokens=8192, enable_prefix_caching=cache),
+            scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=1024),
+            spec=spec or SpecConfig()))
+
+    prompts = [BASE * 3 + [j, j + 1] for j in range(6)] + [BASE[:50] + [7] * j for j in (9, 30)]
+    ref = engine(False).generate(prompts, GREEDY)
+    cached = engine(True)
+    outs = cached.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert cached.stats["prefix_cache_hits"] >= 4 * 224 + 2 * 48  # the first two: misses
+
+
+def test_the_server_reports_cached_prompt_tokens(default_model):
+    """A chat with a shared system prompt, asked twice: the second answer is the first's,
+    its usage counts the cached prompt tokens (OpenAI's prompt_tokens_details), /metrics
+    counts queries and hits (vLLM's names)."""
+    pytest.importorskip("fastapi")
+    from draftgraph.server.app import build_app
+    from draftgraph.server.async_engine import AsyncEngine
+    from draftgraph.server.config import ServerConfig
+    from draftgraph.server.launcher import ServerThread
+
+    engine = LLMEngine(EngineConfig(
+        model="default", device="cpu", cache=CacheConfig(enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=1024)), loaded=default_model)
+    st = ServerThread(build_app(AsyncEngine(engine), ServerConfig())).start()
+    try:
+        system = "You are a terse assistant. " * 12
+        body = {"messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": "Name a color."}],
+                "max_tokens": 6, "temperature": 0}
+        first, second = (httpx.post(st.base_url + "/v1/chat/completions", json=body,
+                                    timeout=120).json() for _ in range(2))
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0 and cached % 16 == 0 and cached < second["usage"]["prompt_tokens"]
+        assert second["choices"][0]["message"] == first["choices"][0]["message"]
+        metrics = httpx.get(st.base_url + "/metrics", timeout=30).text
+        hits = re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", metrics, re.M)
+        assert hits and float(hits.group(1)) == cached
+    finally:
+        st.stop()
