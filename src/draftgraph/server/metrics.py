@@ -137,6 +137,11 @@ class _EngineCollector:
                             stats.get("prompt_tokens", 0))
         yield self._counter("generation_tokens", "Tokens generated.",
                             stats.get("generation_tokens", 0))
+        if "prefix_cache_queries" in stats:  # --enable-prefix-caching
+            yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the "
+                                "prefix cache.", stats["prefix_cache_queries"])
+            yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                stats["prefix_cache_hits"])
         yield self._counter("spec_decode_num_drafts", "Speculative verify steps with a draft.",
                             stats.get("num_drafts", 0))
         yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",

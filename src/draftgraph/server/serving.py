@@ -128,11 +128,16 @@ def without_output(out: RequestOutput) -> RequestOutput:
 
 def usage(outputs: list[RequestOutput], prompt_tokens: int) -> dict:
     """OpenAI's usage: the prompt counted once per prompt sent (not once per choice of `n`),
-    the completion tokens of every choice."""
+    the completion tokens of every choice; with prefix caching on, the prompt tokens found
+    cached (`prompt_tokens_details.cached_tokens`, the first choice's)."""
     prompt = prompt_tokens
     completion = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion}
+    cached = outputs[0].metrics.get("cached_tokens") if outputs else None
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def _echoed_logprobs(out: RequestOutput, st: ChoiceState) -> tuple[list, list]:
