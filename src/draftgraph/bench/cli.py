@@ -43,6 +43,9 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                         f"{CPU_DEFAULTS['random_output_len']} on a CPU one)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly within ± this fraction")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of --dataset random every prompt starts with, the same for "
+                        "all (a shared system prompt: what --enable-prefix-caching reuses)")
     p.add_argument("--random-vocab-size", type=int, default=None,
                    help="token ids drawn below this (default: the server's vocabulary)")
     p.add_argument("--output-len", type=int, default=None,
@@ -152,6 +155,7 @@ def check_args(args: argparse.Namespace) -> None:
                          f"sends every request at once), got {args.request_rate}")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    _at_least("--random-prefix-len", args.random_prefix_len, 0)
     if not 0 <= args.temperature < float("inf"):
         raise ValueError(f"--temperature must be >= 0 and finite, got {args.temperature}")
     if args.dataset == "jsonl" and not args.dataset_path:

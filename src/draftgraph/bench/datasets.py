@@ -14,8 +14,10 @@ class BenchRequest:
 
 
 def random_requests(num: int, input_len: int, output_len: int, range_ratio: float,
-                    vocab_size: int, seed: int) -> list[BenchRequest]:
-    """Token-id prompts of about `input_len` tokens (uniform in [len·(1−r), len·(1+r)])."""
+                    vocab_size: int, seed: int, prefix_len: int = 0) -> list[BenchRequest]:
+    """Token-id prompts of about `input_len` tokens (uniform in [len·(1−r), len·(1+r)]),
+    each after the same `prefix_len` tokens (vLLM's --random-prefix-len: a shared system
+    prompt; drawn apart, so the rest is the same as without it)."""
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
@@ -24,7 +26,10 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
         return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
 
     low = min(100, vocab_size // 2)  # skip the low ids, where special tokens usually live
-    return [BenchRequest([rng.randrange(low, vocab_size) for _ in range(length(input_len))],
+    shared = random.Random(f"prefix-{seed}")
+    prefix = [shared.randrange(low, vocab_size) for _ in range(prefix_len)]
+    return [BenchRequest(prefix + [rng.randrange(low, vocab_size)
+                                   for _ in range(length(input_len))],
                          length(output_len)) for _ in range(num)]
 
 
@@ -64,7 +69,7 @@ def load_requests(args, vocab_size: int | None) -> list[BenchRequest]:
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, args.random_vocab_size or vocab_size
-                               or 32000, args.seed)
+                               or 32000, args.seed, args.random_prefix_len)
     if args.dataset == "humaneval":
         return humaneval_requests(args.num_prompts, args.output_len)
     if args.dataset == "jsonl":
