@@ -177,6 +177,18 @@ def test_a_drafters_kv_is_cached_with_the_targets(hf, plain):
     assert s["num_draft_tokens"] > 60 and s["num_accepted_tokens"] == s["num_draft_tokens"]
 
 
+def test_a_conversations_next_turn_finds_the_last_reply_cached(hf):
+    """A request's generated tokens are cached with its prompt: the next turn (prompt,
+    reply, a new message) computes only what follows the last full block of the reply."""
+    engine = tiny_engine(hf, prefix_caching=True)
+    first = engine.generate([PROMPTS[0]], GREEDY)[0]
+    turn = PROMPTS[0] + first.token_ids + [4, 5, 6]
+    second = engine.generate([turn], GREEDY)[0]
+    assert second.metrics["cached_tokens"] == (len(PROMPTS[0]) + len(first.token_ids) - 1) \
+        // 16 * 16
+    assert second.token_ids == tiny_engine(hf).generate([turn], GREEDY)[0].token_ids
+
+
 def test_without_the_cache_nothing_is_cached(hf):
     outs = _run_one_by_one(tiny_engine(hf), PROMPTS[:2], GREEDY)
     assert all("cached_tokens" not in o.metrics for o in outs)
