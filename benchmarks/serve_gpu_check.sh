@@ -24,11 +24,13 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
     # default until stop 53), solo (--no-decode-rides-prefill: a prefill behind the step in
     # flight carries no decode rows, the default until stop 55), hold<MS> (arrivals wait up
     # to MS ms to share a prefill behind: --prefill-coalesce-ms), cl<N> (plain served, the
-    # load sent from N client processes: `bench serve --client-processes N`)
+    # load sent from N client processes: `bench serve --client-processes N`), pc
+    # (--enable-prefix-caching; PREFIX_LEN=N: every prompt after the same N tokens)
     extra=""; clients=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
     [ $arm = solo ] && extra="--no-decode-rides-prefill"
     [ $arm = thread ] && extra="--engine-process off"
     [ $arm = mixed ] && extra="--no-overlap-prefill"
+    [ $arm = pc ] && extra="--enable-prefix-caching"
     case $arm in api*) extra="--api-server-count ${arm#api}" ;;
       pg*) extra="--prefill-graph-tokens ${arm#pg}" ;;
       hold*) extra="--prefill-coalesce-ms ${arm#hold}" ;;
@@ -40,6 +42,7 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
     timeout ${BENCH_TIMEOUT:-240} python3 -m draftgraph.cli bench serve \
       --base-url http://127.0.0.1:8123 --dataset random --random-input-len 512 \
       --random-output-len 128 --ignore-eos --num-prompts ${NUM_PROMPTS:-512} \
+      --random-prefix-len ${PREFIX_LEN:-0} \
       --max-concurrency $CONC --plot --result-dir "$OUT" $clients \
       --device-label "$GPU ($arm${TAG:+ $TAG})" \
       --result-file "serve-$m-$arm${TAG:+-$TAG}-$(date +%H%M%S).json" \

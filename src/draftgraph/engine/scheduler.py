@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from draftgraph.config import SchedulerConfig
@@ -53,7 +54,7 @@ class ScheduledRequest:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PagedAllocator,
                  req_pool: ReqToTokenPool, prefix_cache: PrefixCache | None = None,
-                 on_prefix_hit=None) -> None:
+                 on_prefix_hit: Callable[[Request], None] | None = None) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.req_pool = req_pool
