@@ -189,6 +189,32 @@ def test_a_conversations_next_turn_finds_the_last_reply_cached(hf):
     assert second.token_ids == tiny_engine(hf).generate([turn], GREEDY)[0].token_ids
 
 
+def test_a_running_requests_blocks_are_found_by_arrivals(hf, plain):
+    """Blocks are cached as soon as they are computed: a prompt arriving while another with
+    the same beginning still decodes finds its blocks; two that arrive together compute
+    theirs apart (the second's copies freed when it ends)."""
+    engine = tiny_engine(hf, prefix_caching=True)
+    engine.add_request(PROMPTS[0], GREEDY, request_id="a")
+    for _ in range(3):
+        engine.step()
+    assert not engine.requests["a"].finished
+    engine.add_request(PROMPTS[1], GREEDY, request_id="b")
+    engine.add_request(PROMPTS[1], GREEDY, request_id="c")
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [outs[r].token_ids for r in "abc"] == [plain[0], plain[1], plain[1]]
+    assert outs["b"].metrics["cached_tokens"] == outs["c"].metrics["cached_tokens"] == 64
+    allocator = engine.slots.allocator
+    assert allocator.num_free_slots == allocator.usable_slots
+    # together: d and e both compute their own blocks, then each is cached once
+    engine = tiny_engine(hf, prefix_caching=True)
+    d, e = engine.generate([PROMPTS[3], PROMPTS[3]], GREEDY)
+    assert d.token_ids == e.token_ids == plain[3] and d.metrics["cached_tokens"] == 0
+    assert engine.prefix_cache.num_blocks == (len(PROMPTS[3]) + 24 - 1) // 16
+    assert engine.slots.allocator.num_free_slots == engine.slots.allocator.usable_slots
+
+
 def test_without_the_cache_nothing_is_cached(hf):
     outs = _run_one_by_one(tiny_engine(hf), PROMPTS[:2], GREEDY)
     assert all("cached_tokens" not in o.metrics for o in outs)

@@ -83,10 +83,12 @@ class Request:
         self.req_pool_idx = 0  # row in req_to_token; 0 = none
         self.pages: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
-        # prefix caching: the cached blocks its first positions read (engine/scheduler.py),
-        # and the prompt tokens found cached at its first admission (None: caching is off)
+        # prefix caching: the cached blocks its first positions read or it computed and
+        # shared (engine/scheduler.py), and the prompt tokens found cached at its first
+        # admission (None: caching is off)
         self.cached_blocks: list = []
         self.num_cached_tokens: int | None = None
+        self.cache_sealed = False  # its next block was cached by another request first
         # a request that scores its prompt computes every prompt position
         self.prompt_cacheable = params.prompt_logprobs is None
         self.ahead = 0  # KV slots past them that a launched, unread step writes (async)

@@ -8,9 +8,10 @@ recently admitted request is preempted (its KV freed, recomputed later).
 
 With a prefix cache (`runtime/prefix_cache.py`), an admitted request starts past the cached
 blocks its tokens begin with (at least one token is always computed: its logits are the
-next token's), `on_prefix_hit(req)` records their slots and tokens in the request's rows, and
-a request that ends or is preempted leaves its computed full blocks in the cache (a preempted
-one finds them there again).
+next token's), `on_prefix_hit(req)` records their slots and tokens in the request's rows;
+each step first caches the full blocks running requests computed since the last one, and a
+request that ends or is preempted leaves the rest of its computed full blocks there (a
+preempted one finds them again).
 
 With `max_step_seconds`, a step that carries decoding requests also caps its prefill tokens by
 time: the engine reports each step's wall time (`observe`), and the chunk is sized from the
@@ -100,6 +101,7 @@ class Scheduler:
             max(0, min(req.num_computed_tokens, req.num_tokens - 1))
         self.prefix_cache.release(req.token_slice(0, valid), req.pages, valid,
                                   req.cached_blocks)
+        req.cache_sealed = False
 
     def release(self, req: Request) -> None:
         """Give back the request's KV slots and table row (finished, aborted or failed)."""
@@ -149,6 +151,8 @@ class Scheduler:
         decode rows that ride in it)."""
         budget = self.cfg.max_num_batched_tokens - riding
         scheduled: list[ScheduledRequest] = []
+        if self.prefix_cache is not None:
+            self._share_computed()
         # 1. decoding requests: one token each (plus slots for drafts)
         for req in list(self.running) if decode else []:
             if req.status is not Status.RUNNING or req.is_prefilling:  # preempted this step
@@ -193,6 +197,18 @@ class Scheduler:
             budget -= sr.num_new_tokens
             scheduled.append(sr)
         return scheduled
+
+    def _share_computed(self) -> None:
+        """Running requests' full blocks computed since the last step into the prefix cache,
+        for the requests this step admits (a cheap check per request while no new block is
+        full; none past a block another request cached first)."""
+        b = self.prefix_cache.block_tokens
+        for req in self.running:
+            n = len(req.cached_blocks)
+            valid = min(req.num_computed_tokens, req.num_tokens - 1)
+            if valid >= (n + 1) * b and not req.cache_sealed:
+                req.cache_sealed = not self.prefix_cache.share(
+                    req.token_slice(n * b, valid // b * b), req.pages, req.cached_blocks)
 
     def _match_prefix(self, req: Request) -> None:
         """Start an admitted request past the cached blocks its tokens begin with (not one

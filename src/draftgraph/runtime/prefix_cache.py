@@ -10,6 +10,9 @@ pages (whole pages of the `PagedAllocator`) hold the KV of every model over the 
 
     match(tokens, limit)      the cached blocks that tokens[:limit] starts with; each is
                               referenced (never evicted) until the request gives it back
+    share(tokens, pages, chain)
+                              a running request's newly computed full blocks cached at once
+                              (requests arriving while it runs find them), referenced by it
     release(tokens, pages, num_valid, borrowed)
                               a request ends (or is preempted): the full blocks of its first
                               num_valid tokens become cached blocks (new ones, or one more
@@ -88,6 +91,27 @@ class PrefixCache:
         self.stats["prefix_cache_queries"] += max(limit, 0)
         self.stats["prefix_cache_hits"] += len(found) * b
         return found
+
+    def share(self, tokens: list[int], pages: list[int], chain: list[Block]) -> bool:
+        """A running request's newly computed full blocks become cached blocks now, so that
+        requests arriving meanwhile find them: tokens[i * block_tokens:] is the request's
+        block len(chain) + i (its KV computed), `pages` all its pages, `chain` the blocks it
+        references (appended to; it holds one reference to each new block). Stops at a
+        block cached already (another request computed the same): returns False, and that
+        copy stays the request's own until it ends (`release` then frees it)."""
+        b, ppb = self.block_tokens, self.pages_per_block
+        parent = chain[-1].id if chain else 0
+        for i in range(len(tokens) // b):
+            key = (parent, tuple(tokens[i * b:(i + 1) * b]))
+            if key in self._blocks:
+                return False
+            j = len(chain)
+            block = self._blocks[key] = Block(key, self._next_id, pages[j * ppb:(j + 1) * ppb])
+            self._next_id += 1
+            block.refs = 1
+            chain.append(block)
+            parent = block.id
+        return True
 
     def release(self, tokens: list[int], pages: list[int], num_valid: int,
                 borrowed: list[Block]) -> None:
