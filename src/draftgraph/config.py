@@ -25,9 +25,9 @@ class CacheConfig:
     page_size: int = 1
     kv_cache_tokens: int | None = None  # None: sized from free memory (GPU) or a CPU default
     gpu_memory_utilization: float = 0.85
-    # finished requests' full blocks of KV kept for later prompts with the same beginning
+    # requests' computed full blocks of KV kept for later prompts with the same beginning
     # (runtime/prefix_cache.py); off by default: a prompt's logits then depend on what ran
-    # before it (its cached KV came from another step's shapes), as vLLM's do
+    # before it (its cached KV came from another step's shapes), as with vLLM's
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:

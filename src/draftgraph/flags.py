@@ -188,8 +188,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=CacheConfig.enable_prefix_caching,
-                   help="keep finished requests' KV in blocks of 16 tokens for later prompts "
-                        "that start with the same tokens (vLLM's automatic prefix caching)")
+                   help="keep requests' computed KV in blocks of 16 tokens for later "
+                        "prompts that start with the same tokens (vLLM's automatic prefix "
+                        "caching)")
     e.add_argument("--gpu-memory-utilization", type=float,
                    default=CacheConfig.gpu_memory_utilization,
                    help="GPU without --kv-cache-tokens: the share of free GPU memory the KV "
