@@ -340,3 +340,15 @@ def test_bench_serve_refuses_a_random_vocab_above_the_servers(server, tmp_path, 
     assert rc == 2
     assert capsys.readouterr().err.startswith(
         "error: --random-vocab-size 100000 is above the server's vocabulary (512 tokens)")
+
+
+def test_random_prompts_after_a_shared_prefix():
+    """--random-prefix-len: every prompt starts with the same tokens, and after them each is
+    the prompt it was without a prefix (the prefix is drawn apart)."""
+    from draftgraph.bench.datasets import random_requests
+
+    plain = random_requests(4, 20, 8, 0.0, 1000, 3)
+    shared = random_requests(4, 20, 8, 0.0, 1000, 3, prefix_len=32)
+    assert len({tuple(r.prompt[:32]) for r in shared}) == 1
+    assert [r.prompt[32:] for r in shared] == [r.prompt for r in plain]
+    assert [r.output_len for r in shared] == [r.output_len for r in plain]
