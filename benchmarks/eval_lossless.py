@@ -74,6 +74,9 @@ def main() -> int:
     ap.add_argument("--exact-rows", default="off", choices=["auto", "on", "off"],
                     help="every multi-row step's rows computed as lone decode rows")
     ap.add_argument("--deterministic", action="store_true", help="batch-invariant mode")
+    ap.add_argument("--enable-prefix-caching", action="store_true",
+                    help="the speculative engines with automatic prefix caching (plain "
+                         "decoding, the reference, without)")
     ap.add_argument("--invariance-trials", type=int, default=0,
                     help="then: the first prompt alone vs among 31 others of the set, "
                          "arriving 0-7 steps after them, this many times (plain engine)")
@@ -96,10 +99,12 @@ def main() -> int:
         ap.error("--out is required")
 
     def engine(spec: SpecConfig) -> LLMEngine:
+        cached = args.enable_prefix_caching and spec.method is not None
         return LLMEngine(EngineConfig(
             model=args.model, device=args.device, dtype=args.dtype, exact_rows=args.exact_rows,
             deterministic=args.deterministic,
-            cache=CacheConfig(kv_cache_tokens=args.batch * (1024 + args.max_tokens)),
+            cache=CacheConfig(kv_cache_tokens=args.batch * (1024 + args.max_tokens),
+                              enable_prefix_caching=cached),
             scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=1024),
             spec=spec))
 
@@ -149,6 +154,7 @@ def main() -> int:
         "k": args.k,
         "max_tokens": args.max_tokens,
         "deterministic": args.deterministic,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "batch": args.batch,
     }
     if len(arms) == 1:
@@ -224,6 +230,8 @@ def compare(spec: LLMEngine, report: dict, name: str, prompts: list, raw: bool, 
         "plain_seconds": ta,
         "spec_seconds": tb,
         "accept_len_mean": (accepted + drafts) / drafts if drafts else None,
+        "prefix_cache_hits": spec.stats.get("prefix_cache_hits", 0)
+        - before.get("prefix_cache_hits", 0),
     }
     print(name, json.dumps({k: v for k, v in report[name].items() if k != "mismatches"}),
           flush=True)
