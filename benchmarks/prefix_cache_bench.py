@@ -17,9 +17,11 @@ command.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
+import torch
 from _meta import model_shape, run_header
 from serve_offline import drive
 
@@ -41,10 +43,12 @@ def main() -> int:
     ap.add_argument("--arms", default="off,on,off,on")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    runs, engine = [], None
+    runs, header = [], None
     for arm in args.arms.split(","):
         args.enable_prefix_caching = arm == "on"
         engine = LLMEngine(engine_config_from_args(args))
+        header = header or {**run_header(str(engine.device)), "model": engine.config.model,
+                            "model_shape": model_shape(engine.model_config)}
         levels = [int(x) for x in args.concurrency.split(",")]
         n = args.num_prompts
         # each level its own prompts (a level must not find the last one's in the cache)
@@ -65,10 +69,15 @@ def main() -> int:
                   f"{len(requests) * (args.prefix_len + args.input_len)} prompt tokens",
                   flush=True)
         engine.shutdown()
-    out = {"benchmark": "prefix_cache", **run_header(str(engine.device)),
-           "model": engine.config.model, "model_shape": model_shape(engine.model_config),
-           "prefix_len": args.prefix_len, "input_len": args.input_len,
-           "output_len": args.output_len, "num_prompts": args.num_prompts, "results": runs}
+        # the next arm's engine sizes its KV pool from free memory: give this one's back
+        # (a Llama-3.2-1B's second arm ran out of memory without it)
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out = {"benchmark": "prefix_cache", **header, "prefix_len": args.prefix_len,
+           "input_len": args.input_len, "output_len": args.output_len,
+           "num_prompts": args.num_prompts, "results": runs}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0
