@@ -89,8 +89,6 @@ class Request:
         self.cached_blocks: list = []
         self.num_cached_tokens: int | None = None
         self.cache_sealed = False  # its next block was cached by another request first
-        # a request that scores its prompt computes every prompt position
-        self.prompt_cacheable = params.prompt_logprobs is None
         self.ahead = 0  # KV slots past them that a launched, unread step writes (async)
         # streaming state
         self.detokenizer = detokenizer

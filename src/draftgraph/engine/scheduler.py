@@ -215,7 +215,7 @@ class Scheduler:
         that scores its prompt: every prompt position is computed for it)."""
         target = req.num_tokens - (1 if req.output_token_ids else 0)
         hit = self.prefix_cache.match(req.token_slice(0, target - 1), target - 1) \
-            if req.prompt_cacheable else []
+            if req.params.prompt_logprobs is None else []
         if req.num_cached_tokens is None:  # its first admission: what its usage reports
             req.num_cached_tokens = len(hit) * self.prefix_cache.block_tokens
         if hit:

@@ -92,56 +92,51 @@ class PrefixCache:
         self.stats["prefix_cache_hits"] += len(found) * b
         return found
 
-    def share(self, tokens: list[int], pages: list[int], chain: list[Block]) -> bool:
-        """A running request's newly computed full blocks become cached blocks now, so that
-        requests arriving meanwhile find them: tokens[i * block_tokens:] is the request's
-        block len(chain) + i (its KV computed), `pages` all its pages, `chain` the blocks it
-        references (appended to; it holds one reference to each new block). Stops at a
-        block cached already (another request computed the same): returns False, and that
-        copy stays the request's own until it ends (`release` then frees it)."""
+    def _cache(self, tokens: list[int], pages: list[int], chain: list[Block],
+               spare: list[int] | None = None) -> bool:
+        """A request's full blocks past `chain` (the blocks it references, appended to) as
+        cached blocks it references: tokens[i * block_tokens:] is its block len(chain) + i,
+        `pages` all its pages. At a block cached already (another request computed the
+        same): with `spare`, that block is referenced instead and this copy's pages go to
+        `spare`; without, it stops there and returns False."""
         b, ppb = self.block_tokens, self.pages_per_block
         parent = chain[-1].id if chain else 0
         for i in range(len(tokens) // b):
-            key = (parent, tuple(tokens[i * b:(i + 1) * b]))
-            if key in self._blocks:
-                return False
             j = len(chain)
-            block = self._blocks[key] = Block(key, self._next_id, pages[j * ppb:(j + 1) * ppb])
-            self._next_id += 1
-            block.refs = 1
+            own = pages[j * ppb:(j + 1) * ppb]
+            key = (parent, tuple(tokens[i * b:(i + 1) * b]))
+            block = self._blocks.get(key)
+            if block is None:
+                block = self._blocks[key] = Block(key, self._next_id, own)
+                self._next_id += 1
+            elif spare is None:
+                return False
+            else:
+                spare += own
+            self._ref(block)
             chain.append(block)
             parent = block.id
         return True
 
+    def share(self, tokens: list[int], pages: list[int], chain: list[Block]) -> bool:
+        """A running request's newly computed full blocks become cached blocks now, so that
+        requests arriving meanwhile find them (`_cache`'s arguments). Stops at a block cached
+        already: returns False, and that copy stays the request's own until it ends
+        (`release` then frees it)."""
+        return self._cache(tokens, pages, chain)
+
     def release(self, tokens: list[int], pages: list[int], num_valid: int,
                 borrowed: list[Block]) -> None:
-        """A request gives back `pages` (its pages in position order, the borrowed blocks'
-        first): the full blocks of tokens[:num_valid] (their KV computed) stay cached, the
-        borrowed blocks lose this request's reference, the other pages are freed. Clears
-        `pages` and `borrowed`."""
-        b, ppb = self.block_tokens, self.pages_per_block
-        chain: list[Block] = []
-        spare: list[int] = []
-        parent = 0
-        for i in range(min(num_valid, len(tokens)) // b):
-            own = pages[i * ppb:(i + 1) * ppb]
-            if i < len(borrowed):
-                block = borrowed[i]
-            else:
-                key = (parent, tuple(tokens[i * b:(i + 1) * b]))
-                block = self._blocks.get(key)
-                if block is None:
-                    block = self._blocks[key] = Block(key, self._next_id, own)
-                    self._next_id += 1
-                else:  # cached meanwhile by another request: this copy is spare
-                    spare += own
-                self._ref(block)
-            chain.append(block)
-            parent = block.id
-        chain += borrowed[len(chain):]  # borrowed past the valid tokens: still referenced
-        spare += pages[len(chain) * ppb:]
+        """A request gives back `pages` (its pages in position order, the blocks it
+        references, `borrowed`, first): the full blocks of tokens[:num_valid] (their KV
+        computed) stay cached, the borrowed blocks lose this request's reference, the other
+        pages are freed. Clears `pages` and `borrowed`."""
+        n, spare = len(borrowed) * self.block_tokens, []
+        self._cache(tokens[n:min(num_valid, len(tokens)) // self.block_tokens
+                           * self.block_tokens], pages, borrowed, spare)
+        spare += pages[len(borrowed) * self.pages_per_block:]
         # the deepest block first in the queue: evicted before its parents
-        for block in reversed(chain):
+        for block in reversed(borrowed):
             block.refs -= 1
             if block.refs == 0:
                 self._unused[block.id] = block
