@@ -366,6 +366,48 @@ def test_a_run_resumes_from_its_checkpoint(trained):
     assert resumed.history[: tc.steps] == state.history
 
 
+def test_a_run_starts_from_a_heads_weights(trained, tmp_path):
+    """--init-head: a fresh run (new optimizer and schedule) starts from a trained head's
+    weights, so its first steps' loss is the trained head's, far below a random head's; a
+    reduced chain head sharing the target's LM head trains on over the whole vocabulary; a
+    head of another shape is refused by name."""
+    from draftgraph.models.heads import reduce_vocab, save_head
+    from draftgraph.train.loop import init_from_head
+
+    hf, _, out, state, tc, seqs, engine = trained
+    cfg = tiny_loaded(hf).config
+    saved = load_head(os.path.join(out, "head"), cfg)
+    head = random_head(cfg, "", seed=7)
+    init_from_head(head, os.path.join(out, "head"), cfg)
+    for k, t in saved.state_dict().items():
+        assert torch.equal(head.state_dict()[k], t), k
+    fresh = TrainConfig(**{**tc.__dict__, "steps": 3, "lr": 1e-4, "warmup": 1})
+    tuned = train_head(head, engine.model, seqs, fresh, str(tmp_path / "tuned"), "cpu",
+                       torch.float32, "torch", progress=False)
+    first_random = sum(r["loss"] for r in state.history[:3]) / 3
+    first_tuned = sum(r["loss"] for r in tuned.history) / 3
+    assert first_tuned < 0.5 * first_random, (first_tuned, first_random)
+    # a reduced head sharing the target's LM head: its weights over the whole vocabulary
+    reduced = tmp_path / "reduced"
+    save_head(reduce_vocab(saved, torch.arange(0, 64, 2), cfg), str(reduced))
+    whole = random_head(cfg, "", seed=7)
+    init_from_head(whole, str(reduced), cfg)
+    assert whole.d2t.numel() == 0 and torch.equal(whole.fc.weight, saved.fc.weight)
+    same = random_head(cfg, "draft_vocab=32,share_lm_head=1", seed=7)  # keeps its vocabulary
+    init_from_head(same, str(reduced), cfg)
+    assert torch.equal(same.d2t, torch.arange(0, 64, 2))
+    with pytest.raises(ValueError, match=r"another shape: num_layers 1 \(the flags: 2\)"):
+        init_from_head(random_head(cfg, "layers=2"), os.path.join(out, "head"), cfg)
+    with pytest.raises(ValueError, match="lm_head.weight"):  # an own LM head of 32 rows
+        init_from_head(random_head(cfg, "draft_vocab=16", seed=7), str(reduced), cfg)
+    # a reduced block head's Markov rows are its draft vocabulary's alone
+    block = random_head(cfg, "markov_rank=4", kind="block")
+    save_head(reduce_vocab(block, torch.arange(32), cfg), str(tmp_path / "block"))
+    with pytest.raises(ValueError, match="markov_out.weight"):
+        init_from_head(random_head(cfg, "markov_rank=4", kind="block"),
+                       str(tmp_path / "block"), cfg)
+
+
 def test_a_head_config_that_does_not_fit_is_refused(trained):
     import dataclasses
 
@@ -418,6 +460,13 @@ def test_train_drafter_cli_runs_and_resumes(tmp_path, capsys):
     assert "step 9/9" in capsys.readouterr().err
     head = json.loads((out / "head" / "config.json").read_text())
     assert head["draft_vocab_size"] == 32
+    # fine-tuning: a new run from the kept head's weights (and its vocabulary)
+    tuned = tmp_path / "tuned"
+    assert main([str(tuned) if a == str(out) else a for a in argv[:-4]]
+                + ["--steps", "2", "--batch-tokens", "128", "--init-head", str(out / "best")]) == 0
+    assert f"starting from the weights of {out / 'best'}" in capsys.readouterr().err
+    first = json.loads((tuned / "history.json").read_text())["history"][0]["loss"]
+    assert first < history[0]["loss"]
     # a reduced vocabulary over the target's own LM-head rows: no LM head to train or ship
     shared = tmp_path / "shared"
     assert main(["train-drafter", "random:tiny", "--out", str(shared), "--data", str(data),

@@ -101,6 +101,18 @@ def test_missing_files_are_refused_before_the_target_loads(tmp_path, ids, capsys
     (tmp_path / "afile").write_text("x")
     rc, err = _run(tmp_path, ids, ["--out", str(tmp_path / "afile")], capsys)
     assert rc == 2 and f"--out {tmp_path / 'afile'} is a file" in _one_error_line(err)
+    # a head to start from: a directory with its config, of the kind and depth asked for
+    rc, err = _run(tmp_path, ids, ["--init-head", str(tmp_path / "nohead")], capsys)
+    assert rc == 2 and f"--init-head '{tmp_path / 'nohead'}': no config.json there" in \
+        _one_error_line(err)
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"kind": "chain", "num_layers": 2}))
+    rc, err = _run(tmp_path, ids, ["--init-head", str(head)], capsys)
+    assert rc == 2 and (f"--init-head {head} is a chain head of 2 layer(s); the flags describe "
+                        "a chain head of 1") in _one_error_line(err)
+    rc, err = _run(tmp_path, ids, ["--init-head", str(head), "--kind", "block"], capsys)
+    assert rc == 2 and "the flags describe a block head of 2" in _one_error_line(err)
 
 
 def test_malformed_data_files_name_the_flag_the_file_and_the_line(tmp_path, ids, capsys,

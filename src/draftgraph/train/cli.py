@@ -72,6 +72,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="--kind chain with --draft-vocab: the head's LM head is the target's "
                         "rows of the draft vocabulary (nothing to train or ship) instead of "
                         "its own")
+    p.add_argument("--init-head", default=None, metavar="DIR",
+                   help="start from this head's weights (a head directory, e.g. a shipped "
+                        "head or a run's best/) with a fresh optimizer and schedule: "
+                        "fine-tuning; its shape must be the flags' (a chain head sharing the "
+                        "target's LM head may train over another draft vocabulary)")
     b = p.add_argument_group("block heads (--kind block)")
     b.add_argument("--block-size", type=int, default=8,
                    help="the anchor + block_size - 1 mask tokens: block_size - 1 drafts")
@@ -263,6 +268,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 2
     if args.head_layers is None:  # a block's mask rows query by position alone in layer 1
         args.head_layers = 2 if args.kind == "block" else 1
+    if args.init_head:  # its kind and depth checked now, its weights once the head is built
+        from draftgraph.models.heads import head_config, head_kind
+
+        try:
+            kind = head_kind(args.init_head)
+            layers = head_config(args.init_head).get("num_layers", 1)
+        except ValueError as e:
+            print(f"error: {str(e).replace('--draft-head', '--init-head')}", file=sys.stderr)
+            return 2
+        if (kind, layers) != (args.kind, args.head_layers):
+            print(f"error: --init-head {args.init_head} is a {kind} head of {layers} "
+                  f"layer(s); the flags describe a {args.kind} head of {args.head_layers} "
+                  f"(--kind, --head-layers)", file=sys.stderr)
+            return 2
     # NOTE: the prompts are read before the target loads, so a bad file fails in seconds; a
     # run that resumes (its sequences saved) reads none
     seq_path = os.path.join(args.out, "sequences.json")
@@ -353,6 +372,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         else:
             init_draft_vocab(head, seqs, args.draft_vocab, target.config.vocab_size,
                              target.lm_head_weight.detach())
+    if args.init_head:
+        from draftgraph.train.loop import init_from_head
+
+        try:
+            init_from_head(head, args.init_head, target.config)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"train-drafter: starting from the weights of {args.init_head}", file=sys.stderr)
     if args.kind == "block":
         from draftgraph.train.block import BlockTrainConfig, train_block_head
 

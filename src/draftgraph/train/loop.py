@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from draftgraph.attention.backend import Phase
-from draftgraph.models.heads import save_head
+from draftgraph.models.heads import load_head, save_head
 from draftgraph.runtime.executor import ModelExecutor
 from draftgraph.runtime.schema import StepBatch
 from draftgraph.runtime.slot_space import SlotSpace
@@ -118,6 +118,42 @@ def init_draft_vocab(head: torch.nn.Module, seqs: list[Sequence], n: int, vocab_
     if getattr(head, "lm_head", None) is not None:
         with torch.no_grad():
             head.lm_head.weight.copy_(target_lm_head.index_select(0, head.d2t))
+
+
+def init_from_head(head: nn.Module, path: str, target) -> None:
+    """Start `head` (the untrained head the flags describe) from the weights of the head
+    directory `path`: fine-tuning a trained or shipped head on new data or for more steps,
+    with a fresh optimizer and schedule. Its shape must be `head`'s, but for the draft
+    vocabulary of a chain head sharing the target's LM head (its weights do not depend on
+    its vocabulary: the shipped chain head trains on over the whole vocabulary, or over
+    another). `d2t` comes along where the sizes agree (a head keeps its vocabulary).
+    ValueError, naming the difference, otherwise."""
+    try:
+        init = load_head(path, target)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--draft-head", "--init-head")) from None
+    mine, theirs = head.head_config, init.head_config
+    vocab = ("draft_vocab_size", "share_lm_head")
+    differ = [f"{k} {getattr(theirs, k)} (the flags: {getattr(mine, k)})"
+              for k in sorted(set(vars(mine)) | set(vars(theirs)))
+              if k not in vocab and getattr(theirs, k, None) != getattr(mine, k, None)]
+    if differ:
+        raise ValueError(f"--init-head {path}: a head of another shape: {', '.join(differ)}")
+    own, got = head.state_dict(), init.state_dict()
+    d2t = own.get("d2t")  # (a block head over the whole vocabulary has none)
+    if d2t is None:
+        got.pop("d2t", None)
+    elif "d2t" not in got or got["d2t"].shape != d2t.shape:
+        got["d2t"] = d2t
+    wrong = sorted(k for k in own.keys() | got.keys()
+                   if k not in own or k not in got or own[k].shape != got[k].shape)
+    if wrong:
+        raise ValueError(f"--init-head {path}: its weights {wrong[:3]} do not fit the head "
+                         "the flags describe (a reduced block head's Markov rows cover its "
+                         "draft vocabulary alone: start from the run's whole-vocabulary "
+                         "head/ or best/; a chain head's own LM head needs the same "
+                         "--draft-vocab)")
+    head.load_state_dict(got)
 
 
 def walk_rounds(leads: list[int], prompt_len: int, num_tokens: int, k: int,
