@@ -5,6 +5,7 @@ also when the KV pool is short (eviction, preemption); no slot is lost."""
 
 from __future__ import annotations
 
+import gc
 import re
 
 import httpx
@@ -48,7 +49,7 @@ def test_blocks_are_found_by_their_whole_prefix_and_referenced():
     cache.release(toks, pages, 10, [])
     assert cache.num_blocks == 2 and allocator.num_free_slots == 64
     hit = cache.match(toks + [1, 2], 12)
-    assert [p for b in hit for p in b.pages] == first_two
+    assert cache.pages(hit) == first_two
     assert cache.match(toks, 7) == hit[:1]  # the limit: one block below 7 tokens
     other = toks[:5] + [0] + toks[6:]  # the second block differs: only the first found
     assert cache.match(other, 12) == hit[:1]
@@ -65,7 +66,7 @@ def test_a_release_caches_new_blocks_frees_copies_and_drops_references():
     a = _sequence(allocator, 12)
     cache.release(toks, a, 12, [])  # three blocks cached
     hit = cache.match(toks, 11)  # two borrowed by a second request
-    b = [p for blk in hit for p in blk.pages]
+    b = cache.pages(hit)
     allocator.extend(b, 8, 8)  # computes positions 8 .. 15
     c = _sequence(allocator, 8)  # a third request computes the same first 8 tokens itself
     c_pages = list(c)
@@ -89,6 +90,32 @@ def test_eviction_takes_a_chains_deepest_blocks_first_and_the_allocator_asks_for
         allocator.extend(pages, 4, 4)
 
 
+def test_evicted_pages_are_handed_out_in_ascending_order_along_a_chain():
+    """Blocks evicted together give their pages back in one call, in the order a call per
+    block gave: a released chain (evicted deepest first) comes back in ascending slots."""
+    allocator, cache = _cache(num_slots=16 + 1)
+    cache.release(list(range(16)), _sequence(allocator, 16), 16, [])  # slots 1 .. 16
+    pages: list[int] = []
+    allocator.extend(pages, 0, 8)  # the two deepest blocks evicted: slots 9 .. 16
+    assert pages == list(range(9, 17))
+    assert cache.num_blocks == 2
+
+
+def test_cached_blocks_add_no_objects_for_the_cycle_collector():
+    """A cached block is an id and tuples of ints in the cache's dicts, which Python's cycle
+    collector does not track: a thousand blocks leave the tracked objects (what a full
+    collection walks, and what triggers one) as they were (a Block object and a page list
+    per block were 2,000 more)."""
+    allocator, cache = _cache(num_slots=4000 + 1)
+    toks = list(range(4000))
+    gc.collect()
+    before = len(gc.get_objects())
+    cache.release(toks, _sequence(allocator, 4000), 4000, [])
+    gc.collect()
+    assert cache.num_blocks == 1000
+    assert len(gc.get_objects()) - before < 100
+
+
 def test_blocks_of_whole_pages():
     allocator = PagedAllocator(64 + 4, page_size=4)
     cache = PrefixCache(allocator, block_tokens=6)  # rounded up to two pages
@@ -97,7 +124,7 @@ def test_blocks_of_whole_pages():
     pages = _sequence(allocator, 20)
     cache.release(toks, pages, 19, [])
     hit = cache.match(toks, 19)
-    assert len(hit) == 2 and all(len(b.pages) == 2 for b in hit)
+    assert len(hit) == 2 and all(len(cache.pages([b])) == 2 for b in hit)
 
 
 def _run_one_by_one(engine, prompts, params):
@@ -147,7 +174,7 @@ def test_a_cached_requests_rows_hold_the_cached_slots_and_tokens(hf):
     engine.step()
     req = engine.requests["c"]
     assert req.num_cached_tokens == 64
-    blocks = [p for b in req.cached_blocks for p in b.pages]
+    blocks = engine.prefix_cache.pages(req.cached_blocks)
     row = req.req_pool_idx
     assert engine.slots.req_pool.req_to_token[row, :64].tolist() == blocks
     assert engine.slots.token_table[row, :64].tolist() == PROMPTS[1][:64]

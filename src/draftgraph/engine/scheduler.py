@@ -204,11 +204,13 @@ class Scheduler:
         full; none past a block another request cached first)."""
         b = self.prefix_cache.block_tokens
         for req in self.running:
-            n = len(req.cached_blocks)
-            valid = min(req.num_computed_tokens, req.num_tokens - 1)
-            if valid >= (n + 1) * b and not req.cache_sealed:
+            end = (len(req.cached_blocks) + 1) * b  # its next block's end
+            # NOTE: num_computed_tokens first: most rows fail it (num_tokens is a property)
+            if req.num_computed_tokens >= end and req.num_tokens > end \
+                    and not req.cache_sealed:
+                valid = min(req.num_computed_tokens, req.num_tokens - 1)
                 req.cache_sealed = not self.prefix_cache.share(
-                    req.token_slice(n * b, valid // b * b), req.pages, req.cached_blocks)
+                    req.token_slice(end - b, valid // b * b), req.pages, req.cached_blocks)
 
     def _match_prefix(self, req: Request) -> None:
         """Start an admitted request past the cached blocks its tokens begin with (not one
@@ -220,7 +222,7 @@ class Scheduler:
             req.num_cached_tokens = len(hit) * self.prefix_cache.block_tokens
         if hit:
             req.cached_blocks = hit
-            req.pages = [p for block in hit for p in block.pages]
+            req.pages = self.prefix_cache.pages(hit)
             req.num_computed_tokens = len(hit) * self.prefix_cache.block_tokens
             self.on_prefix_hit(req)
 
