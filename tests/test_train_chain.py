@@ -398,7 +398,9 @@ def test_a_run_starts_from_a_heads_weights(trained, tmp_path):
     assert torch.equal(same.d2t, torch.arange(0, 64, 2))
     with pytest.raises(ValueError, match=r"another shape: num_layers 1 \(the flags: 2\)"):
         init_from_head(random_head(cfg, "layers=2"), os.path.join(out, "head"), cfg)
-    with pytest.raises(ValueError, match="lm_head.weight"):  # an own LM head of 32 rows
+    with pytest.raises(ValueError, match=r"kind chain \(the flags: block\)"):
+        init_from_head(random_head(cfg, "", kind="block"), os.path.join(out, "head"), cfg)
+    with pytest.raises(ValueError, match="lm_head.weight"):  # the flags ask for an own LM head
         init_from_head(random_head(cfg, "draft_vocab=16", seed=7), str(reduced), cfg)
     # a reduced block head's Markov rows are its draft vocabulary's alone
     block = random_head(cfg, "markov_rank=4", kind="block")

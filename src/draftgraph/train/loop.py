@@ -134,7 +134,7 @@ def init_from_head(head: nn.Module, path: str, target) -> None:
         raise ValueError(str(e).replace("--draft-head", "--init-head")) from None
     mine, theirs = head.head_config, init.head_config
     vocab = ("draft_vocab_size", "share_lm_head")
-    differ = [f"{k} {getattr(theirs, k)} (the flags: {getattr(mine, k)})"
+    differ = [f"{k} {getattr(theirs, k, None)} (the flags: {getattr(mine, k, None)})"
               for k in sorted(set(vars(mine)) | set(vars(theirs)))
               if k not in vocab and getattr(theirs, k, None) != getattr(mine, k, None)]
     if differ:
