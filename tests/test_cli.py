@@ -295,3 +295,18 @@ def test_server_flags_are_checked_before_the_model_loads(tmp_path, capsys, no_lo
 def test_overlap_prefill_is_on_unless_turned_off(argv, overlap):
     args = parse_args(["serve", "random:smollm2-135m", *argv])
     assert flags.engine_config_from_args(args).overlap_prefill is overlap
+
+
+@pytest.mark.parametrize("argv, on", [
+    (["serve", "random:tiny", "--device", "cpu"], True),  # serve on the CPU: on
+    (["serve", "random:tiny", "--device", "cpu", "--no-enable-prefix-caching"], False),
+    (["serve", "random:tiny"], False),  # a GPU (visible, below): off until measured
+    (["serve", "random:tiny", "--enable-prefix-caching"], True),
+    (["serve", "random:tiny", "--device", "cpu", "-tp", "2"], False),  # refused under TP
+    (["generate", "random:tiny", "hi", "--device", "cpu"], False),
+])
+def test_prefix_caching_is_on_for_serve_on_the_cpu(argv, on, monkeypatch):
+    if "--device" not in argv:
+        monkeypatch.setattr(flags.torch.cuda, "is_available", lambda: True)
+    args = parse_args(argv)
+    assert flags.engine_config_from_args(args).cache.enable_prefix_caching is on
