@@ -303,6 +303,7 @@ def test_overlap_prefill_is_on_unless_turned_off(argv, overlap):
     (["serve", "random:tiny"], False),  # a GPU (visible, below): off until measured
     (["serve", "random:tiny", "--enable-prefix-caching"], True),
     (["serve", "random:tiny", "--device", "cpu", "-tp", "2"], False),  # refused under TP
+    (["serve", "random:tiny", "--device", "cpu", "--deterministic"], False),
     (["generate", "random:tiny", "hi", "--device", "cpu"], False),
 ])
 def test_prefix_caching_is_on_for_serve_on_the_cpu(argv, on, monkeypatch):

@@ -382,10 +382,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     # turn after a 1,024-token history: first token in 0.15 s instead of 1.4-1.7; ~0.1 ms of
     # host work a prompt with no hits). Off on a GPU until random-prompt serving is shown to
     # lose nothing with it (3-7 % below plain on an H100, 2026-12-07, before its host cost
-    # fell by a third); refused under tensor parallelism
+    # fell by a third); refused under tensor parallelism; and not asked for under
+    # --deterministic, whose requests' tokens must not depend on what ran before them (a
+    # cached prefix was computed in another request's chunks)
     caching = args.enable_prefix_caching
     if caching is None:
-        caching = on_cpu and args.tensor_parallel_size == 1
+        caching = on_cpu and args.tensor_parallel_size == 1 and not args.deterministic
     return EngineConfig(
         model=resolve_model(args),
         device=args.device,
