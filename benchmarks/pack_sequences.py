@@ -4,13 +4,16 @@ the GPU machine's 16 MiB-per-file return path, and back.
     python benchmarks/pack_sequences.py pack RUN/sequences.json DIR    # DIR/seqs.npz[.partNN]
     python benchmarks/pack_sequences.py unpack DIR RUN/sequences.json
     python benchmarks/pack_sequences.py merge A/sequences.json B/sequences.json RUN/sequences.json
+    python benchmarks/pack_sequences.py prompts DIR[,DIR...] PROMPTS.json.gz [--every N]
 
 `pack` writes the token ids as uint16 (every vocabulary this project trains on has fewer than
 65536 entries), their lengths and prompt lengths, compressed, cut into pieces of at most
 --piece-mib MiB; `unpack` joins them, rebuilds sequences.json and checks its sha256 (the one
 train-drafter recorded) before writing it; `merge` concatenates two runs' sequences (the same
 model and response length) into one file with its own sha256, the parts' hashes kept in
-`merged_from`.
+`merged_from`; `prompts` writes the prompts of packed sequences (every Nth of each DIR, in
+turn) as the JSON list of token-id lists `train-drafter --data` reads, to regenerate their
+responses another way (e.g. sampled: `--temperature`).
 """
 
 from __future__ import annotations
@@ -108,6 +111,24 @@ def merge(a: str, b: str, dst: str) -> int:
     return 0
 
 
+def prompts(src_dirs: str, dst: str, every: int) -> int:
+    import gzip
+
+    out = []
+    tmp = dst + ".sequences.json"
+    for src in src_dirs.split(","):
+        rc = unpack(src, tmp)
+        if rc:
+            return rc
+        with open(tmp) as f:
+            out += [s["ids"][: s["prompt_len"]] for s in json.load(f)["sequences"][::every]]
+        os.remove(tmp)
+    with gzip.open(dst, "wt") as f:
+        json.dump(out, f)
+    print(json.dumps({"prompts": len(out), "every": every}))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -122,7 +143,13 @@ def main() -> int:
     m.add_argument("a")
     m.add_argument("b")
     m.add_argument("dst")
+    q = sub.add_parser("prompts")
+    q.add_argument("src_dir")
+    q.add_argument("dst")
+    q.add_argument("--every", type=int, default=1)
     a = ap.parse_args()
+    if a.cmd == "prompts":
+        return prompts(a.src_dir, a.dst, a.every)
     if a.cmd == "merge":
         return merge(a.a, a.b, a.dst)
     return pack(a.src, a.out_dir, a.piece_mib) if a.cmd == "pack" else unpack(a.src_dir, a.dst)

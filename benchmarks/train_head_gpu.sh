@@ -11,7 +11,9 @@
 #              a time: 5.6 minutes for the default 20,722) and returns them packed; EXTRA
 #              (comma-separated: prompt ids to regenerate, returned packed as extraN/, or
 #              folders of packed sequences, e.g. the code completions
-#              benchmarks/data/smollm2_code10k_seqs) adds to them in order; then trains the
+#              benchmarks/data/smollm2_code10k_seqs) adds to them in order (the prompts
+#              regenerated at TEMP, default 0: greedy; `pack_sequences.py prompts` takes the
+#              prompts of packed sequences, to regenerate them sampled); then trains the
 #              ARMS until END seconds;
 #   call 9+:   `bash benchmarks/train_head_gpu.sh train` (carry nothing): the ARMS resume
 #              from their checkpoints until END seconds;
@@ -75,7 +77,7 @@ if [ "${1:-}" = regen ]; then
       sha256sum $extra | tee -a "$LOG"
       timeout $(( END - 120 )) python3 -m draftgraph.cli train-drafter $M --out $x \
         --data $extra --num-prompts 1000000 $COMMON --steps 0 --eval-prompts 0 \
-        --max-num-seqs ${SEQS:-1024} 2>&1 | quiet | tail -6 | tee -a "$LOG"
+        --max-num-seqs ${SEQS:-1024} --temperature ${TEMP:-0} 2>&1 | quiet | tail -6 | tee -a "$LOG"
       [ -f $x/sequences.json ] || { echo "no sequences for $extra"; exit 5; }
       echo "== regenerated EXTRA $extra by ${SECONDS}s" | tee -a "$LOG"
       python3 benchmarks/pack_sequences.py pack $x/sequences.json "$OUT/extra$n" \

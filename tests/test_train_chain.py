@@ -170,6 +170,25 @@ def test_init_draft_vocab_starts_an_own_lm_head_at_the_targets_rows():
     assert shared.lm_head is None and shared.d2t.tolist() == [3, 7, 9]
 
 
+def test_sampled_regeneration_is_the_engines_sampled_output_and_repeats():
+    """--temperature: each prompt's response is what the engine samples for it at that
+    temperature with seed `seed + i` (so a run regenerates the same data), not greedy, and the
+    prompts are not all drawn from one seed."""
+    engine = tiny_engine(tiny_hf_model(seed=5))
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11]]
+    greedy = regenerate(engine, prompts, 24)
+    hot = regenerate(engine, prompts, 24, temperature=1.5, seed=3)
+    again = regenerate(engine, prompts, 24, temperature=1.5, seed=3)
+    assert [s.ids for s in hot] == [s.ids for s in again]
+    assert [s.prompt_len for s in hot] == [4, 4, 3]
+    assert [s.ids for s in hot] != [s.ids for s in greedy]
+    assert hot[0].ids != hot[1].ids  # one prompt twice: seeds 3 and 4
+    for i, p in enumerate(prompts):
+        want = engine.generate([p], SamplingParams(max_tokens=24, temperature=1.5,
+                                                   seed=3 + i))[0].token_ids
+        assert hot[i].ids == p + want
+
+
 def test_expected_accept_length():
     assert expected_accept_length([1.0, 1.0]) == 3.0
     assert expected_accept_length([0.5, 0.5]) == 1.75

@@ -66,6 +66,8 @@ def _one_error_line(err: str) -> str:
     (["--time-limit", "-5"], "--time-limit must be > 0"),
     (["--batch-tokens", "0"], "--batch-tokens must be >= 1, got 0"),
     (["--ttt-steps", "0"], "--ttt-steps must be >= 1, got 0"),
+    (["--temperature", "-0.5"], "--temperature must be in 0..1000.0, got -0.5"),
+    (["--temperature", "nan"], "--temperature must be in 0..1000.0, got nan"),
     (["--lr", "-1"], "--lr must be > 0, got -1.0"),
     (["--lr", "nan"], "--lr must be > 0"),
     (["--intermediate-size", "-3"], "--intermediate-size must be >= 0, got -3"),

@@ -35,7 +35,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="--data sharegpt: the first human turn of each conversation, or every "
                         "human turn with its history")
     p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="tokens of each regenerated response (greedy)")
+                   help="tokens of each regenerated response")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the regenerated responses' sampling temperature (0: greedy); sampled "
+                        "contexts train a head for sampled serving too (SpecForge regenerates "
+                        "the same way); the head still learns the target's whole distribution "
+                        "at every position")
     p.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps in all (0: "
                    "regenerate the sequences and stop)")
@@ -179,6 +184,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     for flag, v in at_least_0.items():
         if v is not None and v < 0:
             return f"{flag} must be >= 0, got {v}"
+    from draftgraph.engine.sampling import MAX_TEMPERATURE
+
+    if not 0 <= args.temperature <= MAX_TEMPERATURE:  # (NaN too)
+        return f"--temperature must be in 0..{MAX_TEMPERATURE}, got {args.temperature}"
     if not args.lr > 0:  # (NaN too)
         return f"--lr must be > 0, got {args.lr}"
     if args.time_limit is not None and not args.time_limit > 0:
@@ -204,9 +213,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 def _sequences(engine, prompts: list | None, path: str, args, model: str, what: str,
                raw_text: list[bool] | None) -> list:
-    """The target's greedy responses to `prompts`, read from `path` when an earlier run wrote
-    it (resume: `prompts` is None, not read), else regenerated and written
-    there with their sha256; prompts the context cannot hold with --max-new-tokens are skipped
+    """The target's responses to `prompts` (--temperature), read from `path` when an earlier
+    run wrote it (resume: `prompts` is None, not read), else regenerated and written there
+    with their sha256; prompts the context cannot hold with --max-new-tokens are skipped
     and counted. raw_text: per prompt, whether its text is a completion to continue, not a
     user's chat turn."""
     from draftgraph.engine.errors import EngineError
@@ -236,11 +245,12 @@ def _sequences(engine, prompts: list | None, path: str, args, model: str, what: 
     if not kept:
         return []
     print(f"train-drafter: regenerating {len(kept)} {what} responses", file=sys.stderr)
-    seqs = regenerate(engine, kept, args.max_new_tokens)
+    seqs = regenerate(engine, kept, args.max_new_tokens, args.temperature, args.seed)
     blob = json.dumps([[s.ids, s.prompt_len] for s in seqs]).encode()
     with open(path, "w") as f:
         json.dump({"sha256": hashlib.sha256(blob).hexdigest(), "model": model,
-                   "max_new_tokens": args.max_new_tokens,
+                   "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                   "seed": args.seed,
                    "sequences": [{"ids": s.ids, "prompt_len": s.prompt_len} for s in seqs]}, f)
     return seqs
 

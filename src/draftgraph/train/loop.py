@@ -70,13 +70,18 @@ class TrainState:
 
 # ---- data ------------------------------------------------------------------------------------
 
-def regenerate(engine, prompts: list, max_new_tokens: int) -> list[Sequence]:
-    """The target's own greedy responses to `prompts` (text, chat messages or token ids)."""
+def regenerate(engine, prompts: list, max_new_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> list[Sequence]:
+    """The target's own responses to `prompts` (text, chat messages or token ids): greedy, or
+    sampled at `temperature` (prompt i seeded seed + i, so a run regenerates the same
+    responses)."""
     from draftgraph.engine.sampling import SamplingParams
 
     ids = [engine.encode_prompt(p) for p in prompts]
-    sp = SamplingParams(max_tokens=max_new_tokens, temperature=0)
-    outs = engine.generate(ids, sp)
+    sps = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed + i if temperature > 0 else None)
+           for i in range(len(ids))]
+    outs = engine.generate(ids, sps)
     return [Sequence(p + o.token_ids, len(p)) for p, o in zip(ids, outs, strict=True)
             if o.token_ids]
 
