@@ -3,7 +3,7 @@
 # tests (prefix caching behind steps in flight, and stop 61's extras graphs with the min_p /
 # allowed-ids / bad-words lanes), then prefix_cache_bench.py (TTFT with a cached 2,048-token
 # system prompt, arms off / on alternating) per model, then (SERVE=1) what the cache costs
-# random-prompt serving at 64 streams (arms plain / pc alternating, no hits to be had).
+# random-prompt serving at 64 streams (arms nopc / pc alternating, no hits to be had).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks TRITON_INTERPRET=0
@@ -17,6 +17,6 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
     | grep -E "c=|Error" | tail -10)
 done
 if [ -n "${SERVE:-}" ]; then
-  CONCURRENCY=64 MODELS=smollm2-135m ARMS="plain pc plain pc" NO_OFFLINE=1 \
+  CONCURRENCY=64 MODELS=smollm2-135m ARMS="nopc pc nopc pc" NO_OFFLINE=1 \
     timeout 300 bash benchmarks/serve_gpu_check.sh 2>&1 | grep -v -i warn | tail -30
 fi

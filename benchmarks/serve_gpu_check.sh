@@ -25,12 +25,15 @@ for m in ${MODELS:-smollm2-135m llama-3.2-1b}; do
     # flight carries no decode rows, the default until stop 55), hold<MS> (arrivals wait up
     # to MS ms to share a prefill behind: --prefill-coalesce-ms), cl<N> (plain served, the
     # load sent from N client processes: `bench serve --client-processes N`), pc
-    # (--enable-prefix-caching; PREFIX_LEN=N: every prompt after the same N tokens)
+    # (--enable-prefix-caching, serve's default since stop 64: plain's too), nopc
+    # (--no-enable-prefix-caching, plain before it; PREFIX_LEN=N: every prompt after the same
+    # N tokens)
     extra=""; clients=""; [ $arm = ngram ] && extra="--speculative ngram --num-draft-tokens 4"
     [ $arm = solo ] && extra="--no-decode-rides-prefill"
     [ $arm = thread ] && extra="--engine-process off"
     [ $arm = mixed ] && extra="--no-overlap-prefill"
     [ $arm = pc ] && extra="--enable-prefix-caching"
+    [ $arm = nopc ] && extra="--no-enable-prefix-caching"
     case $arm in api*) extra="--api-server-count ${arm#api}" ;;
       pg*) extra="--prefill-graph-tokens ${arm#pg}" ;;
       hold*) extra="--prefill-coalesce-ms ${arm#hold}" ;;

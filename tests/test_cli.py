@@ -300,13 +300,13 @@ def test_overlap_prefill_is_on_unless_turned_off(argv, overlap):
 @pytest.mark.parametrize("argv, on", [
     (["serve", "random:tiny", "--device", "cpu"], True),  # serve on the CPU: on
     (["serve", "random:tiny", "--device", "cpu", "--no-enable-prefix-caching"], False),
-    (["serve", "random:tiny"], False),  # a GPU (visible, below): off until measured
+    (["serve", "random:tiny"], True),  # a GPU (visible, below): on too
     (["serve", "random:tiny", "--enable-prefix-caching"], True),
     (["serve", "random:tiny", "--device", "cpu", "-tp", "2"], False),  # refused under TP
     (["serve", "random:tiny", "--device", "cpu", "--deterministic"], False),
     (["generate", "random:tiny", "hi", "--device", "cpu"], False),
 ])
-def test_prefix_caching_is_on_for_serve_on_the_cpu(argv, on, monkeypatch):
+def test_prefix_caching_is_on_for_serve(argv, on, monkeypatch):
     if "--device" not in argv:
         monkeypatch.setattr(flags.torch.cuda, "is_available", lambda: True)
     args = parse_args(argv)

@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve MODEL (or --model) over an OpenAI-compatible API.")
     add_model_args(s, positional=True)
     add_engine_args(s)
-    s.set_defaults(_parser=s, enable_prefix_caching=None)  # on on the CPU (flags.py)
+    s.set_defaults(_parser=s, enable_prefix_caching=None)  # on (flags.py)
     try:
         from draftgraph.server.cli import add_serve_args, cmd_serve
 

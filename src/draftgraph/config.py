@@ -26,7 +26,7 @@ class CacheConfig:
     kv_cache_tokens: int | None = None  # None: sized from free memory (GPU) or a CPU default
     gpu_memory_utilization: float = 0.85
     # requests' computed full blocks of KV kept for later prompts with the same beginning
-    # (runtime/prefix_cache.py); off by default here (`serve` turns it on on the CPU:
+    # (runtime/prefix_cache.py); off by default here (`serve` turns it on:
     # flags.engine_config_from_args): a prompt's logits then depend on what ran before it
     # (its cached KV came from another step's shapes), as with vLLM's
     enable_prefix_caching: bool = False
