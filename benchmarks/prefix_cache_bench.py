@@ -10,8 +10,10 @@ each level (`bench serve --dataset random --random-prefix-len`'s prompts); greed
 ignore_eos. Per arm and level:
 TTFT, TPOT, output tokens/s, and the prompt tokens found cached. A warm-up request per arm
 (the prefix alone, as a server's first user would send) runs before the timing, so the
-cache arm starts with the prefix cached. Writes JSON with device, model shape, date and
-command.
+cache arm starts with the prefix cached; with --cold there is none, and the cache is emptied
+before each level: the level's first wave arrives together to a cold cache (a server's first
+burst), where the requests after the first wait for its blocks instead of computing copies.
+Writes JSON with device, model shape, date and command.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--arms", default="off,on,off,on")
+    ap.add_argument("--cold", action="store_true", help="no warm-up request; the cache "
+                    "emptied before each level")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     runs, header = [], None
@@ -54,10 +58,13 @@ def main() -> int:
         # each level its own prompts (a level must not find the last one's in the cache)
         every = random_requests(n * len(levels), args.input_len, args.output_len, 0.0,
                                 engine.model_config.vocab_size, 0, args.prefix_len)
-        engine.generate([every[0].prompt[:args.prefix_len + 1]],
-                        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        if not args.cold:
+            engine.generate([every[0].prompt[:args.prefix_len + 1]],
+                            SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         for i, c in enumerate(levels):
             requests = every[i * n:(i + 1) * n]
+            if args.cold and engine.prefix_cache is not None:
+                engine.prefix_cache.clear()
             before = engine.stats.get("prefix_cache_hits", 0)
             r = drive(engine, requests, c)
             r.update(arm=arm, prefix_cache_hits=engine.stats.get("prefix_cache_hits", 0)
@@ -77,7 +84,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     out = {"benchmark": "prefix_cache", **header, "prefix_len": args.prefix_len,
            "input_len": args.input_len, "output_len": args.output_len,
-           "num_prompts": args.num_prompts, "results": runs}
+           "num_prompts": args.num_prompts, "cold": args.cold, "results": runs}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0

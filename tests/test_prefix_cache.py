@@ -218,8 +218,8 @@ def test_a_conversations_next_turn_finds_the_last_reply_cached(hf):
 
 def test_a_running_requests_blocks_are_found_by_arrivals(hf, plain):
     """Blocks are cached as soon as they are computed: a prompt arriving while another with
-    the same beginning still decodes finds its blocks; two that arrive together compute
-    theirs apart (the second's copies freed when it ends)."""
+    the same beginning still decodes finds its blocks; of two that arrive together the second
+    waits for the first's blocks (`test_a_burst_after_one_prefix_computes_it_once`)."""
     engine = tiny_engine(hf, prefix_caching=True)
     engine.add_request(PROMPTS[0], GREEDY, request_id="a")
     for _ in range(3):
@@ -234,12 +234,53 @@ def test_a_running_requests_blocks_are_found_by_arrivals(hf, plain):
     assert outs["b"].metrics["cached_tokens"] == outs["c"].metrics["cached_tokens"] == 64
     allocator = engine.slots.allocator
     assert allocator.num_free_slots == allocator.usable_slots
-    # together: d and e both compute their own blocks, then each is cached once
+    # together: e borrows the blocks d computes; each block is cached once
     engine = tiny_engine(hf, prefix_caching=True)
     d, e = engine.generate([PROMPTS[3], PROMPTS[3]], GREEDY)
-    assert d.token_ids == e.token_ids == plain[3] and d.metrics["cached_tokens"] == 0
+    assert d.token_ids == e.token_ids == plain[3]
+    assert (d.metrics["cached_tokens"], e.metrics["cached_tokens"]) == (0, 32)
     assert engine.prefix_cache.num_blocks == (len(PROMPTS[3]) + 24 - 1) // 16
     assert engine.slots.allocator.num_free_slots == engine.slots.allocator.usable_slots
+
+
+def test_a_burst_after_one_prefix_computes_it_once(hf):
+    """Prompts that arrive together after the same 128 tokens: the first computes them, the
+    others wait for its blocks (SGLang's in-batch prefix caching) while a prompt with other
+    tokens behind them is admitted at once; every output is plain decoding's."""
+    shared = [(11 * i) % 90 + 3 for i in range(128)]
+    prompts = [shared + [4, 5], shared + [6], [7, 8, 9] * 10, shared + [5, 4, 3]]
+    ref = [o.token_ids for o in tiny_engine(hf, budget=256).generate(prompts, GREEDY)]
+    engine = tiny_engine(hf, budget=256, prefix_caching=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, GREEDY, request_id=str(i))
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert running == {"0", "2"}
+    assert [r.request_id for r in engine.scheduler.waiting] == ["1", "3"]
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [outs[str(i)].token_ids for i in range(4)] == ref
+    assert [outs[str(i)].metrics["cached_tokens"] for i in range(4)] == [0, 128, 0, 128]
+    assert engine.stats["prefix_cache_hits"] == 256
+
+
+def test_a_request_waits_only_for_blocks_it_can_borrow(hf):
+    """No wait where the running prefill shares no full block past the cache, where it
+    has computed it already, or for a request that scores its prompt (it computes every
+    position)."""
+    engine = tiny_engine(hf, budget=256, prefix_caching=True)
+    shared = [(11 * i) % 90 + 3 for i in range(40)]
+    engine.add_request(shared + [1], GREEDY, request_id="a")
+    engine.add_request(shared[:15] + [2] * 30, GREEDY, request_id="b")  # < one block shared
+    engine.add_request(shared + [3], SamplingParams(max_tokens=2, prompt_logprobs=1),
+                       request_id="c")
+    engine.add_request(shared[:20], GREEDY, request_id="d")  # block 0 shared, then its end
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"a", "b", "c"}
+    assert [r.request_id for r in engine.scheduler.waiting] == ["d"]
+    engine.step()  # a's blocks computed and cached: d admitted past them
+    assert engine.requests["d"].num_cached_tokens == 16
 
 
 def test_without_the_cache_nothing_is_cached(hf):

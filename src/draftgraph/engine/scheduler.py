@@ -11,7 +11,10 @@ blocks its tokens begin with (at least one token is always computed: its logits 
 next token's), `on_prefix_hit(req)` records their slots and tokens in the request's rows;
 each step first caches the full blocks running requests computed since the last one, and a
 request that ends or is preempted leaves the rest of its computed full blocks there (a
-preempted one finds them again).
+preempted one finds them again). A waiting request whose next uncached block a running
+request is still prefilling waits for it (SGLang's in-batch prefix caching): a burst of
+prompts after one system prompt computes it once, not once per request; requests behind it
+with other prompts are admitted meanwhile.
 
 With `max_step_seconds`, a step that carries decoding requests also caps its prefill tokens by
 time: the engine reports each step's wall time (`observe`), and the chunk is sized from the
@@ -177,13 +180,19 @@ class Scheduler:
             if sr:
                 budget -= sr.num_new_tokens
                 scheduled.append(sr)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+        at = 0  # the next waiting request to consider (those before it wait for a prefix)
+        prefilling = self._prefilling() if self.waiting and self.prefix_cache else {}
+        while at < len(self.waiting) and budget > 0 \
+                and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[at]
+            if prefilling and self._waits_for_prefix(req, prefilling):
+                at += 1
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             headroom = (1 + reserve) * sum(1 for r in self.running if not r.is_prefilling)
             if self.allocator.num_free_slots < min(remaining, budget) + headroom:
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
             req.req_pool_idx = self.req_pool.alloc()
             req.status = Status.RUNNING
             if req.scheduled_time is None:  # a preempted request keeps its first admission
@@ -191,6 +200,7 @@ class Scheduler:
             self.running.append(req)
             if self.prefix_cache is not None:
                 self._match_prefix(req)
+                self._add_prefilling(prefilling, req)
             sr = self._prefill_chunk(req, budget, scheduled, decode)
             if sr is None:
                 break
@@ -211,6 +221,39 @@ class Scheduler:
                 valid = min(req.num_computed_tokens, req.num_tokens - 1)
                 req.cache_sealed = not self.prefix_cache.share(
                     req.token_slice(end - b, valid // b * b), req.pages, req.cached_blocks)
+
+    def _prefilling(self) -> dict[tuple, list[Request]]:
+        """The running requests still prefilling that cache what they compute, by the tokens
+        of their first block (a sealed one caches nothing more until it ends)."""
+        out: dict[tuple, list[Request]] = {}
+        for r in self.running:
+            if r.is_prefilling and not r.cache_sealed:
+                self._add_prefilling(out, r)
+        return out
+
+    def _add_prefilling(self, prefilling: dict[tuple, list[Request]], req: Request) -> None:
+        b = self.prefix_cache.block_tokens
+        if req.num_tokens > b:
+            prefilling.setdefault(tuple(req.token_slice(0, b)), []).append(req)
+
+    def _waits_for_prefix(self, req: Request, prefilling: dict[tuple, list[Request]]) -> bool:
+        """Whether a running request still prefilling (`prefilling`) will compute the full
+        block that follows what the cache holds of req's prompt (the same tokens up to its
+        end): req then waits, and borrows it once computed instead of computing a copy
+        alongside. A prompt whose first block no prefilling request shares costs one lookup."""
+        b = self.prefix_cache.block_tokens
+        limit = req.num_tokens - (1 if req.output_token_ids else 0) - 1  # as _match_prefix
+        if limit < b or req.params.prompt_logprobs is not None:
+            return False
+        others = prefilling.get(tuple(req.token_slice(0, b)))
+        if not others:
+            return False
+        end = (self.prefix_cache.peek(req.token_slice(0, limit), limit) + 1) * b
+        if end > limit:
+            return False
+        head = req.token_slice(0, end)
+        return any(r.status is Status.RUNNING and r.num_computed_tokens < end < r.num_tokens
+                   and r.token_slice(0, end) == head for r in others)
 
     def _match_prefix(self, req: Request) -> None:
         """Start an admitted request past the cached blocks its tokens begin with (not one

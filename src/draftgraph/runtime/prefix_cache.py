@@ -11,6 +11,7 @@ int: requests hold lists of ids, `pages(blocks)` gives their pages.
 
     match(tokens, limit)      the cached blocks that tokens[:limit] starts with; each is
                               referenced (never evicted) until the request gives it back
+    peek(tokens, limit)       how many there are (nothing referenced or counted)
     share(tokens, pages, chain)
                               a running request's newly computed full blocks cached at once
                               (requests arriving while it runs find them), referenced by it
@@ -79,9 +80,7 @@ class PrefixCache:
             del self._unused[block]
         self._refs[block] += 1
 
-    def match(self, tokens: list[int], limit: int) -> list[int]:
-        """The longest run of cached blocks that tokens[:limit] starts with, each referenced
-        once more. Counts `limit` tokens queried and the run's tokens found."""
+    def _walk(self, tokens: list[int], limit: int) -> list[int]:
         b = self.block_tokens
         found: list[int] = []
         parent = 0
@@ -91,10 +90,20 @@ class PrefixCache:
                 break
             found.append(block)
             parent = block
+        return found
+
+    def peek(self, tokens: list[int], limit: int) -> int:
+        """How many cached blocks tokens[:limit] starts with; nothing referenced or counted."""
+        return len(self._walk(tokens, limit))
+
+    def match(self, tokens: list[int], limit: int) -> list[int]:
+        """The longest run of cached blocks that tokens[:limit] starts with, each referenced
+        once more. Counts `limit` tokens queried and the run's tokens found."""
+        found = self._walk(tokens, limit)
         for block in found:
             self._ref(block)
         self.stats["prefix_cache_queries"] += max(limit, 0)
-        self.stats["prefix_cache_hits"] += len(found) * b
+        self.stats["prefix_cache_hits"] += len(found) * self.block_tokens
         return found
 
     def _cache(self, tokens: list[int], pages: list[int], chain: list[int],
