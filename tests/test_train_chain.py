@@ -421,11 +421,25 @@ def test_a_run_starts_from_a_heads_weights(trained, tmp_path):
         init_from_head(random_head(cfg, "", kind="block"), os.path.join(out, "head"), cfg)
     with pytest.raises(ValueError, match="lm_head.weight"):  # the flags ask for an own LM head
         init_from_head(random_head(cfg, "draft_vocab=16", seed=7), str(reduced), cfg)
-    # a reduced block head's Markov rows are its draft vocabulary's alone
-    block = random_head(cfg, "markov_rank=4", kind="block")
-    save_head(reduce_vocab(block, torch.arange(32), cfg), str(tmp_path / "block"))
-    with pytest.raises(ValueError, match="markov_out.weight"):
-        init_from_head(random_head(cfg, "markov_rank=4", kind="block"),
+    # a reduced block head's Markov rows (its draft vocabulary's alone) back over the whole
+    # vocabulary: its tokens' rows, zero elsewhere; every other weight as saved
+    block = random_head(cfg, "markov_rank=4", kind="block", seed=5)
+    vocab = torch.arange(1, 64, 2)
+    save_head(reduce_vocab(block, vocab, cfg), str(tmp_path / "block"))
+    conf = tmp_path / "block" / "config.json"  # a drafting-time setting, not a shape (the
+    conf.write_text(conf.read_text().replace(  # shipped block head's is 0.0)
+        '"confidence_threshold": 0.5', '"confidence_threshold": 0.0'))
+    assert '"confidence_threshold": 0.0' in conf.read_text()
+    whole = random_head(cfg, "markov_rank=4", kind="block", seed=6)
+    init_from_head(whole, str(tmp_path / "block"), cfg)
+    rows = whole.markov_out.weight
+    assert torch.equal(rows[vocab], block.markov_out.weight[vocab])
+    assert not rows[::2].any() and rows.shape == block.markov_out.weight.shape
+    for name, t in block.state_dict().items():
+        if name != "markov_out.weight":
+            assert torch.equal(whole.state_dict()[name], t), name
+    with pytest.raises(ValueError, match="markov_rank 4 \\(the flags: 2\\)"):
+        init_from_head(random_head(cfg, "markov_rank=2", kind="block"),
                        str(tmp_path / "block"), cfg)
 
 

@@ -81,7 +81,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="start from this head's weights (a head directory, e.g. a shipped "
                         "head or a run's best/) with a fresh optimizer and schedule: "
                         "fine-tuning; its shape must be the flags' (a chain head sharing the "
-                        "target's LM head may train over another draft vocabulary)")
+                        "target's LM head may train over another draft vocabulary; a reduced "
+                        "block head trains over the whole vocabulary, its Markov rows outside "
+                        "its draft vocabulary starting at zero)")
     b = p.add_argument_group("block heads (--kind block)")
     b.add_argument("--block-size", type=int, default=8,
                    help="the anchor + block_size - 1 mask tokens: block_size - 1 drafts")

@@ -131,20 +131,31 @@ def init_from_head(head: nn.Module, path: str, target) -> None:
     with a fresh optimizer and schedule. Its shape must be `head`'s, but for the draft
     vocabulary of a chain head sharing the target's LM head (its weights do not depend on
     its vocabulary: the shipped chain head trains on over the whole vocabulary, or over
-    another). `d2t` comes along where the sizes agree (a head keeps its vocabulary).
-    ValueError, naming the difference, otherwise."""
+    another), and for a reduced block head's Markov rows, which cover its draft vocabulary
+    alone: they take their tokens' rows of a whole-vocabulary head, the other rows start at
+    zero (no Markov term: the target's LM head alone, as before training). `d2t` comes along
+    where the sizes agree (a head keeps its vocabulary). ValueError, naming the difference,
+    otherwise."""
     try:
         init = load_head(path, target)
     except ValueError as e:
         raise ValueError(str(e).replace("--draft-head", "--init-head")) from None
     mine, theirs = head.head_config, init.head_config
-    vocab = ("draft_vocab_size", "share_lm_head")
+    # no weights' shapes: the vocabulary (above), and a block head's drafting-time cut
+    free = ("draft_vocab_size", "share_lm_head", "confidence_threshold")
     differ = [f"{k} {getattr(theirs, k, None)} (the flags: {getattr(mine, k, None)})"
               for k in sorted(set(vars(mine)) | set(vars(theirs)))
-              if k not in vocab and getattr(theirs, k, None) != getattr(mine, k, None)]
+              if k not in free and getattr(theirs, k, None) != getattr(mine, k, None)]
     if differ:
         raise ValueError(f"--init-head {path}: a head of another shape: {', '.join(differ)}")
     own, got = head.state_dict(), init.state_dict()
+    rows, theirs_d2t = got.get("markov_out.weight"), got.get("d2t")
+    if rows is not None and theirs_d2t is not None and "markov_out.weight" in own \
+            and rows.shape[0] == theirs_d2t.numel() < own["markov_out.weight"].shape[0] \
+            and rows.shape[1:] == own["markov_out.weight"].shape[1:]:
+        whole = torch.zeros_like(own["markov_out.weight"])
+        whole[theirs_d2t.to(whole.device)] = rows.to(whole)
+        got["markov_out.weight"] = whole
     d2t = own.get("d2t")  # (a block head over the whole vocabulary has none)
     if d2t is None:
         got.pop("d2t", None)
@@ -154,9 +165,7 @@ def init_from_head(head: nn.Module, path: str, target) -> None:
                    if k not in own or k not in got or own[k].shape != got[k].shape)
     if wrong:
         raise ValueError(f"--init-head {path}: its weights {wrong[:3]} do not fit the head "
-                         "the flags describe (a reduced block head's Markov rows cover its "
-                         "draft vocabulary alone: start from the run's whole-vocabulary "
-                         "head/ or best/; a chain head's own LM head needs the same "
+                         "the flags describe (a chain head's own LM head needs the same "
                          "--draft-vocab)")
     head.load_state_dict(got)
 
