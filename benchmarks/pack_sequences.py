@@ -144,12 +144,14 @@ def main() -> int:
     m.add_argument("b")
     m.add_argument("dst")
     q = sub.add_parser("prompts")
-    q.add_argument("src_dir")
+    q.add_argument("src_dirs", help="packed sequences' folders, joined by commas")
     q.add_argument("dst")
-    q.add_argument("--every", type=int, default=1)
+    q.add_argument("--every", type=int, default=1, help="every Nth sequence's prompt (N >= 1)")
     a = ap.parse_args()
     if a.cmd == "prompts":
-        return prompts(a.src_dir, a.dst, a.every)
+        if a.every < 1:
+            ap.error(f"--every must be >= 1, got {a.every}")
+        return prompts(a.src_dirs, a.dst, a.every)
     if a.cmd == "merge":
         return merge(a.a, a.b, a.dst)
     return pack(a.src, a.out_dir, a.piece_mib) if a.cmd == "pack" else unpack(a.src_dir, a.dst)
