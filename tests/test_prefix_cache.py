@@ -336,20 +336,24 @@ def test_prefix_caching_is_refused_under_tensor_parallelism():
 def test_gpu_cached_prefixes_behind_steps_in_flight_give_the_same_tokens(spec):
     """On a GPU, graphs and async steps: two rows at a time, so each arrival is admitted
     (its cached rows written) while a launched step is in flight; fp32 outputs equal an
-    engine's without the cache."""
-    def engine(cache: bool):
+    engine's without the cache. Then all at once: the burst after the first waits for its
+    blocks and borrows them."""
+    def engine(cache: bool, rows: int):
         return LLMEngine(EngineConfig(
             model="random:smollm2-135m", device="cuda", dtype="float32", seed=0,
             cache=CacheConfig(kv_cache_tokens=8192, enable_prefix_caching=cache),
-            scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=1024),
+            scheduler=SchedulerConfig(max_num_seqs=rows, max_model_len=1024),
             spec=spec or SpecConfig()))
 
     prompts = [BASE * 3 + [j, j + 1] for j in range(6)] + [BASE[:50] + [7] * j for j in (9, 30)]
-    ref = engine(False).generate(prompts, GREEDY)
-    cached = engine(True)
+    ref = [o.token_ids for o in engine(False, 2).generate(prompts, GREEDY)]
+    cached = engine(True, 2)
     outs = cached.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert cached.stats["prefix_cache_hits"] >= 4 * 224 + 2 * 48  # the first two: misses
+    assert [o.token_ids for o in outs] == ref
+    assert cached.stats["prefix_cache_hits"] >= 5 * 224 + 2 * 48  # the first: a miss
+    burst = engine(True, 8).generate(prompts[:6], GREEDY)
+    assert [o.token_ids for o in burst] == ref[:6]
+    assert [o.metrics["cached_tokens"] for o in burst] == [0] + [224] * 5
 
 
 def test_the_server_reports_cached_prompt_tokens(default_model):
