@@ -13,7 +13,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-}
 . benchmarks/gguf_parts.sh  # D, M, gguf_stage, gguf_join
 case "${1:-}" in
-stage) gguf_stage "$2"; exit 0 ;;
+stage) shift; gguf_stage "$@"; exit $? ;;
 kernels)
   timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_deterministic.py \
     tests/test_kernels_matmul.py tests/test_kernels_attention.py tests/test_kernels_backend.py \

@@ -13,7 +13,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-}
 . benchmarks/gguf_parts.sh  # D, M, gguf_stage, gguf_join
 if [ "${1:-}" = stage ]; then
-  gguf_stage "$2"; exit 0
+  shift; gguf_stage "$@"; exit $?
 fi
 if [ "${1:-}" = tests ]; then
   gguf_stage 1

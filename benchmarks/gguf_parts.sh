@@ -6,7 +6,9 @@
 #   once, here: G=<the GGUF>; for i in 1 .. 10: mkdir .modelj$i; `split -n 10 -d $G part`
 #     puts part0(i-1) into .modelj$i; `sha256sum $G | cut -d' ' -f1 > .modelj10/sha256` (all
 #     ignored);
-#   calls 1-9: `SCRIPT stage N` with carry [".modeljN"]: gguf_stage N copies the part to D;
+#   calls 1-9: `SCRIPT stage N` with carry [".modeljN"]: gguf_stage N copies the part to D
+#     (`SCRIPT stage 1 2 3` with carry [".modelj1", ".modelj2", ".modelj3"]: three at once,
+#     where the tree is slim enough: benchmarks/slim_tree.sh);
 #   the call that runs carries [".modelj10", ".whl_gguf"]: gguf_join puts the file together at
 #     $M, checks its sha256 and installs the gguf wheel under /tmp/site.
 # PARTS / NPARTS name another split (e.g. PARTS=.modeli NPARTS=8: eighths, for a smaller tree).
@@ -14,8 +16,10 @@ P=${PARTS:-.modelj} NP=${NPARTS:-10} WHL=${WHL:-.whl_gguf}
 D=${GGUF_DIR:-/tmp/dg_model}
 M=$D/smollm2.gguf
 
-gguf_stage() {
-  mkdir -p "$D" && cp "$P$1"/part* "$D"/ && ls "$D"
+gguf_stage() {  # N...: each part's file copied to D
+  mkdir -p "$D" || return 1
+  for n in "$@"; do cp "$P$n"/part* "$D"/ || return 1; done
+  ls "$D"
 }
 
 gguf_join() {
@@ -38,7 +42,7 @@ gguf_join() {
 # reason).
 gguf_stage_or_join() {
   if [ "${1:-}" = stage ]; then
-    gguf_stage "$2"; exit 0
+    shift; gguf_stage "$@"; exit $?
   fi
   gguf_join || exit $?
 }

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Train drafter heads for the default model on the H200 over back-to-back calls to one warm
 # machine; the GGUF is staged in tenths (benchmarks/gguf_parts.sh):
-#   calls 1-9: `bash benchmarks/train_head_gpu.sh stage N`, N = 1 .. 9, carry [".modeljN"];
+#   calls 1-9: `bash benchmarks/train_head_gpu.sh stage N`, N = 1 .. 9, carry [".modeljN"]
+#              (`stage 1 2 3` carrying three, with a head out of the tree that travels:
+#              `bash benchmarks/slim_tree.sh out src/draftgraph/heads/smollm2-135m-block`
+#              first, `... in` after the last call);
 #   call 10:   `bash benchmarks/train_head_gpu.sh regen` with carry [".modelj10", ".whl_gguf"]:
 #              joins and checks the GGUF, unpacks the sequences of SEQDIR (`pack_sequences.py`:
 #              seqs.npz and eval/seqs.npz; default the shipped chain head's, tracked in
@@ -42,7 +45,7 @@ mkdir -p $S $R
 quiet() { tr '\r' '\n' | grep -v -i warn | grep -v "it/s]$" | grep -v "s/it]$"; }
 
 if [ "${1:-}" = stage ]; then
-  gguf_stage "$2"; exit 0
+  shift; gguf_stage "$@"; exit $?
 fi
 if [ "${1:-}" = regen ]; then
   gguf_join || exit $?
