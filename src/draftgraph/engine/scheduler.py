@@ -171,7 +171,8 @@ class Scheduler:
         if scheduled:  # streams wait on this step: prefill no longer than the time allows
             budget = self._time_budget(budget)
         # 2. running requests still prefilling, then newly admitted ones
-        for req in [r for r in self.running if r.is_prefilling]:
+        prefilling = [r for r in self.running if r.is_prefilling]
+        for req in prefilling:
             if budget <= 0:
                 break
             if req.status is not Status.RUNNING:  # preempted by an earlier chunk of this step
@@ -181,11 +182,12 @@ class Scheduler:
                 budget -= sr.num_new_tokens
                 scheduled.append(sr)
         at = 0  # the next waiting request to consider (those before it wait for a prefix)
-        prefilling = self._prefilling() if self.waiting and self.prefix_cache else {}
+        by_block = self._by_first_block(prefilling) if self.waiting and self.prefix_cache \
+            else {}
         while at < len(self.waiting) and budget > 0 \
                 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[at]
-            if prefilling and self._waits_for_prefix(req, prefilling):
+            if by_block and self._waits_for_prefix(req, by_block):
                 at += 1
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
@@ -200,7 +202,7 @@ class Scheduler:
             self.running.append(req)
             if self.prefix_cache is not None:
                 self._match_prefix(req)
-                self._add_prefilling(prefilling, req)
+                self._add_prefilling(by_block, req)
             sr = self._prefill_chunk(req, budget, scheduled, decode)
             if sr is None:
                 break
@@ -222,22 +224,22 @@ class Scheduler:
                 req.cache_sealed = not self.prefix_cache.share(
                     req.token_slice(end - b, valid // b * b), req.pages, req.cached_blocks)
 
-    def _prefilling(self) -> dict[tuple, list[Request]]:
-        """The running requests still prefilling that cache what they compute, by the tokens
-        of their first block (a sealed one caches nothing more until it ends)."""
+    def _by_first_block(self, prefilling: list[Request]) -> dict[tuple, list[Request]]:
+        """The requests still prefilling that cache what they compute, by the tokens of their
+        first block (a sealed one caches nothing more until it ends)."""
         out: dict[tuple, list[Request]] = {}
-        for r in self.running:
-            if r.is_prefilling and not r.cache_sealed:
+        for r in prefilling:
+            if not r.cache_sealed:
                 self._add_prefilling(out, r)
         return out
 
-    def _add_prefilling(self, prefilling: dict[tuple, list[Request]], req: Request) -> None:
+    def _add_prefilling(self, by_block: dict[tuple, list[Request]], req: Request) -> None:
         b = self.prefix_cache.block_tokens
         if req.num_tokens > b:
-            prefilling.setdefault(tuple(req.token_slice(0, b)), []).append(req)
+            by_block.setdefault(tuple(req.token_slice(0, b)), []).append(req)
 
-    def _waits_for_prefix(self, req: Request, prefilling: dict[tuple, list[Request]]) -> bool:
-        """Whether a running request still prefilling (`prefilling`) will compute the full
+    def _waits_for_prefix(self, req: Request, by_block: dict[tuple, list[Request]]) -> bool:
+        """Whether a running request still prefilling (`by_block`) will compute the full
         block that follows what the cache holds of req's prompt (the same tokens up to its
         end): req then waits, and borrows it once computed instead of computing a copy
         alongside. A prompt whose first block no prefilling request shares costs one lookup."""
@@ -245,7 +247,7 @@ class Scheduler:
         limit = req.num_tokens - (1 if req.output_token_ids else 0) - 1  # as _match_prefix
         if limit < b or req.params.prompt_logprobs is not None:
             return False
-        others = prefilling.get(tuple(req.token_slice(0, b)))
+        others = by_block.get(tuple(req.token_slice(0, b)))
         if not others:
             return False
         end = (self.prefix_cache.peek(req.token_slice(0, limit), limit) + 1) * b
