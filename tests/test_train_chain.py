@@ -187,6 +187,9 @@ def test_sampled_regeneration_is_the_engines_sampled_output_and_repeats():
         want = engine.generate([p], SamplingParams(max_tokens=24, temperature=1.5,
                                                    seed=3 + i))[0].token_ids
         assert hot[i].ids == p + want
+    # any --seed: the seeds wrap into the engine's range (2**63 + 3 is seed 3)
+    assert [s.ids for s in regenerate(engine, prompts, 24, 1.5, seed=2**63 + 3)] == \
+        [s.ids for s in hot]
 
 
 def test_expected_accept_length():

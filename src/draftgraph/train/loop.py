@@ -75,11 +75,12 @@ def regenerate(engine, prompts: list, max_new_tokens: int, temperature: float = 
     """The target's own responses to `prompts` (text, chat messages or token ids): greedy, or
     sampled at `temperature` (prompt i seeded seed + i, so a run regenerates the same
     responses)."""
+    from draftgraph.config import MAX_SEED
     from draftgraph.engine.sampling import SamplingParams
 
     ids = [engine.encode_prompt(p) for p in prompts]
-    sps = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
-                          seed=seed + i if temperature > 0 else None)
+    sps = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature,  # (any --seed)
+                          seed=(seed + i) % (MAX_SEED + 1) if temperature > 0 else None)
            for i in range(len(ids))]
     outs = engine.generate(ids, sps)
     return [Sequence(p + o.token_ids, len(p)) for p, o in zip(ids, outs, strict=True)
