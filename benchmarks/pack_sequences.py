@@ -63,7 +63,9 @@ def pack(src: str, out_dir: str, piece_mib: float) -> int:
     return 0
 
 
-def unpack(src_dir: str, dst: str) -> int:
+def _read(src_dir: str) -> tuple[dict, list[list[int]], list[int], str] | None:
+    """A packed folder's metadata, token ids, prompt lengths and sha256 (None, said on
+    stderr, when they do not hash to what the run recorded)."""
     names = sorted(glob.glob(os.path.join(src_dir, "seqs.npz.part*"))) or \
         [os.path.join(src_dir, "seqs.npz")]
     data = b"".join(open(n, "rb").read() for n in names)
@@ -79,7 +81,16 @@ def unpack(src_dir: str, dst: str) -> int:
     if meta.get("sha256") not in (None, sha):
         print(f"error: the unpacked sequences hash to {sha}, the run recorded "
               f"{meta['sha256']}", file=sys.stderr)
+        return None
+    return meta, ids, prompt_lens, sha
+
+
+def unpack(src_dir: str, dst: str) -> int:
+    read = _read(src_dir)
+    if read is None:
         return 1
+    meta, ids, prompt_lens, sha = read
+    at = sum(map(len, ids))
     os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
     with open(dst, "w") as f:
         json.dump({**meta, "sha256": sha,
@@ -115,14 +126,12 @@ def prompts(src_dirs: str, dst: str, every: int) -> int:
     import gzip
 
     out = []
-    tmp = dst + ".sequences.json"
     for src in src_dirs.split(","):
-        rc = unpack(src, tmp)
-        if rc:
-            return rc
-        with open(tmp) as f:
-            out += [s["ids"][: s["prompt_len"]] for s in json.load(f)["sequences"][::every]]
-        os.remove(tmp)
+        read = _read(src)
+        if read is None:
+            return 1
+        _, ids, prompt_lens, _ = read
+        out += [s[:p] for s, p in zip(ids[::every], prompt_lens[::every], strict=True)]
     with gzip.open(dst, "wt") as f:
         json.dump(out, f)
     print(json.dumps({"prompts": len(out), "every": every}))

@@ -374,9 +374,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags; ValueError naming the flag to change."""
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
     step_seconds = args.max_step_seconds
     if step_seconds is None:
+        on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
         step_seconds = SchedulerConfig.CPU_STEP_SECONDS if on_cpu else 0.0
     # NOTE: None is serve's default: on, as vLLM's, where it is measured to pay and to cost
     # nothing without hits: on the CPU a chat's next turn after a 1,024-token history gets its

@@ -38,9 +38,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="tokens of each regenerated response")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the regenerated responses' sampling temperature (0: greedy); sampled "
-                        "contexts train a head for sampled serving too (SpecForge regenerates "
-                        "the same way); the head still learns the target's whole distribution "
-                        "at every position")
+                        "contexts train a head for sampled serving too; the head still learns "
+                        "the target's whole distribution at every position")
     p.add_argument("--max-len", type=int, default=1024, help="tokens per training sequence")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps in all (0: "
                    "regenerate the sequences and stop)")
